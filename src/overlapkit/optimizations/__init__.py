@@ -1,0 +1,50 @@
+"""The built-in overlap optimizations, and discovery of plugin ones.
+
+Each optimization lives in its own module here, imports only ``overlapkit.runtime``
+and registers itself with ``@register_optimization``. Plugins register the same
+way from an installed package (entry-point group ``overlapkit.optimizations``)
+or from modules named in the ``OVERLAPKIT_PLUGINS`` environment variable
+(comma-separated), which is handy for a project's own optimizations.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+from importlib.metadata import entry_points
+
+from ..runtime.optimization import REGISTRY, KnobError, Optimization
+
+_BUILTIN_MODULES: tuple[str, ...] = ()
+_loaded = False
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(f"{__name__}.{module}")
+    for entry in entry_points(group="overlapkit.optimizations"):
+        entry.load()
+    for module in filter(None, os.environ.get("OVERLAPKIT_PLUGINS", "").split(",")):
+        importlib.import_module(module.strip())
+
+
+def registered_optimizations() -> dict[str, type[Optimization]]:
+    """Every known optimization by name, built-ins and plugins."""
+    _load()
+    return dict(sorted(REGISTRY.items()))
+
+
+def get_optimization(name: str) -> type[Optimization]:
+    available = registered_optimizations()
+    if name not in available:
+        hint = difflib.get_close_matches(name, list(available), n=1)
+        message = f"unknown optimization {name!r}"
+        message += f" (did you mean {hint[0]!r}?)" if hint else ""
+        allowed = list(available)
+        raise KnobError(name, message + f"; available: {', '.join(allowed) or 'none yet'}", allowed)
+    return available[name]

@@ -1,0 +1,39 @@
+"""The loop and its contracts: events, the optimization base class, the scheduler,
+the built-in loop, the custom-loop session and the metrics."""
+
+from .arbitration import POLICIES, ArbitrationPolicy, PriorityPolicy
+from .events import Event
+from .metrics import PHASES, PhaseClock
+from .optimization import (
+    CombinationError,
+    Knob,
+    KnobError,
+    Optimization,
+    Resource,
+    WrapStage,
+    register_optimization,
+)
+from .scheduler import Scheduler, SchedulerConfig, resolve_order
+from .session import Session
+from .state import State
+
+__all__ = [
+    "POLICIES",
+    "PHASES",
+    "ArbitrationPolicy",
+    "CombinationError",
+    "Event",
+    "Knob",
+    "KnobError",
+    "Optimization",
+    "PhaseClock",
+    "PriorityPolicy",
+    "Resource",
+    "Scheduler",
+    "SchedulerConfig",
+    "Session",
+    "State",
+    "WrapStage",
+    "register_optimization",
+    "resolve_order",
+]

@@ -1,0 +1,79 @@
+"""Which rank this process is, on which device, in which process group.
+
+Ranks learn their place from the environment variables that ``torchrun``
+sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT); overlapkit's own launcher sets the same ones, so one entry
+point runs unchanged under either.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(device: str, local_rank: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("world.device is cuda but no CUDA device is available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device(device)
+
+
+def init_world(
+    device: str = "auto", backend: str = "auto", threads: int | None = None, timeout_s: float = 300
+) -> World:
+    """Join the process group described by the environment (none for one rank)."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch_device = pick_device(device, local_rank)
+    if backend == "auto":
+        backend = "nccl" if torch_device.type == "cuda" else "gloo"
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+    # Ranks on one host share its cores; oversubscribing them slows every rank.
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(threads or max(1, cores // local_world_size))
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+    return World(rank, world_size, local_rank, local_world_size, torch_device, backend)
+
+
+def all_gather_objects(obj: object, world: World) -> list[object]:
+    if world.world_size == 1:
+        return [obj]
+    gathered: list[object] = [None] * world.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def all_reduce_sum(values: list[float], world: World) -> list[float]:
+    if world.world_size == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.tolist()

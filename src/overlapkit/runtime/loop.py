@@ -1,0 +1,120 @@
+"""The built-in training loop that scenarios run, written on the `Session` API."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import nn
+
+from ..config import Config
+from .session import Session
+
+
+class OptimizerConfig(Config):
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(0.1, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+class LRScheduleConfig(Config):
+    name: Literal["constant", "cosine", "linear", "step"] = "constant"
+    warmup_steps: int = Field(0, ge=0)  # linear ramp from 0 (not the measurement warm-up)
+    step_size: int = Field(30, ge=1)  # for "step"
+    gamma: float = Field(0.1, gt=0)  # for "step"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # for "cosine" and "linear"
+
+
+class EvalConfig(Config):
+    every: int = Field(0, ge=0)  # evaluate every N steps; 0 = only at the end (if at_end)
+    at_end: bool = False
+    max_samples: int | None = Field(None, ge=1)
+
+
+class TrainConfig(Config):
+    batch_size: int = Field(32, ge=1)  # per rank
+    steps: int = Field(50, ge=1)  # measured steps, after warm-up
+    warmup_steps: int = Field(5, ge=0)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    lr_schedule: LRScheduleConfig = LRScheduleConfig()
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    eval: EvalConfig = EvalConfig()
+    seed: int = 0
+    deterministic: bool = False
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.optimizer.nesterov and (self.optimizer.name != "sgd" or not self.optimizer.momentum):
+            raise ValueError("optimizer.nesterov needs name: sgd and a momentum above 0")
+        return self
+
+
+def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+            nesterov=cfg.nesterov,
+        )
+    cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
+    return cls(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def build_lr_schedule(
+    cfg: LRScheduleConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    warmup = cfg.warmup_steps
+    decay_steps = max(1, total_steps - warmup)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / decay_steps)
+        if cfg.name == "cosine":
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if cfg.name == "linear":
+            return 1 - (1 - cfg.min_lr_ratio) * progress
+        if cfg.name == "step":
+            return cfg.gamma ** ((step - warmup) // cfg.step_size)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train(
+    cfg: TrainConfig,
+    session: Session,
+    model: nn.Module,
+    train_loader: Any,
+    eval_loader: Any = None,
+    resume_from: Any = None,
+) -> dict[str, Any]:
+    """Train ``model`` for ``cfg.total_steps`` steps; return the run summary."""
+    optimizer = build_optimizer(cfg.optimizer, model)
+    lr_schedule = build_lr_schedule(cfg.lr_schedule, optimizer, cfg.total_steps)
+    model, optimizer, _ = session.prepare(model, optimizer, train_loader, lr_schedule)
+    if resume_from is not None:
+        session.load(resume_from)
+    evaluate_every = cfg.eval.every if eval_loader is not None else 0
+    for inputs, targets in session.steps(cfg.total_steps):
+        with session.forward():
+            loss = F.cross_entropy(model(inputs), targets)
+        session.backward(loss)
+        session.optimizer_step()
+        session.end_step(loss)
+        if evaluate_every and session.state.step % evaluate_every == 0:
+            session.evaluate(eval_loader)
+    last = session.state.eval_results[-1]["step"] if session.state.eval_results else None
+    if eval_loader is not None and cfg.eval.at_end and last != session.state.step:
+        session.evaluate(eval_loader)
+    return session.finish()

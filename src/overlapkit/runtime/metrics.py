@@ -1,0 +1,201 @@
+"""Per-step phase times, step records, and the run summary across ranks.
+
+The `PhaseClock` always has exactly one current phase; switching phases
+closes the time since the last switch into the phase that was current. The
+phases of a step therefore add up to the step's time by construction, and
+time nobody claimed lands in ``other`` instead of disappearing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
+from time import perf_counter
+from typing import Any
+
+import torch
+
+PHASES = (
+    "data_wait",
+    "forward",
+    "backward",
+    "comm_exposed",
+    "optimizer",
+    "ckpt_stall",
+    "bubble",
+    "other",
+)
+USEFUL_PHASES = ("forward", "backward", "optimizer")
+
+
+class PhaseClock:
+    """Attributes the wall time of each step to phases.
+
+    On a CUDA device the boundaries are also recorded as CUDA events and the
+    step is measured on the device's timeline (one synchronisation at the end
+    of the step), since host-side timings of asynchronous kernels would put
+    the work in whichever phase happens to synchronise.
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self._cuda = device is not None and device.type == "cuda"
+        self.current = "other"
+        self._totals = dict.fromkeys(PHASES, 0.0)
+        self._moved: list[tuple[str, str, float]] = []
+        self._marks: list[tuple[str, Any]] = []
+        self._t = self._step_start = perf_counter()
+
+    def start_step(self) -> None:
+        self._totals = dict.fromkeys(PHASES, 0.0)
+        self._moved.clear()
+        self.current = "other"
+        self._t = self._step_start = perf_counter()
+        if self._cuda:
+            self._marks = [("other", self._cuda_event())]
+
+    def switch(self, phase: str) -> str:
+        """Make ``phase`` current; return the phase that was current."""
+        now = perf_counter()
+        self._totals[self.current] += now - self._t
+        self._t = now
+        previous, self.current = self.current, phase
+        if self._cuda:
+            self._marks.append((phase, self._cuda_event()))
+        return previous
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Count the time inside the block as ``name``, e.g. ``ckpt_stall``."""
+        previous = self.switch(name)
+        try:
+            yield
+        finally:
+            self.switch(previous)
+
+    def reattribute(self, source: str, target: str, seconds: float) -> None:
+        """Move time measured by other means (e.g. exposed all-reduce inside
+        ``backward``) from one phase to another at the end of the step."""
+        self._moved.append((source, target, seconds))
+
+    def end_step(self) -> tuple[float, dict[str, float]]:
+        """Close the step: its wall time and the time of each phase."""
+        self.switch("other")
+        if self._cuda:
+            totals = dict.fromkeys(PHASES, 0.0)
+            self._marks[-1][1].synchronize()
+            for (phase, begin), (_, end) in zip(self._marks, self._marks[1:]):
+                totals[phase] += begin.elapsed_time(end) / 1000.0
+            self._marks.clear()
+        else:
+            totals = self._totals
+        for source, target, seconds in self._moved:
+            seconds = min(max(seconds, 0.0), totals[source])
+            totals[source] -= seconds
+            totals[target] += seconds
+        step_time = sum(totals.values())
+        return step_time, dict(totals)
+
+    @staticmethod
+    def _cuda_event() -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+
+def step_record(
+    *,
+    step: int,
+    rank: int,
+    loss: float,
+    samples: int,
+    step_time_s: float,
+    phases_s: dict[str, float],
+    warmup: bool,
+) -> dict[str, Any]:
+    """One line of ``steps.jsonl``."""
+    return {
+        "step": step,
+        "rank": rank,
+        "loss": loss,
+        "step_time_s": step_time_s,
+        "samples": samples,
+        "samples_per_s": samples / step_time_s if step_time_s > 0 else 0.0,
+        "warmup": warmup,
+        "phases_s": phases_s,
+    }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = q * (len(ordered) - 1)
+    low = int(index)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (index - low)
+
+
+def pop_metrics(useful_s: list[float], runtime_s: float) -> dict[str, float]:
+    """POP efficiency metrics from each rank's useful compute time.
+
+    load balance = mean / max useful compute; communication efficiency =
+    max useful compute / runtime; parallel efficiency = their product.
+    """
+    if not useful_s or runtime_s <= 0 or max(useful_s) <= 0:
+        return {"load_balance": 0.0, "communication_efficiency": 0.0, "parallel_efficiency": 0.0}
+    load_balance = statistics.fmean(useful_s) / max(useful_s)
+    communication = max(useful_s) / runtime_s
+    return {
+        "load_balance": load_balance,
+        "communication_efficiency": communication,
+        "parallel_efficiency": load_balance * communication,
+    }
+
+
+def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+    """The measured (non-warm-up) part of a run, across all ranks."""
+    measured = [r for r in records if not r["warmup"]]
+    ranks = sorted({r["rank"] for r in records})
+    by_rank = {rank: [r for r in measured if r["rank"] == rank] for rank in ranks}
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for record in measured:
+        by_step.setdefault(record["step"], []).append(record)
+    # A synchronous step takes as long as its slowest rank.
+    step_times = [max(r["step_time_s"] for r in group) for _, group in sorted(by_step.items())]
+    rank_runtime = {rank: sum(r["step_time_s"] for r in rs) for rank, rs in by_rank.items()}
+    runtime = max(rank_runtime.values(), default=0.0)
+    samples = sum(r["samples"] for r in measured)
+    phases = {
+        phase: statistics.fmean(r["phases_s"][phase] for r in measured) if measured else 0.0
+        for phase in PHASES
+    }
+    useful = [sum(r["phases_s"][p] for r in rs for p in USEFUL_PHASES) for rs in by_rank.values()]
+    losses = [r["loss"] for r in by_step.get(max(by_step, default=-1), [])]
+    per_rank = [
+        {
+            "rank": rank,
+            "samples_per_s": sum(r["samples"] for r in rs) / rank_runtime[rank]
+            if rank_runtime[rank] > 0
+            else 0.0,
+            "runtime_s": rank_runtime[rank],
+            "useful_compute_s": u,
+        }
+        for (rank, rs), u in zip(by_rank.items(), useful)
+    ]
+    return {
+        "world_size": world_size,
+        "steps": len(step_times),
+        "samples": samples,
+        "runtime_s": runtime,
+        "samples_per_s": samples / runtime if runtime > 0 else 0.0,
+        "step_time_s": {
+            "mean": statistics.fmean(step_times) if step_times else 0.0,
+            "p50": _percentile(step_times, 0.5),
+            "p90": _percentile(step_times, 0.9),
+        },
+        "phases_s": phases,
+        "pop": pop_metrics(useful, runtime),
+        "final_loss": statistics.fmean(losses) if losses else None,
+        "per_rank": per_rank,
+    }

@@ -1,0 +1,228 @@
+"""The contract every overlap optimization follows, and the registry that finds them.
+
+An optimization is a small class: it declares its knobs (the tuner's search
+space comes from exactly these declarations), the resources its background
+work uses, what it must run after or before, and hooks named after events
+(``on_step_end`` for ``Event.STEP_END``). It may wrap the model, optimizer or
+loader, and owns any state it needs to resume exactly.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from .state import State
+
+
+class Resource(str, Enum):
+    """What an optimization's background work competes for."""
+
+    COMPUTE = "compute"
+    H2D = "h2d"
+    D2H = "d2h"
+    NETWORK = "network"
+    DISK = "disk"
+    HOST_CPU = "host_cpu"
+
+
+class WrapStage(IntEnum):
+    """The fixed order in which wrappers are applied: split the model, then
+    wrap it for data parallelism, then everything else."""
+
+    SPLIT = 0
+    DATA_PARALLEL = 1
+    OTHER = 2
+
+
+class KnobError(ValueError):
+    """A knob value is unknown, of the wrong type or out of range."""
+
+    def __init__(self, knob: str, message: str, allowed: list[str] | None = None):
+        super().__init__(message)
+        self.knob = knob
+        self.allowed = allowed or []
+
+
+class CombinationError(ValueError):
+    """A set of optimizations cannot run together, or not on this set-up."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knob:
+    """One tunable setting of an optimization.
+
+    ``intensity`` lists the knob's values at evenly spaced intensities from
+    just above 0 to 1 (two anchors: the ends). Numbers are interpolated
+    between anchors (geometrically when ``log``); other values take the
+    nearest anchor. A knob without anchors keeps its default at every
+    intensity.
+    """
+
+    name: str
+    type: type  # float, int, bool or str
+    default: Any
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[Any, ...] | None = None
+    log: bool = False
+    intensity: tuple[Any, ...] | None = None
+    help: str = ""
+
+    def coerce(self, value: Any) -> Any:
+        """Return ``value`` as this knob's type, or raise `KnobError`."""
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise KnobError(self.name, f"{self.name} must be true or false, got {value!r}")
+            return value
+        if self.type in (int, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise KnobError(
+                    self.name, f"{self.name} must be a number, got {type(value).__name__} {value!r}"
+                )
+            if self.type is int and not float(value).is_integer():
+                raise KnobError(self.name, f"{self.name} must be a whole number, got {value!r}")
+            value = self.type(value)
+            if (self.low is not None and value < self.low) or (
+                self.high is not None and value > self.high
+            ):
+                raise KnobError(
+                    self.name,
+                    f"{self.name}={value} is out of range: allowed {self.low} to {self.high}",
+                )
+            return value
+        if self.choices is not None and value not in self.choices:
+            allowed = [str(c) for c in self.choices]
+            raise KnobError(
+                self.name, f"{self.name}={value!r} is not allowed: choose one of {allowed}", allowed
+            )
+        return value
+
+    def at_intensity(self, intensity: float) -> Any:
+        if not self.intensity:
+            return self.default
+        anchors = self.intensity
+        if len(anchors) == 1:
+            return anchors[0]
+        position = min(max(intensity, 0.0), 1.0) * (len(anchors) - 1)
+        numeric = self.type in (int, float)
+        if not numeric:
+            return anchors[round(position)]
+        i = min(int(position), len(anchors) - 2)
+        frac = position - i
+        lo, hi = float(anchors[i]), float(anchors[i + 1])
+        if self.log:
+            value = math.exp(math.log(lo) + frac * (math.log(hi) - math.log(lo)))
+        else:
+            value = lo + frac * (hi - lo)
+        return round(value) if self.type is int else value
+
+    def describe(self) -> dict[str, Any]:
+        """A plain description for `overlapkit list` and the tuner."""
+        out: dict[str, Any] = {"name": self.name, "type": self.type.__name__, "default": self.default}
+        if self.choices is not None:
+            out["choices"] = list(self.choices)
+        if self.low is not None or self.high is not None:
+            out["range"] = [self.low, self.high]
+        if self.log:
+            out["log"] = True
+        if self.intensity:
+            out["intensity"] = list(self.intensity)
+        if self.help:
+            out["help"] = self.help
+        return out
+
+
+class Optimization:
+    """Base class of the overlap optimizations.
+
+    Subclasses set the class attributes below and define hooks named after
+    events (see `overlapkit.runtime.events.Event.hook_name`), each taking the
+    loop's `State`. ``intensity`` in [0, 1] sets every knob that declares
+    intensity anchors; knobs given explicitly override that mapping.
+    """
+
+    name: ClassVar[str] = ""
+    knobs: ClassVar[tuple[Knob, ...]] = ()
+    resources: ClassVar[frozenset[Resource]] = frozenset()
+    provides: ClassVar[frozenset[str]] = frozenset()  # roles only one optimization may fill
+    after: ClassVar[tuple[str, ...]] = ()
+    before: ClassVar[tuple[str, ...]] = ()
+    conflicts: ClassVar[tuple[str, ...]] = ()
+    wrap_stage: ClassVar[WrapStage] = WrapStage.OTHER
+    min_world_size: ClassVar[int] = 1
+
+    def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
+        self.intensity = float(intensity)
+        self.explicit = dict(explicit)
+        self.settings = self.resolve(intensity, explicit)
+
+    @classmethod
+    def resolve(cls, intensity: float, explicit: dict[str, Any]) -> dict[str, Any]:
+        """Knob values for ``intensity``, with ``explicit`` values on top; validates both."""
+        if isinstance(intensity, bool) or not isinstance(intensity, (int, float)):
+            raise KnobError("intensity", f"intensity must be a number in [0, 1], got {intensity!r}")
+        if not 0.0 <= intensity <= 1.0:
+            raise KnobError("intensity", f"intensity={intensity} is out of range: allowed 0 to 1")
+        by_name = {k.name: k for k in cls.knobs}
+        unknown = [key for key in explicit if key not in by_name]
+        if unknown:
+            allowed = ["intensity", *by_name]
+            hint = difflib.get_close_matches(unknown[0], allowed, n=1)
+            message = f"{cls.name} has no knob {unknown[0]!r}"
+            message += f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise KnobError(unknown[0], message + f"; allowed: {', '.join(allowed)}", allowed)
+        settings = {k.name: k.at_intensity(intensity) for k in cls.knobs}
+        settings.update({key: by_name[key].coerce(value) for key, value in explicit.items()})
+        return settings
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        return {
+            "name": cls.name,
+            "doc": (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "",
+            "resources": sorted(r.value for r in cls.resources),
+            "knobs": [k.describe() for k in cls.knobs],
+        }
+
+    # Checks and wrappers: override what applies.
+    def check(self, world_size: int, device: str) -> None:
+        """Raise `CombinationError` when this set-up cannot run the optimization."""
+        if world_size < self.min_world_size:
+            raise CombinationError(
+                f"{self.name} needs at least {self.min_world_size} ranks, the run has {world_size}"
+            )
+
+    def wrap_model(self, model: Any, state: State) -> Any:
+        return model
+
+    def wrap_optimizer(self, optimizer: Any, state: State) -> Any:
+        return optimizer
+
+    def wrap_loader(self, loader: Any, state: State) -> Any:
+        return loader
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def summary(self) -> dict[str, Any]:
+        """This optimization's section of ``summary.json``."""
+        return {"intensity": self.intensity, **self.settings}
+
+
+REGISTRY: dict[str, type[Optimization]] = {}
+
+
+def register_optimization(cls: type[Optimization]) -> type[Optimization]:
+    """Class decorator: make ``cls`` available to scenarios under ``cls.name``."""
+    if not cls.name:
+        raise TypeError(f"{cls.__qualname__} must set a name")
+    REGISTRY[cls.name] = cls
+    return cls

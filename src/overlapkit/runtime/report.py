@@ -1,0 +1,79 @@
+"""The run folder's files and the summary table a person reads at the end of a run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .metrics import PHASES
+
+
+def write_run_files(
+    run_dir: Path,
+    records: list[dict[str, Any]],
+    summary: dict[str, Any],
+    trace_events: list[dict[str, Any]] | None = None,
+) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "steps.jsonl", "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if trace_events is not None:
+        (run_dir / "trace.json").write_text(json.dumps({"traceEvents": trace_events}))
+
+
+def summary_tables(summary: dict[str, Any]) -> list[Table]:
+    """Readable tables: throughput and efficiency, where the step time went, extras."""
+    step = summary["step_time_s"]
+    pop = summary["pop"]
+    overview = Table(title=f"{summary.get('name', 'run')}: {summary['steps']} measured steps")
+    overview.add_column("metric")
+    overview.add_column("value", justify="right")
+    overview.add_row("ranks", str(summary["world_size"]))
+    overview.add_row("throughput", f"{summary['samples_per_s']:.1f} samples/s")
+    overview.add_row(
+        "step time mean / p50 / p90",
+        f"{step['mean'] * 1e3:.1f} / {step['p50'] * 1e3:.1f} / {step['p90'] * 1e3:.1f} ms",
+    )
+    overview.add_row("load balance", f"{pop['load_balance']:.3f}")
+    overview.add_row("communication efficiency", f"{pop['communication_efficiency']:.3f}")
+    overview.add_row("parallel efficiency", f"{pop['parallel_efficiency']:.3f}")
+    if summary.get("final_loss") is not None:
+        overview.add_row("final loss", f"{summary['final_loss']:.4f}")
+    for result in summary.get("eval", {}).get("runs", [])[-1:]:
+        overview.add_row(
+            f"eval at step {result['step']}",
+            f"accuracy {result['accuracy']:.3f} on {result['samples']} samples "
+            f"in {result['time_s']:.2f} s",
+        )
+
+    phases = Table(title="where each step's time went (mean per step, all ranks)")
+    phases.add_column("phase")
+    phases.add_column("ms", justify="right")
+    phases.add_column("share", justify="right")
+    total = sum(summary["phases_s"].values()) or 1.0
+    for phase in PHASES:
+        seconds = summary["phases_s"][phase]
+        phases.add_row(phase, f"{seconds * 1e3:.2f}", f"{seconds / total:6.1%}")
+
+    tables = [overview, phases]
+    if summary.get("optimizations"):
+        opts = Table(title="optimizations")
+        opts.add_column("optimization")
+        opts.add_column("settings")
+        for name, section in summary["optimizations"].items():
+            flat = {k: v for k, v in section.items() if not isinstance(v, (dict, list))}
+            opts.add_row(name, ", ".join(f"{k}={v}" for k, v in flat.items()))
+        tables.append(opts)
+    return tables
+
+
+def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    for table in summary_tables(summary):
+        console.print(table)

@@ -1,0 +1,48 @@
+"""Seeding and capturing every random number generator a run uses.
+
+States are stored as tensors and plain Python values only, so checkpoints
+load with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def capture_rng() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

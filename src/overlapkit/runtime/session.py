@@ -1,0 +1,366 @@
+"""The Python API for your own training loop.
+
+    session = Session(optimizations, run_dir="runs/mine", warmup_steps=5)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    for inputs, targets in session.steps(100):
+        with session.forward():
+            loss = loss_fn(model(inputs), targets)
+        session.backward(loss)
+        session.optimizer_step()
+    summary = session.finish()
+
+The built-in loop (`overlapkit.runtime.loop`) is written on this same API, so
+the optimizations see identical events in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .arbitration import ArbitrationPolicy
+from .distributed import World, all_gather_objects, all_reduce_sum, init_world
+from .events import Event
+from .gradsync import FlatAllReduce, broadcast_model
+from .metrics import PhaseClock, step_record, summarize
+from .optimization import Optimization, Resource
+from .persist import atomic_torch_save
+from .precision import Precision, PrecisionName
+from .progress import ProgressBar
+from .report import print_summary, write_run_files
+from .rng import capture_rng, restore_rng
+from .scheduler import Scheduler
+from .state import State
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_size(batch[0])
+    if isinstance(batch, dict) and batch:
+        return batch_size(next(iter(batch.values())))
+    return 1
+
+
+class Session:
+    """Runs the user's loop under the scheduler: events, phase times, metrics,
+    gradient sync across ranks, save and resume.
+
+    Steps below ``warmup_steps`` run normally but are left out of the summary.
+    Without an optimization that provides ``grad_sync``, a multi-rank session
+    averages gradients with one flat all-reduce before each optimizer step.
+    """
+
+    def __init__(
+        self,
+        optimizations: Sequence[Optimization] = (),
+        *,
+        policy: ArbitrationPolicy | str = "free",
+        world: World | None = None,
+        device: str = "auto",
+        precision: PrecisionName = "fp32",
+        warmup_steps: int = 0,
+        run_dir: str | Path | None = None,
+        progress: bool = False,
+        print_summary: bool = False,
+        name: str = "session",
+        trace: bool = False,
+    ) -> None:
+        self.world = world or init_world(device)
+        self.scheduler = Scheduler(optimizations, policy)
+        self.scheduler.check(self.world.world_size, self.world.device.type)
+        self.precision = Precision(precision, self.world.device)
+        self.name = name
+        self.state = State(
+            world=self.world,
+            clock=PhaseClock(self.world.device),
+            policy=self.scheduler.policy,
+            warmup_steps=warmup_steps,
+            run_dir=Path(run_dir) if run_dir is not None else None,
+        )
+        self.records: list[dict[str, Any]] = []
+        self._show_progress = progress and self.world.is_main
+        self._print_summary = print_summary and self.world.is_main
+        self._trace = trace
+        self._progress: ProgressBar | None = None
+        self._stateful: dict[str, Any] = {}
+        self._raw_model: nn.Module | None = None
+        self._grad_sync: FlatAllReduce | None = None
+        self._epoch = 0
+        self._started = False
+        self._in_step = False
+
+    # ----------------------------------------------------------------- set-up
+    def prepare(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        loader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[Any, Any, Any]:
+        """Move the model to the device and apply every optimization's wrappers."""
+        model = model.to(self.world.device)
+        self._raw_model = model
+        if self.world.world_size > 1 and not self.scheduler.provides("grad_sync"):
+            broadcast_model(model)
+            self._grad_sync = FlatAllReduce(model, self.world.world_size)
+        state = self.state
+        state.model, state.optimizer, state.loader = model, optimizer, loader
+        state.lr_scheduler = lr_scheduler
+        self.scheduler.wrap(state)
+        return state.model, state.optimizer, state.loader
+
+    def register_for_checkpointing(self, name: str, obj: Any) -> None:
+        """Save and restore ``obj`` (anything with ``state_dict``/``load_state_dict``)."""
+        self._stateful[name] = obj
+
+    # ------------------------------------------------------------------ steps
+    def steps(self, total_steps: int, loader: Any = None) -> Iterator[Any]:
+        """Yield one batch per step until ``total_steps`` steps are done (counting
+        resumed ones), starting a new epoch whenever the loader runs out."""
+        loader = loader if loader is not None else self.state.loader
+        self.state.total_steps = total_steps
+        self._fit_start(total_steps)
+        iterator = None
+        while self.state.step < total_steps:
+            self.start_step()
+            with self.state.clock.phase("data_wait"):
+                batch = None
+                for _attempt in range(2):
+                    if iterator is None:
+                        iterator = self._new_epoch(loader)
+                    try:
+                        batch = next(iterator)
+                        break
+                    except StopIteration:
+                        iterator = None
+                        self._epoch += 1
+                if batch is None:
+                    raise RuntimeError("the loader yielded no batch in a whole epoch")
+                batch = to_device(batch, self.world.device)
+            self.state.batch = batch
+            self.scheduler.fire(Event.AFTER_DATA, self.state)
+            yield batch
+            if self._in_step:
+                self.end_step()
+
+    def _new_epoch(self, loader: Any) -> Iterator[Any]:
+        # A loader that keeps its own position (it has state_dict) manages epochs itself.
+        if not hasattr(loader, "state_dict"):
+            sampler = getattr(loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self._epoch)
+        return iter(loader)
+
+    def _fit_start(self, total_steps: int) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self._show_progress:
+            self._progress = ProgressBar(self.name, total_steps)
+            for _ in range(self.state.step):
+                self._progress.advance(0.0, float("nan"), True)
+        self.scheduler.fire(Event.FIT_START, self.state)
+
+    def start_step(self) -> None:
+        self.state.clock.start_step()
+        self._in_step = True
+        self.scheduler.fire(Event.STEP_START, self.state)
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """Run the forward pass (and loss) inside this block, under autocast if set."""
+        self.scheduler.fire(Event.BEFORE_FORWARD, self.state)
+        clock = self.state.clock
+        clock.switch("forward")
+        with self.precision.autocast():
+            yield
+        clock.switch("other")
+        self.scheduler.fire(Event.AFTER_FORWARD, self.state)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.state.loss = loss
+        self.scheduler.fire(Event.BEFORE_BACKWARD, self.state)
+        clock = self.state.clock
+        clock.switch("backward")
+        self.precision.backward(loss)
+        clock.switch("other")
+        self.scheduler.fire(Event.AFTER_BACKWARD, self.state)
+
+    def optimizer_step(self) -> None:
+        """Sync gradients if nothing else does, step optimizer and LR schedule, zero grads."""
+        state = self.state
+        if self._grad_sync is not None:
+            with state.clock.phase("comm_exposed"), state.policy.critical(Resource.NETWORK):
+                self._grad_sync()
+        self.scheduler.fire(Event.BEFORE_OPTIMIZER_STEP, state)
+        state.clock.switch("optimizer")
+        self.precision.step(state.optimizer)
+        state.optimizer.zero_grad(set_to_none=True)
+        if state.lr_scheduler is not None:
+            state.lr_scheduler.step()
+        state.clock.switch("other")
+        self.scheduler.fire(Event.AFTER_OPTIMIZER_STEP, state)
+
+    def end_step(self, loss: torch.Tensor | float | None = None, samples: int | None = None) -> None:
+        """Close the step: fire STEP_END, record its metrics, advance the step counter."""
+        state = self.state
+        self.scheduler.fire(Event.STEP_END, state)
+        step_time, phases = state.clock.end_step()
+        loss = state.loss if loss is None else loss
+        loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0)
+        warmup = state.is_warmup
+        record = step_record(
+            step=state.step,
+            rank=self.world.rank,
+            loss=loss_value,
+            samples=samples if samples is not None else batch_size(state.batch),
+            step_time_s=step_time,
+            phases_s=phases,
+            warmup=warmup,
+        )
+        self.records.append(record)
+        if self._progress is not None:
+            self._progress.advance(record["samples_per_s"] * self.world.world_size, loss_value, warmup)
+        state.step += 1
+        self._in_step = False
+
+    # ------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self, loader: Any) -> dict[str, Any]:
+        """Classification accuracy and loss over ``loader`` (each rank passes its
+        own shard); the counts are summed across ranks."""
+        state = self.state
+        self.scheduler.fire(Event.EVAL_START, state)
+        start = perf_counter()
+        model = state.model
+        model.eval()
+        correct = total = 0
+        loss_sum = 0.0
+        with self.precision.autocast():
+            for inputs, targets in loader:
+                inputs = to_device(inputs, self.world.device)
+                targets = to_device(targets, self.world.device)
+                outputs = model(inputs)
+                loss_sum += float(F.cross_entropy(outputs.float(), targets, reduction="sum"))
+                correct += int((outputs.argmax(-1) == targets).sum())
+                total += int(targets.shape[0])
+        model.train()
+        correct, total, loss_sum = all_reduce_sum([correct, total, loss_sum], self.world)
+        result = {
+            "step": state.step,
+            "accuracy": correct / total if total else 0.0,
+            "loss": loss_sum / total if total else 0.0,
+            "samples": int(total),
+            "time_s": perf_counter() - start,
+        }
+        state.eval_results.append(result)
+        self.scheduler.fire(Event.EVAL_END, state)
+        return result
+
+    # ---------------------------------------------------------- save / resume
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly, under one key per component."""
+        state = self.state
+        out: dict[str, Any] = {
+            "progress": {"step": state.step, "epoch": self._epoch},
+            "rng": capture_rng(),
+            "precision": self.precision.state_dict(),
+            "optimizations": self.scheduler.state_dict(),
+            "user": {name: obj.state_dict() for name, obj in self._stateful.items()},
+        }
+        if self._raw_model is not None:
+            out["model"] = self._raw_model.state_dict()
+        for key in ("optimizer", "lr_scheduler", "loader"):
+            component = getattr(state, key)
+            if component is not None and hasattr(component, "state_dict"):
+                out[key] = component.state_dict()
+        return out
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        state = self.state
+        if self._raw_model is not None and "model" in saved:
+            self._raw_model.load_state_dict(saved["model"])
+        for key in ("optimizer", "lr_scheduler", "loader"):
+            component = getattr(state, key)
+            if key in saved and component is not None:
+                component.load_state_dict(saved[key])
+        self.precision.load_state_dict(saved.get("precision", {}))
+        self.scheduler.load_state_dict(saved.get("optimizations", {}))
+        for name, obj in self._stateful.items():
+            if name in saved.get("user", {}):
+                obj.load_state_dict(saved["user"][name])
+        state.step = saved["progress"]["step"]
+        self._epoch = saved["progress"]["epoch"]
+        restore_rng(saved["rng"])
+
+    def checkpoint_path(self, directory: str | Path) -> Path:
+        return Path(directory) / f"rank{self.world.rank:05d}.pt"
+
+    def save(self, directory: str | Path) -> Path:
+        """Write this rank's full state durably (atomic rename, fsync) under ``directory``."""
+        path = self.checkpoint_path(directory)
+        atomic_torch_save(self.state_dict(), path)
+        return path
+
+    def load(self, directory: str | Path) -> None:
+        """Restore this rank's state saved by `save` (tensors and plain values only)."""
+        saved = torch.load(
+            self.checkpoint_path(directory), map_location=self.world.device, weights_only=True
+        )
+        self.load_state_dict(saved)
+
+    # ---------------------------------------------------------------- finish
+    def finish(self) -> dict[str, Any]:
+        """Drain background work (FIT_END), gather metrics from all ranks, write
+        ``steps.jsonl`` and ``summary.json`` to the run folder; return the summary."""
+        self.scheduler.fire(Event.FIT_END, self.state)
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        gathered = all_gather_objects(
+            (self.records, self.scheduler.trace.chrome_events(self.world.rank) if self._trace else None),
+            self.world,
+        )
+        records = sorted((r for rs, _ in gathered for r in rs), key=lambda r: (r["step"], r["rank"]))
+        summary = {"name": self.name, **summarize(records, self.world.world_size)}
+        summary["optimizations"] = self.scheduler.summary()
+        summary["scheduler"] = {
+            "policy": self.scheduler.policy.name,
+            "order": [opt.name for opt in self.scheduler.optimizations],
+            "hooks": self.scheduler.trace.summary(),
+            **self.scheduler.policy.stats(),
+        }
+        if self._grad_sync is not None:
+            summary["grad_sync"] = {"mode": "flat_allreduce", "bytes": self._grad_sync.bytes_per_call}
+        if self.state.eval_results:
+            summary["eval"] = {
+                "accuracy": self.state.eval_results[-1]["accuracy"],
+                "time_s": sum(r["time_s"] for r in self.state.eval_results),
+                "runs": self.state.eval_results,
+            }
+        run_dir = self.state.run_dir
+        if run_dir is not None and self.world.is_main:
+            trace = [e for _, events in gathered for e in (events or [])] if self._trace else None
+            write_run_files(run_dir, records, summary, trace)
+        if self._print_summary:
+            print_summary(summary)
+        return summary

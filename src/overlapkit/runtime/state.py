@@ -1,0 +1,40 @@
+"""What the hooks see: the loop's state at the moment an event fires."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .arbitration import ArbitrationPolicy
+from .distributed import World
+from .metrics import PhaseClock
+
+
+@dataclass(eq=False)
+class State:
+    """Mutable loop state passed to every hook.
+
+    ``step`` is the index of the current step (the number of optimizer steps
+    completed before it); steps below ``warmup_steps`` are not measured.
+    """
+
+    world: World
+    clock: PhaseClock
+    policy: ArbitrationPolicy
+    model: Any = None
+    optimizer: Any = None
+    loader: Any = None
+    lr_scheduler: Any = None
+    step: int = 0
+    total_steps: int = 0
+    warmup_steps: int = 0
+    batch: Any = None
+    outputs: Any = None
+    loss: Any = None
+    run_dir: Path | None = None
+    eval_results: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def is_warmup(self) -> bool:
+        return self.step < self.warmup_steps
