@@ -1,0 +1,146 @@
+"""The built-in datasets, each with a small typed config, chosen by ``data.name``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from ..config import Config
+from .local import Cifar10, DataNotFoundError, ImageFolder, Imdb, hash_tokenize
+from .sampler import ResumableLoader, ShardedSampler
+from .synthetic import SyntheticImages, SyntheticTokens, spend
+
+
+class _Synthetic(Config):
+    num_samples: int = Field(2048, ge=1)
+    eval_samples: int = Field(512, ge=0)
+    sample_cost_ms: float = Field(0.0, ge=0)  # per sample, to emulate slow storage or decoding
+    sample_cost: Literal["sleep", "cpu"] = "sleep"
+
+
+class SyntheticImagesConfig(_Synthetic):
+    name: Literal["synthetic-images"]
+    shape: tuple[int, int, int] = (3, 32, 32)
+    num_classes: int = Field(10, ge=2)
+    signal: float = Field(0.5, ge=0)
+
+    input_kind: ClassVar[str] = "images"
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
+        def make(count: int, split: int) -> SyntheticImages:
+            return SyntheticImages(
+                self.shape, self.num_classes, count, seed, self.signal,
+                self.sample_cost_ms, self.sample_cost, split,
+            )
+
+        return make(self.num_samples, 0), make(self.eval_samples, 1) if self.eval_samples else None
+
+
+class SyntheticTokensConfig(_Synthetic):
+    name: Literal["synthetic-tokens"]
+    seq_len: int = Field(128, ge=2)
+    vocab_size: int = Field(30522, ge=64)
+    num_classes: int = Field(2, ge=2)
+
+    input_kind: ClassVar[str] = "tokens"
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
+        def make(count: int, split: int) -> SyntheticTokens:
+            return SyntheticTokens(
+                self.seq_len, self.vocab_size, self.num_classes, count, seed,
+                self.sample_cost_ms, self.sample_cost, split,
+            )
+
+        return make(self.num_samples, 0), make(self.eval_samples, 1) if self.eval_samples else None
+
+
+class Cifar10Config(Config):
+    name: Literal["cifar10"]
+    root: Path
+
+    input_kind: ClassVar[str] = "images"
+    num_classes: ClassVar[int] = 10
+    shape: ClassVar[tuple[int, int, int]] = (3, 32, 32)
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
+        return Cifar10(self.root, train=True), Cifar10(self.root, train=False)
+
+
+class ImageFolderConfig(Config):
+    name: Literal["imagefolder"]
+    root: Path
+    size: int = Field(224, ge=8)
+
+    input_kind: ClassVar[str] = "images"
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
+        train = ImageFolder(self.root, self.size, split="train")
+        has_val = (Path(self.root).expanduser() / "val").is_dir()
+        return train, ImageFolder(self.root, self.size, split="val") if has_val else None
+
+
+class ImdbConfig(Config):
+    name: Literal["imdb"]
+    root: Path
+    seq_len: int = Field(256, ge=2)
+    vocab_size: int = Field(30522, ge=64)
+
+    input_kind: ClassVar[str] = "tokens"
+    num_classes: ClassVar[int] = 2
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
+        return (
+            Imdb(self.root, True, self.seq_len, self.vocab_size),
+            Imdb(self.root, False, self.seq_len, self.vocab_size),
+        )
+
+
+DataConfig = Annotated[
+    SyntheticImagesConfig | SyntheticTokensConfig | Cifar10Config | ImageFolderConfig | ImdbConfig,
+    Field(discriminator="name"),
+]
+
+
+def build_loaders(
+    train_set: Dataset,
+    eval_set: Dataset | None,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    eval_max_samples: int | None = None,
+) -> tuple[ResumableLoader, DataLoader | None]:
+    """This rank's training loader (shuffled, resumable) and evaluation shard (in order, exact)."""
+    if len(train_set) < batch_size * world_size:
+        raise ValueError(
+            f"the dataset has {len(train_set)} samples, fewer than one global batch "
+            f"({batch_size} per rank x {world_size} ranks)"
+        )
+    train = ResumableLoader(
+        train_set, batch_size, ShardedSampler(len(train_set), rank, world_size, seed)
+    )
+    if eval_set is None:
+        return train, None
+    if eval_max_samples is not None and eval_max_samples < len(eval_set):
+        eval_set = Subset(eval_set, range(eval_max_samples))
+    shard = ShardedSampler(len(eval_set), rank, world_size, shuffle=False, drop_last=False)
+    return train, DataLoader(eval_set, batch_size=batch_size, sampler=shard)
+
+
+__all__ = [
+    "Cifar10",
+    "DataConfig",
+    "DataNotFoundError",
+    "ImageFolder",
+    "Imdb",
+    "ResumableLoader",
+    "ShardedSampler",
+    "SyntheticImages",
+    "SyntheticTokens",
+    "build_loaders",
+    "hash_tokenize",
+    "spend",
+]

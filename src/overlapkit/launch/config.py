@@ -1,0 +1,16 @@
+"""The ``world`` section of a scenario: how many ranks, where, on what."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ..config import Config
+
+
+class WorldConfig(Config):
+    nprocs: int = Field(1, ge=1)  # local ranks (ignored under torchrun, which sets its own)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(None, ge=1)  # per rank; default: cores / local ranks

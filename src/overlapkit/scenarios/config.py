@@ -1,0 +1,94 @@
+"""A scenario: one typed object built from one YAML file.
+
+Each section is the config of the component that owns it; the scenario only
+puts them together and checks that they fit each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from ..config import Config
+from ..data import DataConfig
+from ..launch.config import WorldConfig
+from ..models import ModelConfig
+from ..optimizations import get_optimization
+from ..runtime import KnobError, Optimization, SchedulerConfig
+from ..runtime.loop import TrainConfig
+from ..tuning import TuneConfig
+
+
+def located(path: str, message: str, allowed: list[str] | None = None) -> PydanticCustomError:
+    """A validation error that remembers which YAML path it is about."""
+    return PydanticCustomError(
+        "scenario", "{message}", {"message": message, "path": path, "allowed": allowed or []}
+    )
+
+
+class Scenario(Config):
+    name: str
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig = TrainConfig()
+    world: WorldConfig = WorldConfig()
+    optimizations: dict[str, dict[str, Any] | None] = Field(default_factory=dict)
+    scheduler: SchedulerConfig = SchedulerConfig()
+    tune: TuneConfig = TuneConfig()
+
+    @field_validator("optimizations")
+    @classmethod
+    def _check_optimizations(cls, value: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+        for name, settings in value.items():
+            try:
+                optimization = get_optimization(name)
+            except KnobError as error:
+                raise located(f"optimizations.{name}", str(error), error.allowed) from None
+            settings = dict(settings or {})
+            intensity = settings.pop("intensity", 1.0)
+            try:
+                optimization.resolve(intensity, settings)
+            except KnobError as error:
+                raise located(f"optimizations.{name}.{error.knob}", str(error), error.allowed) from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_fit(self) -> Scenario:
+        model, data = self.model, self.data
+        if model.input_kind != data.input_kind:
+            raise located(
+                "model.name",
+                f"model {model.name} reads {model.input_kind} but data {data.name} yields {data.input_kind}",
+            )
+        if model.num_classes != data.num_classes:
+            raise located(
+                "model.num_classes",
+                f"model.num_classes is {model.num_classes} but data {data.name} has {data.num_classes} classes",
+            )
+        vocab = getattr(data, "vocab_size", None)
+        if vocab is not None and vocab > model.vocab_size:
+            raise located(
+                "model.vocab_size",
+                f"model.vocab_size ({model.vocab_size}) is smaller than data.vocab_size ({vocab})",
+            )
+        seq_len = getattr(data, "seq_len", None)
+        if seq_len is not None and seq_len > model.max_len:
+            raise located(
+                "model.max_len", f"model.max_len ({model.max_len}) is below data.seq_len ({seq_len})"
+            )
+        if self.train.precision == "fp16" and self.world.device == "cpu":
+            raise located("train.precision", "fp16 needs a CUDA device; use bf16 on CPU")
+        return self
+
+    def build_optimizations(self) -> list[Optimization]:
+        """The enabled optimizations (intensity 0 means off), in the order listed."""
+        built = []
+        for name, settings in self.optimizations.items():
+            settings = dict(settings or {})
+            intensity = settings.pop("intensity", 1.0)
+            if intensity == 0 and not settings:
+                continue
+            built.append(get_optimization(name)(intensity, **settings))
+        return built
