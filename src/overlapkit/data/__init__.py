@@ -20,6 +20,9 @@ class _Synthetic(Config):
     sample_cost_ms: float = Field(0.0, ge=0)  # per sample, to emulate slow storage or decoding
     sample_cost: Literal["sleep", "cpu"] = "sleep"
 
+    def check(self) -> None:
+        """Synthetic data is made on the fly: nothing to look for."""
+
 
 class SyntheticImagesConfig(_Synthetic):
     name: Literal["synthetic-images"]
@@ -65,6 +68,10 @@ class Cifar10Config(Config):
     num_classes: ClassVar[int] = 10
     shape: ClassVar[tuple[int, int, int]] = (3, 32, 32)
 
+    def check(self) -> None:
+        Cifar10.locate(self.root, True)
+        Cifar10.locate(self.root, False)
+
     def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
         return Cifar10(self.root, train=True), Cifar10(self.root, train=False)
 
@@ -75,6 +82,9 @@ class ImageFolderConfig(Config):
     size: int = Field(224, ge=8)
 
     input_kind: ClassVar[str] = "images"
+
+    def check(self) -> None:
+        ImageFolder.locate(self.root, "train")
 
     def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
         train = ImageFolder(self.root, self.size, split="train")
@@ -90,6 +100,10 @@ class ImdbConfig(Config):
 
     input_kind: ClassVar[str] = "tokens"
     num_classes: ClassVar[int] = 2
+
+    def check(self) -> None:
+        Imdb.locate(self.root, True)
+        Imdb.locate(self.root, False)
 
     def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
         return (

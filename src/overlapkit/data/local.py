@@ -56,13 +56,18 @@ class _ArrayUnpickler(pickle.Unpickler):
 class Cifar10(Dataset):
     """CIFAR-10 from its python pickle folder, normalised per channel."""
 
-    def __init__(self, root: str | Path, train: bool = True) -> None:
+    @staticmethod
+    def locate(root: str | Path, train: bool = True) -> list[Path]:
+        """The batch files of the split; raises `DataNotFoundError` if any is missing."""
         root = _require(Path(root).expanduser(), "CIFAR-10 folder", _CIFAR_HINT)
         folder = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
         names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        return [_require(folder / name, "CIFAR-10 file", _CIFAR_HINT) for name in names]
+
+    def __init__(self, root: str | Path, train: bool = True) -> None:
         images, labels = [], []
-        for name in names:
-            with open(_require(folder / name, "CIFAR-10 file", _CIFAR_HINT), "rb") as f:
+        for path in self.locate(root, train):
+            with open(path, "rb") as f:
                 batch = _ArrayUnpickler(f, encoding="bytes").load()
             images.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
             labels.extend(int(label) for label in batch[b"labels"])
@@ -89,11 +94,18 @@ class ImageFolder(Dataset):
     """``root/<class>/<image>`` (or ``root/train/...`` and ``root/val/...``):
     decoded with Pillow, shorter side resized to size/0.875, centre-cropped to size."""
 
+    _HINT = "expected one sub-folder of images per class, e.g. root/n01440764/img.jpg"
+
+    @classmethod
+    def locate(cls, root: str | Path, split: str | None = None) -> Path:
+        root = _require(Path(root).expanduser(), "image folder", cls._HINT)
+        root = root / split if split and (root / split).is_dir() else root
+        if not any(p.is_dir() for p in root.iterdir()):
+            raise DataNotFoundError(f"no class folders under {root}: {cls._HINT}")
+        return root
+
     def __init__(self, root: str | Path, size: int = 224, split: str | None = None) -> None:
-        hint = "expected one sub-folder of images per class, e.g. root/n01440764/img.jpg"
-        root = _require(Path(root).expanduser(), "image folder", hint)
-        if split and (root / split).is_dir():
-            root = root / split
+        root = self.locate(root, split)
         self.classes = sorted(p.name for p in root.iterdir() if p.is_dir())
         self.samples = [
             (path, label)
@@ -102,7 +114,7 @@ class ImageFolder(Dataset):
             if path.suffix.lower() in IMAGE_EXTENSIONS
         ]
         if not self.samples:
-            raise DataNotFoundError(f"no images found under {root}: {hint}")
+            raise DataNotFoundError(f"no images found under {root}: {self._HINT}")
         self.size = size
         self.mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
         self.std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
@@ -142,20 +154,26 @@ def hash_tokenize(text: str, seq_len: int, vocab_size: int, first_id: int = 2) -
 class Imdb(Dataset):
     """The IMDB review folder (``aclImdb/{train,test}/{pos,neg}/*.txt``), label 1 = positive."""
 
+    _HINT = "unpack aclImdb_v1.tar.gz there and set data.root to 'aclImdb' or its parent"
+
+    @classmethod
+    def locate(cls, root: str | Path, train: bool = True) -> list[Path]:
+        """The split's neg/ and pos/ folders; raises `DataNotFoundError` if missing."""
+        root = _require(Path(root).expanduser(), "IMDB folder", cls._HINT)
+        root = root / "aclImdb" if (root / "aclImdb").is_dir() else root
+        split = _require(root / ("train" if train else "test"), "IMDB split", cls._HINT)
+        return [_require(split / name, "IMDB class folder", cls._HINT) for name in ("neg", "pos")]
+
     def __init__(
         self, root: str | Path, train: bool = True, seq_len: int = 256, vocab_size: int = 30522
     ) -> None:
-        hint = "unpack aclImdb_v1.tar.gz there and set data.root to 'aclImdb' or its parent"
-        root = _require(Path(root).expanduser(), "IMDB folder", hint)
-        root = root / "aclImdb" if (root / "aclImdb").is_dir() else root
-        split = _require(root / ("train" if train else "test"), "IMDB split", hint)
         self.files = [
             (path, label)
-            for label, name in ((0, "neg"), (1, "pos"))
-            for path in sorted(_require(split / name, "IMDB class folder", hint).glob("*.txt"))
+            for label, folder in enumerate(self.locate(root, train))
+            for path in sorted(folder.glob("*.txt"))
         ]
         if not self.files:
-            raise DataNotFoundError(f"no reviews (*.txt) under {split}: {hint}")
+            raise DataNotFoundError(f"no reviews (*.txt) under {root}: {self._HINT}")
         self.seq_len, self.vocab_size = seq_len, vocab_size
 
     def __len__(self) -> int:

@@ -14,6 +14,11 @@ from rich.progress import (
 
 
 class ProgressBar:
+    @staticmethod
+    def wanted() -> bool:
+        """Draw only on a terminal: piped or captured output stays clean."""
+        return Console(stderr=True).is_terminal
+
     def __init__(self, description: str, total: int, console: Console | None = None) -> None:
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),

@@ -174,7 +174,7 @@ class Session:
         if self._started:
             return
         self._started = True
-        if self._show_progress:
+        if self._show_progress and ProgressBar.wanted():
             self._progress = ProgressBar(self.name, total_steps)
             for _ in range(self.state.step):
                 self._progress.advance(0.0, float("nan"), True)

@@ -62,10 +62,11 @@ class Scenario(Config):
                 "model.name",
                 f"model {model.name} reads {model.input_kind} but data {data.name} yields {data.input_kind}",
             )
-        if model.num_classes != data.num_classes:
+        classes = getattr(data, "num_classes", None)  # an image folder's count is known only on disk
+        if classes is not None and model.num_classes != classes:
             raise located(
                 "model.num_classes",
-                f"model.num_classes is {model.num_classes} but data {data.name} has {data.num_classes} classes",
+                f"model.num_classes is {model.num_classes} but data {data.name} has {classes} classes",
             )
         vocab = getattr(data, "vocab_size", None)
         if vocab is not None and vocab > model.vocab_size:

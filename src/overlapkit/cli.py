@@ -1,0 +1,156 @@
+"""overlapkit run | check | list.
+
+Exit codes: 0 success, 1 the run failed, 2 bad input (scenario, data, usage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .data import DataNotFoundError
+from .launch.local import RankFailedError
+from .models import MODEL_NAMES
+from .optimizations import registered_optimizations
+from .runtime import POLICIES, CombinationError
+from .scenarios import Scenario, ScenarioError, load_scenario
+
+DATA_NAMES = ("synthetic-images", "synthetic-tokens", "cifar10", "imagefolder", "imdb")
+INTENSITY_POINTS = (0.25, 0.5, 0.75, 1.0)
+
+
+def _scenario_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", type=Path, help="a scenario YAML file")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a value by its dotted path, e.g. --set train.steps=20 (repeatable)",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="overlapkit", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"overlapkit {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="train a scenario and report where the time went")
+    _scenario_arguments(run)
+    run.add_argument("--out", type=Path, help="run folder (default: runs/<name>-<time>)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    run.add_argument("--json", action="store_true", help="print summary.json to stdout")
+
+    check = commands.add_parser("check", help="validate a scenario without running it")
+    _scenario_arguments(check)
+
+    listing = commands.add_parser("list", help="optimizations, their knobs and intensity mapping")
+    listing.add_argument("--json", action="store_true")
+    return parser
+
+
+def _describe_scenario(scenario: Scenario) -> Table:
+    table = Table(title=f"scenario {scenario.name}: ok")
+    table.add_column("section")
+    table.add_column("resolved")
+    table.add_row("model", json.dumps(scenario.model.model_dump(mode="json")))
+    table.add_row("data", json.dumps(scenario.data.model_dump(mode="json")))
+    cfg = scenario.train
+    table.add_row(
+        "train", f"{cfg.warmup_steps} warm-up + {cfg.steps} measured steps of {cfg.batch_size} per rank"
+    )
+    table.add_row("world", json.dumps(scenario.world.model_dump(mode="json")))
+    for optimization in scenario.build_optimizations():
+        table.add_row(f"optimizations.{optimization.name}", json.dumps(optimization.summary()))
+    table.add_row("scheduler", json.dumps(scenario.scheduler.model_dump(mode="json")))
+    return table
+
+
+def _catalogue() -> dict[str, Any]:
+    optimizations = []
+    for cls in registered_optimizations().values():
+        entry = cls.describe()
+        entry["intensity_mapping"] = {str(i): cls.resolve(i, {}) for i in INTENSITY_POINTS}
+        optimizations.append(entry)
+    return {
+        "optimizations": optimizations,
+        "models": list(MODEL_NAMES),
+        "data": list(DATA_NAMES),
+        "scheduler_policies": list(POLICIES),
+    }
+
+
+def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
+    if not catalogue["optimizations"]:
+        console.print("no optimizations are installed yet")
+    for entry in catalogue["optimizations"]:
+        table = Table(title=f"{entry['name']}: {entry['doc']}  (resources: {', '.join(entry['resources'])})")
+        table.add_column("knob")
+        table.add_column("type")
+        table.add_column("range / choices")
+        table.add_column("default")
+        for point in INTENSITY_POINTS:
+            table.add_column(f"@{point:g}", justify="right")
+        for knob in entry["knobs"]:
+            span = knob.get("choices") or knob.get("range") or ""
+            span = f"{span}{' log' if knob.get('log') else ''}"
+            values = [entry["intensity_mapping"][str(p)][knob["name"]] for p in INTENSITY_POINTS]
+            cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in values]
+            table.add_row(knob["name"], knob["type"], span, str(knob["default"]), *cells)
+        console.print(table)
+    console.print("intensity 0 turns an optimization off; knobs set explicitly override the mapping")
+    console.print(f"models: {', '.join(catalogue['models'])}")
+    console.print(f"data: {', '.join(catalogue['data'])}")
+    console.print(f"scheduler policies: {', '.join(catalogue['scheduler_policies'])}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console()
+    errors = Console(stderr=True)
+    try:
+        if args.command == "list":
+            catalogue = _catalogue()
+            if args.json:
+                print(json.dumps(catalogue, indent=2))
+            else:
+                _print_catalogue(console, catalogue)
+            return 0
+        scenario = load_scenario(args.scenario, args.overrides)
+        if args.command == "check":
+            scenario.data.check()
+            for optimization in scenario.build_optimizations():
+                optimization.check(scenario.world.nprocs, scenario.world.device)
+            console.print(_describe_scenario(scenario))
+            return 0
+        from .run import run_scenario  # imports torch.distributed machinery: only when running
+
+        summary = run_scenario(
+            scenario, args.out, progress=not args.quiet, print_summary=not (args.quiet or args.json)
+        )
+        if args.json:
+            print(json.dumps(summary, indent=2))
+        return 0
+    except ScenarioError as error:
+        errors.print("[bold red]error in scenario[/]")
+        errors.print(str(error), highlight=False, markup=False)
+        return 2
+    except (DataNotFoundError, CombinationError) as error:
+        errors.print("[bold red]error:[/] ", end="")
+        errors.print(str(error), highlight=False, markup=False)
+        return 2
+    except RankFailedError as error:
+        errors.print(f"[bold red]run failed: rank {error.rank}[/]", highlight=False)
+        errors.print(error.details, highlight=False, markup=False)
+        return 1
+    except KeyboardInterrupt:
+        errors.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

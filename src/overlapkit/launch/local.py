@@ -1,0 +1,97 @@
+"""Start N local ranks with PyTorch's elastic launcher (the engine behind torchrun).
+
+The ranks get the same environment torchrun gives them, so a rank's entry
+point cannot tell the two apart. When any rank fails, the launcher stops the
+others at once and `RankFailedError` carries the error of the rank that
+failed first: a rank blocked in a collective when its peer died fails too,
+later, and is not the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+_FAILURE_DIR_ENV = "OVERLAPKIT_FAILURE_DIR"
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a multi-rank run failed; ``rank`` and ``details`` say which and why."""
+
+    def __init__(self, rank: int, details: str) -> None:
+        self.rank = rank
+        self.details = details.rstrip()
+        super().__init__(f"rank {rank} failed:\n{self.details}")
+
+
+def under_torchrun() -> bool:
+    """True when this process is one rank of a torchrun (or elastic) launch."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs ``fn`` in a rank; on an exception writes when and what failed, then re-raises."""
+    try:
+        return fn(*args)
+    except BaseException as error:
+        folder = os.environ.get(_FAILURE_DIR_ENV)
+        if folder:
+            rank = int(os.environ.get("RANK", 0))
+            record = {"rank": rank, "time": time.time(), "error": "".join(traceback.format_exception(error))}
+            Path(folder, f"rank{rank}.json").write_text(json.dumps(record))
+        raise
+
+
+def _quiet_launcher_logs() -> None:
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any) -> dict[int, Any]:
+    """Run ``fn(*args)`` in ``nprocs`` local ranks; return each rank's result.
+
+    Raises `RankFailedError` naming the first rank that failed, with its traceback.
+    """
+    _quiet_launcher_logs()
+    with tempfile.TemporaryDirectory(prefix="overlapkit-ranks-") as failures:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nprocs,
+            run_id=uuid.uuid4().hex,
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",  # a free port, chosen by the OS
+            max_restarts=0,
+            monitor_interval=0.1,
+            start_method="spawn",
+        )
+        previous = os.environ.get(_FAILURE_DIR_ENV)
+        os.environ[_FAILURE_DIR_ENV] = failures  # inherited by the ranks
+        try:
+            return elastic_launch(config, _run_rank)(fn, *args)
+        except ChildFailedError as error:
+            recorded = [json.loads(p.read_text()) for p in Path(failures).glob("rank*.json")]
+            if recorded:
+                first = min(recorded, key=lambda r: r["time"])
+                raise RankFailedError(first["rank"], first["error"]) from None
+            rank, failure = error.get_first_failure()
+            message = failure.message
+            if isinstance(message, dict):
+                message = message.get("message", str(message))
+            raise RankFailedError(rank, f"{message} (exit code {failure.exitcode})") from None
+        finally:
+            if previous is None:
+                os.environ.pop(_FAILURE_DIR_ENV, None)
+            else:
+                os.environ[_FAILURE_DIR_ENV] = previous

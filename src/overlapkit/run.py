@@ -1,0 +1,86 @@
+"""Run a scenario: prepare its run folder, start its ranks, train, summarise."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .data import build_loaders
+from .launch.local import launch_local, under_torchrun
+from .runtime import Session
+from .runtime.distributed import init_world
+from .runtime.loop import train
+from .runtime.rng import seed_everything
+from .scenarios import Scenario, dump_scenario
+
+
+def default_run_dir(scenario: Scenario, root: Path = Path("runs")) -> Path:
+    if under_torchrun():
+        # Every rank must agree on the folder without talking to the others yet.
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        suffix = run_id if run_id != "none" else f"port{os.environ.get('MASTER_PORT', '0')}"
+    else:
+        suffix = time.strftime("%Y%m%d-%H%M%S")
+    return root / f"{scenario.name}-{suffix}"
+
+
+def rank_main(
+    scenario: Scenario, run_dir: Path | None, progress: bool, print_summary: bool
+) -> dict[str, Any]:
+    """One rank's whole run; the same under overlapkit's launcher and torchrun."""
+    cfg = scenario.train
+    world = init_world(scenario.world.device, scenario.world.backend, scenario.world.threads)
+    try:
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True)
+        seed_everything(cfg.seed)  # the same initial model on every rank
+        model = scenario.model.build()
+        train_set, eval_set = scenario.data.build(cfg.seed)
+        wants_eval = bool(cfg.eval.every or cfg.eval.at_end)
+        train_loader, eval_loader = build_loaders(
+            train_set, eval_set if wants_eval else None, cfg.batch_size,
+            world.rank, world.world_size, cfg.seed, cfg.eval.max_samples,
+        )
+        seed_everything(cfg.seed + 1 + world.rank)  # dropout and the like differ per rank
+        session = Session(
+            scenario.build_optimizations(),
+            policy=scenario.scheduler.policy,
+            world=world,
+            precision=cfg.precision,
+            warmup_steps=cfg.warmup_steps,
+            run_dir=run_dir,
+            progress=progress,
+            print_summary=print_summary,
+            name=scenario.name,
+            trace=scenario.scheduler.trace,
+        )
+        return train(cfg, session, model, train_loader, eval_loader)
+    finally:
+        if world.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_scenario(
+    scenario: Scenario,
+    run_dir: Path | None = None,
+    *,
+    progress: bool = True,
+    print_summary: bool = True,
+) -> dict[str, Any]:
+    """Run ``scenario``; return rank 0's summary (also written to ``run_dir/summary.json``)."""
+    scenario.data.check()
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(scenario)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not under_torchrun() or int(os.environ.get("RANK", 0)) == 0:
+        (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
+    if under_torchrun() or scenario.world.nprocs == 1:
+        return rank_main(scenario, run_dir, progress, print_summary)
+    results = launch_local(
+        rank_main, scenario.world.nprocs, scenario, run_dir, progress, print_summary
+    )
+    return results[0]
