@@ -137,15 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ScenarioError as error:
         errors.print("[bold red]error in scenario[/]")
-        errors.print(str(error), highlight=False, markup=False)
+        errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
     except (DataNotFoundError, CombinationError) as error:
         errors.print("[bold red]error:[/] ", end="")
-        errors.print(str(error), highlight=False, markup=False)
+        errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
     except RankFailedError as error:
         errors.print(f"[bold red]run failed: rank {error.rank}[/]", highlight=False)
-        errors.print(error.details, highlight=False, markup=False)
+        errors.print(error.details, highlight=False, markup=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         errors.print("interrupted")

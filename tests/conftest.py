@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+PLUGINS = TESTS / "plugins"
+
+# The toy optimizations are visible to this process and to every rank it starts.
+os.environ["OVERLAPKIT_PLUGINS"] = "toy_plugins"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(PLUGINS), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
+sys.path.insert(0, str(PLUGINS))
+
+TINY_SCENARIO = """
+name: tiny
+model: {name: resnet18, stem: cifar, num_classes: 4, width: 4}
+data: {name: synthetic-images, shape: [3, 16, 16], num_classes: 4, num_samples: 256, eval_samples: 64}
+train:
+  batch_size: 8
+  steps: 6
+  warmup_steps: 2
+  optimizer: {name: sgd, lr: 0.05, momentum: 0.9}
+  seed: 0
+world: {nprocs: 1}
+"""
+
+
+@pytest.fixture
+def tiny_scenario(tmp_path: Path):
+    """Write a scenario file: the tiny one, or the given YAML text."""
+
+    def write(text: str = TINY_SCENARIO, name: str = "scenario.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    return write
+
+
+def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "overlapkit", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
+    )

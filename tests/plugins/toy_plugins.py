@@ -1,0 +1,110 @@
+"""Tiny optimizations used by the tests (loaded with OVERLAPKIT_PLUGINS=toy_plugins).
+
+They exercise the contract without doing real overlap work: `toy_probe`
+records every event it sees and writes what it saw, per rank, to the run
+folder; `toy_fail` raises on one rank at one step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from overlapkit.runtime import Event, Knob, Optimization, Resource, register_optimization
+
+
+@register_optimization
+class ToyProbe(Optimization):
+    """Records the events it sees and the model's parameter checksum."""
+
+    name = "toy_probe"
+    knobs = (
+        Knob(name="depth", type=int, default=1, low=1, high=16, intensity=(1, 16), log=True),
+        Knob(name="mode", type=str, default="a", choices=("a", "b", "c"), intensity=("a", "b", "c")),
+        Knob(name="ratio", type=float, default=0.5, low=0.0, high=1.0),
+    )
+    resources = frozenset({Resource.HOST_CPU})
+
+    def __init__(self, intensity: float = 1.0, **explicit):
+        super().__init__(intensity, **explicit)
+        self.events: list[tuple[int, str]] = []
+        self.steps_seen = 0
+
+    def _record(self, event: Event, state) -> None:
+        self.events.append((state.step, event.value))
+
+    def on_fit_start(self, state):
+        self._record(Event.FIT_START, state)
+
+    def on_step_start(self, state):
+        self._record(Event.STEP_START, state)
+
+    def on_after_data(self, state):
+        self._record(Event.AFTER_DATA, state)
+
+    def on_before_forward(self, state):
+        self._record(Event.BEFORE_FORWARD, state)
+
+    def on_after_forward(self, state):
+        self._record(Event.AFTER_FORWARD, state)
+
+    def on_before_backward(self, state):
+        self._record(Event.BEFORE_BACKWARD, state)
+
+    def on_after_backward(self, state):
+        self._record(Event.AFTER_BACKWARD, state)
+
+    def on_before_optimizer_step(self, state):
+        self._record(Event.BEFORE_OPTIMIZER_STEP, state)
+
+    def on_after_optimizer_step(self, state):
+        self._record(Event.AFTER_OPTIMIZER_STEP, state)
+
+    def on_step_end(self, state):
+        self._record(Event.STEP_END, state)
+        self.steps_seen += 1
+
+    def on_eval_start(self, state):
+        self._record(Event.EVAL_START, state)
+
+    def on_eval_end(self, state):
+        self._record(Event.EVAL_END, state)
+
+    def on_fit_end(self, state):
+        self._record(Event.FIT_END, state)
+        if state.run_dir is not None:
+            model = state.model.module if hasattr(state.model, "module") else state.model
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            probe = {
+                "rank": state.world.rank,
+                "events": self.events,
+                "param_sum": float(flat.double().sum()),
+                "param_abs_sum": float(flat.double().abs().sum()),
+                "steps_seen": self.steps_seen,
+                "threads": torch.get_num_threads(),
+            }
+            path = state.run_dir / f"probe-rank{state.world.rank}.json"
+            path.write_text(json.dumps(probe))
+
+    def state_dict(self):
+        return {"steps_seen": self.steps_seen}
+
+    def load_state_dict(self, state):
+        self.steps_seen = state["steps_seen"]
+
+
+@register_optimization
+class ToyFail(Optimization):
+    """Raises on rank ``rank`` when step ``step`` starts."""
+
+    name = "toy_fail"
+    knobs = (
+        Knob(name="rank", type=int, default=1, low=0, high=1024),
+        Knob(name="step", type=int, default=2, low=0, high=10**6),
+    )
+
+    def on_step_start(self, state):
+        if state.world.rank == self.settings["rank"] and state.step == self.settings["step"]:
+            raise RuntimeError(f"toy failure on rank {state.world.rank} at step {state.step} (pid {os.getpid()})")

@@ -1,0 +1,149 @@
+"""Scenario files: parsing, overrides, and a specific message for each kind of bad input."""
+
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_cli
+
+from overlapkit.scenarios import ScenarioError, dump_scenario, load_scenario
+
+
+def errors_of(path, overrides=()):
+    with pytest.raises(ScenarioError) as error:
+        load_scenario(path, overrides)
+    return str(error.value)
+
+
+def test_the_design_example_loads_with_overrides(tiny_scenario):
+    scenario = load_scenario(tiny_scenario(), ["world.nprocs=2", "train.optimizer.lr=0.5",
+                                               "optimizations.toy_probe.intensity=0.5"])
+    assert scenario.world.nprocs == 2
+    assert scenario.train.optimizer.lr == 0.5
+    assert scenario.train.total_steps == 8
+    assert [o.name for o in scenario.build_optimizations()] == ["toy_probe"]
+    assert scenario.build_optimizations()[0].settings["depth"] == 4
+    # The resolved scenario round-trips.
+    again = tiny_scenario(dump_scenario(scenario), "again.yaml")
+    assert load_scenario(again) == scenario
+
+
+def test_intensity_zero_turns_an_optimization_off(tiny_scenario):
+    scenario = load_scenario(tiny_scenario(), ["optimizations.toy_probe.intensity=0"])
+    assert scenario.build_optimizations() == []
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        ({"train": "  batch_sise: 8"}, ":6: train.batch_sise: unknown key 'batch_sise' (did you mean 'batch_size'?)"),
+        ({"train": "  steps: many"}, ":6: train.steps: Input should be a valid integer"),
+        ({"train": "  steps: 0"}, ":6: train.steps: Input should be greater than or equal to 1, got 0"),
+        ({"model": "model: {name: resnet81}"}, ":2: model.name: unknown model 'resnet81' (did you mean 'resnet18'?) (allowed: resnet18, resnet50, bert)"),
+        ({"world": "world: {nprocs: 1, device: tpu}"}, "world.device: Input should be 'auto', 'cpu' or 'cuda'"),
+        ({"opt": "optimizations: {toy_probe: {depth: 99}}"}, "optimizations.toy_probe.depth: depth=99 is out of range: allowed 1 to 16"),
+        ({"opt": "optimizations: {toy_probe: {intensity: 2}}"}, "optimizations.toy_probe.intensity: intensity=2 is out of range: allowed 0 to 1"),
+        ({"opt": "optimizations: {toy_probe: {mode: z}}"}, "optimizations.toy_probe.mode: mode='z' is not allowed: choose one of ['a', 'b', 'c']"),
+        ({"opt": "optimizations: {toy_prob: {}}"}, "optimizations.toy_prob: unknown optimization 'toy_prob' (did you mean 'toy_probe'?)"),
+        ({"model": "model: {name: bert, num_classes: 4}"}, "model.name: model bert reads tokens but data synthetic-images yields images"),
+        ({"model": "model: {name: resnet18, num_classes: 3}"}, "model.num_classes: model.num_classes is 3 but data synthetic-images has 4 classes"),
+    ],
+)
+def test_each_bad_value_names_file_line_key_and_what_is_allowed(tiny_scenario, edit, expected):
+    lines = [
+        "name: tiny",
+        "model: {name: resnet18, stem: cifar, num_classes: 4, width: 4}",
+        "data: {name: synthetic-images, shape: [3, 16, 16], num_classes: 4, num_samples: 256}",
+        "train:",
+        "  batch_size: 8",
+        "  steps: 2",
+        "world: {nprocs: 1}",
+    ]
+    if "train" in edit:
+        lines[5] = edit["train"]
+    if "model" in edit:
+        lines[1] = edit["model"]
+    if "world" in edit:
+        lines[6] = edit["world"]
+    if "opt" in edit:
+        lines.append(edit["opt"])
+    path = tiny_scenario("\n".join(lines) + "\n")
+    message = errors_of(path)
+    assert str(path) in message
+    assert expected in message
+
+
+def test_override_errors_name_the_override(tiny_scenario):
+    message = errors_of(tiny_scenario(), ["train.batch_size=-3"])
+    assert "--set train.batch_size=-3: train.batch_size: Input should be greater than or equal to 1" in message
+    assert "expected KEY=VALUE" in errors_of(tiny_scenario(), ["train.steps"])
+
+
+def test_structural_problems(tmp_path):
+    assert "scenario file not found" in errors_of(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: [1, 2\n")
+    assert f"{bad}:3: not valid YAML" in errors_of(bad)
+    bad.write_text("- just\n- a list\n")
+    assert "must be a mapping of sections, this file is a list" in errors_of(bad)
+    bad.write_text("name: a\nname: b\n")
+    assert "line 2: duplicate key 'name'" in errors_of(bad)
+    bad.write_text("name: a\nmodel: !!python/object/apply:os.system ['true']\n")
+    assert "not valid YAML" in errors_of(bad)  # loaded safely: no object construction
+
+
+def test_every_shipped_scenario_is_valid():
+    files = sorted((ROOT / "scenarios").glob("*.yaml"))
+    assert len(files) >= 6
+    for path in files:
+        load_scenario(path)
+
+
+# ------------------------------------------------------------------ the CLI
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("name: x\nmodel: {name: resnet18, colour: red}\n", "unknown key 'colour'"),
+        ("name: x\nmodel: {name: resnet18}\ndata: {name: synthetic-images}\ntrain: {steps: lots}\n", "train.steps: Input should be a valid integer"),
+        ("model: {name: resnet18}\ndata: {name: synthetic-images}\noptimizations: {toy_probe: {depth: 0}}\n", "depth=0 is out of range"),
+        ("model: [\n", "not valid YAML"),
+        ("model: {name: alexnet}\ndata: {name: synthetic-images}\n", "unknown model 'alexnet'"),
+    ],
+)
+def test_cli_reports_bad_scenarios_with_exit_code_2(tmp_path, content, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    for command in ("check", "run"):
+        result = run_cli(command, path, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert fragment in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_cli_missing_scenario_and_missing_data_folder(tmp_path):
+    result = run_cli("run", tmp_path / "nope.yaml", timeout=60)
+    assert result.returncode == 2 and "scenario file not found" in result.stderr
+    scenario = tmp_path / "cifar.yaml"
+    scenario.write_text(f"model: {{name: resnet18}}\ndata: {{name: cifar10, root: {tmp_path / 'no-cifar'}}}\n")
+    result = run_cli("run", scenario, timeout=60)
+    assert result.returncode == 2
+    assert "CIFAR-10 folder not found at" in result.stderr and "never downloads" in result.stderr
+
+
+def test_cli_check_and_list(tiny_scenario):
+    result = run_cli("check", tiny_scenario(), "--set", "optimizations.toy_probe.intensity=0.5", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "scenario tiny: ok" in result.stdout and "optimizations.toy_probe" in result.stdout
+    result = run_cli("list", "--json", timeout=60)
+    assert result.returncode == 0, result.stderr
+    import json
+
+    catalogue = json.loads(result.stdout)
+    probe = next(o for o in catalogue["optimizations"] if o["name"] == "toy_probe")
+    assert probe["intensity_mapping"]["1.0"]["depth"] == 16
+    assert catalogue["scheduler_policies"] == ["free", "priority"]
+    table = run_cli("list", timeout=60)
+    assert "toy_probe" in table.stdout and "@0.5" in table.stdout
+
+
+def test_scenario_files_exist_at_the_documented_paths():
+    assert (Path(ROOT) / "scenarios" / "quickstart.yaml").is_file()
