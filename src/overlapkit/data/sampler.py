@@ -75,6 +75,9 @@ class ResumableLoader:
         self.epoch = 0
         self.position = 0
         self._loader: DataLoader | None = None
+        # DataLoader draws its workers' base seed from this generator each epoch; with
+        # the global one, a resumed run would consume the global RNG at another moment.
+        self._generator = torch.Generator()
 
     def reconfigure(self, **loader_kwargs: Any) -> None:
         self.loader_kwargs.update(loader_kwargs)
@@ -88,6 +91,7 @@ class ResumableLoader:
                 batch_size=self.batch_size,
                 sampler=self.sampler,
                 drop_last=self.sampler.drop_last,
+                generator=self._generator,
                 **self.loader_kwargs,
             )
         return self._loader
@@ -95,6 +99,7 @@ class ResumableLoader:
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
         self.sampler.start = self.position * self.batch_size
+        self._generator.manual_seed(self.sampler.seed * 100_003 + self.epoch)
         for batch in self.loader:
             self.position += 1
             yield batch
