@@ -37,6 +37,8 @@ class ToyProbe(Optimization):
 
     def on_fit_start(self, state):
         self._record(Event.FIT_START, state)
+        if state.run_dir is not None:
+            (state.run_dir / f"pid-rank{state.world.rank}.txt").write_text(str(os.getpid()))
 
     def on_step_start(self, state):
         self._record(Event.STEP_START, state)

@@ -1,0 +1,166 @@
+"""Datasets and loaders: determinism, sharding, resumable position, local folders."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from overlapkit.data import (
+    Cifar10, DataNotFoundError, ImageFolder, Imdb, ResumableLoader, ShardedSampler,
+    SyntheticImages, SyntheticTokens, build_loaders, hash_tokenize, spend,
+)
+
+
+def test_synthetic_samples_depend_only_on_seed_and_index():
+    a, b = SyntheticImages(num_samples=10, seed=3), SyntheticImages(num_samples=10, seed=3)
+    assert torch.equal(a[7][0], b[7][0]) and a[7][1] == b[7][1]
+    assert not torch.equal(a[7][0], SyntheticImages(num_samples=10, seed=4)[7][0])
+    held_out = SyntheticImages(num_samples=10, seed=3, split=1)
+    assert not torch.equal(a[7][0], held_out[7][0])
+    assert torch.equal(a.patterns, held_out.patterns)  # same task, other samples
+    tokens, label = SyntheticTokens(seq_len=32, vocab_size=100, num_samples=5, seed=0)[2]
+    assert tokens.shape == (32,) and tokens[0] == 1 and 0 <= label < 2
+    assert int(tokens.min()) >= 1 and int(tokens.max()) < 100
+    with pytest.raises(IndexError):
+        a[10]
+
+
+@pytest.mark.parametrize("kind", ["sleep", "cpu"])
+def test_per_sample_cost_takes_the_time_asked(kind):
+    import time
+
+    start = time.perf_counter()
+    spend(30, kind)
+    assert 0.029 <= time.perf_counter() - start < 0.1
+    slow = SyntheticImages(num_samples=4, cost_ms=20, cost_kind=kind)
+    start = time.perf_counter()
+    slow[0], slow[1]
+    assert time.perf_counter() - start >= 0.04
+
+
+def test_shards_are_disjoint_and_cover_the_epoch():
+    shards = [ShardedSampler(10, rank, 3, seed=1).indices() for rank in range(3)]
+    assert all(len(s) == 3 for s in shards)  # drop_last: 9 of 10, evenly
+    assert len(set().union(*shards)) == 9
+    exact = [ShardedSampler(10, rank, 3, shuffle=False, drop_last=False).indices() for rank in range(3)]
+    assert sorted(i for s in exact for i in s) == list(range(10))
+    sampler = ShardedSampler(10, seed=1)
+    first = sampler.indices()
+    sampler.set_epoch(1)
+    assert sorted(sampler.indices()) == sorted(first) and sampler.indices() != first
+
+
+def test_loader_resumes_with_exactly_the_next_batch():
+    dataset = SyntheticImages((1, 2, 2), num_samples=20, seed=0)
+
+    def loader():
+        return ResumableLoader(dataset, 4, ShardedSampler(20, seed=5))
+
+    reference = loader()
+    straight = [batch[0] for _ in range(2) for batch in reference]  # two epochs of 5 batches
+    interrupted = loader()
+    iterator = iter(interrupted)
+    seen = [next(iterator)[0] for _ in range(7 % 5)]  # two batches into epoch 0
+    state = interrupted.state_dict()
+    assert state == {"epoch": 0, "position": 2}
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [b[0] for b in resumed] + [b[0] for b in resumed]
+    assert len(seen + rest) == len(straight)
+    assert all(torch.equal(x, y) for x, y in zip(seen + rest, straight))
+    assert len(resumed) == 5 and resumed.state_dict() == {"epoch": 2, "position": 0}
+
+
+def test_workers_give_the_same_batches_as_the_main_thread():
+    dataset = SyntheticImages((3, 4, 4), num_samples=16, seed=0)
+    inline = ResumableLoader(dataset, 4, ShardedSampler(16, seed=2))
+    workers = ResumableLoader(dataset, 4, ShardedSampler(16, seed=2))
+    workers.reconfigure(num_workers=2)
+    for (a, la), (b, lb) in zip(inline, workers):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_build_loaders_checks_the_global_batch():
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        build_loaders(SyntheticImages(num_samples=10), None, 8, 0, 2, 0)
+
+
+def write_cifar(root, per_batch=4):
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+                 b"labels": [int(x) for x in rng.integers(0, 10, per_batch)]}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+    return folder
+
+
+def test_cifar_reads_the_python_pickle_folder(tmp_path):
+    folder = write_cifar(tmp_path)
+    train, test = Cifar10(tmp_path, train=True), Cifar10(folder, train=False)
+    assert len(train) == 20 and len(test) == 4
+    image, label = train[0]
+    assert image.shape == (3, 32, 32) and 0 <= label < 10
+    with open(folder / "data_batch_1", "rb") as f:
+        raw = pickle.load(f)[b"data"][0].reshape(3, 32, 32)
+    expected = (torch.from_numpy(raw).float() / 255 - torch.tensor([0.4914, 0.4822, 0.4465]).view(3, 1, 1)) / torch.tensor([0.2470, 0.2435, 0.2616]).view(3, 1, 1)
+    assert torch.allclose(image, expected)
+
+
+def test_cifar_refuses_pickles_that_carry_code(tmp_path):
+    folder = write_cifar(tmp_path)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("owned",))
+
+    with open(folder / "test_batch", "wb") as f:
+        pickle.dump({b"data": Evil(), b"labels": []}, f)
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load builtins.print"):
+        Cifar10(tmp_path, train=False)
+
+
+def test_image_folder_decodes_resizes_and_crops(tmp_path):
+    for split in ("train", "val"):
+        for label, name in enumerate(["cat", "dog"]):
+            (tmp_path / split / name).mkdir(parents=True)
+            for i in range(2):
+                colour = (255 * label, 40 * i, 0)
+                Image.new("RGB", (50 + 10 * i, 40), colour).save(tmp_path / split / name / f"{i}.png")
+    (tmp_path / "train" / "cat" / "notes.txt").write_text("not an image")
+    dataset = ImageFolder(tmp_path, size=32, split="train")
+    assert dataset.classes == ["cat", "dog"] and len(dataset) == 4
+    image, label = dataset[3]
+    assert image.shape == (3, 32, 32) and label == 1
+    red = (1.0 - 0.485) / 0.229
+    assert image[0].mean().item() == pytest.approx(red, rel=0.02)
+
+
+def test_imdb_reads_the_review_folder_and_hashes_words(tmp_path):
+    for split in ("train", "test"):
+        for name in ("pos", "neg"):
+            (tmp_path / "aclImdb" / split / name).mkdir(parents=True)
+            (tmp_path / "aclImdb" / split / name / "0_7.txt").write_text(f"A {name} film.<br />Great!")
+    dataset = Imdb(tmp_path, train=True, seq_len=8, vocab_size=100)
+    tokens, label = dataset[1]
+    assert label == 1 and tokens.shape == (8,)
+    assert torch.equal(tokens, hash_tokenize("a pos film great", 8, 100))
+    assert tokens[0] == 1 and (tokens[5:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda p: Cifar10(p / "missing"), "CIFAR-10 folder not found"),
+        (lambda p: ImageFolder(p), "no class folders under"),
+        (lambda p: Imdb(p / "missing"), "IMDB folder not found"),
+    ],
+)
+def test_missing_local_data_is_a_clear_error(tmp_path, make, fragment):
+    with pytest.raises(DataNotFoundError, match=fragment) as error:
+        make(tmp_path)
+    assert "never downloads" in str(error.value) or "expected" in str(error.value)
