@@ -37,12 +37,14 @@ class Waveforms(Dataset):
         phase = torch.rand(count, 1, generator=generator)
         cycles = frequency * t + phase
         fraction = cycles - cycles.floor()
-        shapes = torch.stack([
-            torch.sin(2 * math.pi * cycles),
-            torch.sign(torch.sin(2 * math.pi * cycles)),
-            2 * fraction - 1,
-            4 * (fraction - 0.5).abs() - 1,
-        ])
+        shapes = torch.stack(
+            [
+                torch.sin(2 * math.pi * cycles),
+                torch.sign(torch.sin(2 * math.pi * cycles)),
+                2 * fraction - 1,
+                4 * (fraction - 0.5).abs() - 1,
+            ]
+        )
         waves = shapes[self.labels, torch.arange(count)]
         self.waves = (waves + 0.3 * torch.randn(count, length, generator=generator)).unsqueeze(1)
 
@@ -55,9 +57,14 @@ class Waveforms(Dataset):
 
 def make_model() -> nn.Module:
     return nn.Sequential(
-        nn.Conv1d(1, 16, 7, padding=3), nn.ReLU(), nn.MaxPool1d(2),
-        nn.Conv1d(16, 32, 5, padding=2), nn.ReLU(), nn.AdaptiveAvgPool1d(8),
-        nn.Flatten(), nn.Linear(32 * 8, Waveforms.kinds),
+        nn.Conv1d(1, 16, 7, padding=3),
+        nn.ReLU(),
+        nn.MaxPool1d(2),
+        nn.Conv1d(16, 32, 5, padding=2),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool1d(8),
+        nn.Flatten(),
+        nn.Linear(32 * 8, Waveforms.kinds),
     )
 
 
@@ -83,7 +90,8 @@ def main() -> None:
     sampler = DistributedSampler(train_set, world.world_size, world.rank, seed=0)
     loader = DataLoader(train_set, batch_size=32, sampler=sampler, drop_last=True)
     test_loader = DataLoader(
-        test_set, batch_size=128,
+        test_set,
+        batch_size=128,
         sampler=DistributedSampler(test_set, world.world_size, world.rank, shuffle=False),
     )
     model = make_model()
@@ -103,8 +111,15 @@ def main() -> None:
     result = session.evaluate(test_loader)
     summary = session.finish()
     if world.is_main:
-        print(json.dumps({"step": session.state.step, "accuracy": result["accuracy"],
-                          "samples_per_s": summary["samples_per_s"]}))
+        print(
+            json.dumps(
+                {
+                    "step": session.state.step,
+                    "accuracy": result["accuracy"],
+                    "samples_per_s": summary["samples_per_s"],
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

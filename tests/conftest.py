@@ -45,8 +45,13 @@ def tiny_scenario(tmp_path: Path):
     return write
 
 
-def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = 240, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "overlapkit", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd or ROOT,
     )

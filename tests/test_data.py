@@ -8,8 +8,17 @@ import torch
 from PIL import Image
 
 from overlapkit.data import (
-    Cifar10, DataNotFoundError, ImageFolder, Imdb, ResumableLoader, ShardedSampler,
-    SyntheticImages, SyntheticTokens, build_loaders, hash_tokenize, spend,
+    Cifar10,
+    DataNotFoundError,
+    ImageFolder,
+    Imdb,
+    ResumableLoader,
+    ShardedSampler,
+    SyntheticImages,
+    SyntheticTokens,
+    build_loaders,
+    hash_tokenize,
+    spend,
 )
 
 
@@ -44,7 +53,9 @@ def test_shards_are_disjoint_and_cover_the_epoch():
     shards = [ShardedSampler(10, rank, 3, seed=1).indices() for rank in range(3)]
     assert all(len(s) == 3 for s in shards)  # drop_last: 9 of 10, evenly
     assert len(set().union(*shards)) == 9
-    exact = [ShardedSampler(10, rank, 3, shuffle=False, drop_last=False).indices() for rank in range(3)]
+    exact = [
+        ShardedSampler(10, rank, 3, shuffle=False, drop_last=False).indices() for rank in range(3)
+    ]
     assert sorted(i for s in exact for i in s) == list(range(10))
     sampler = ShardedSampler(10, seed=1)
     first = sampler.indices()
@@ -69,7 +80,7 @@ def test_loader_resumes_with_exactly_the_next_batch():
     resumed.load_state_dict(state)
     rest = [b[0] for b in resumed] + [b[0] for b in resumed]
     assert len(seen + rest) == len(straight)
-    assert all(torch.equal(x, y) for x, y in zip(seen + rest, straight))
+    assert all(torch.equal(x, y) for x, y in zip(seen + rest, straight, strict=True))
     assert len(resumed) == 5 and resumed.state_dict() == {"epoch": 2, "position": 0}
 
 
@@ -78,7 +89,7 @@ def test_workers_give_the_same_batches_as_the_main_thread():
     inline = ResumableLoader(dataset, 4, ShardedSampler(16, seed=2))
     workers = ResumableLoader(dataset, 4, ShardedSampler(16, seed=2))
     workers.reconfigure(num_workers=2)
-    for (a, la), (b, lb) in zip(inline, workers):
+    for (a, la), (b, lb) in zip(inline, workers, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
 
 
@@ -92,8 +103,10 @@ def write_cifar(root, per_batch=4):
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-                 b"labels": [int(x) for x in rng.integers(0, 10, per_batch)]}
+        batch = {
+            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            b"labels": [int(x) for x in rng.integers(0, 10, per_batch)],
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(batch, f)
     return folder
@@ -107,7 +120,9 @@ def test_cifar_reads_the_python_pickle_folder(tmp_path):
     assert image.shape == (3, 32, 32) and 0 <= label < 10
     with open(folder / "data_batch_1", "rb") as f:
         raw = pickle.load(f)[b"data"][0].reshape(3, 32, 32)
-    expected = (torch.from_numpy(raw).float() / 255 - torch.tensor([0.4914, 0.4822, 0.4465]).view(3, 1, 1)) / torch.tensor([0.2470, 0.2435, 0.2616]).view(3, 1, 1)
+    expected = (
+        torch.from_numpy(raw).float() / 255 - torch.tensor([0.4914, 0.4822, 0.4465]).view(3, 1, 1)
+    ) / torch.tensor([0.2470, 0.2435, 0.2616]).view(3, 1, 1)
     assert torch.allclose(image, expected)
 
 
@@ -130,7 +145,9 @@ def test_image_folder_decodes_resizes_and_crops(tmp_path):
             (tmp_path / split / name).mkdir(parents=True)
             for i in range(2):
                 colour = (255 * label, 40 * i, 0)
-                Image.new("RGB", (50 + 10 * i, 40), colour).save(tmp_path / split / name / f"{i}.png")
+                Image.new("RGB", (50 + 10 * i, 40), colour).save(
+                    tmp_path / split / name / f"{i}.png"
+                )
     (tmp_path / "train" / "cat" / "notes.txt").write_text("not an image")
     dataset = ImageFolder(tmp_path, size=32, split="train")
     assert dataset.classes == ["cat", "dog"] and len(dataset) == 4
@@ -144,7 +161,9 @@ def test_imdb_reads_the_review_folder_and_hashes_words(tmp_path):
     for split in ("train", "test"):
         for name in ("pos", "neg"):
             (tmp_path / "aclImdb" / split / name).mkdir(parents=True)
-            (tmp_path / "aclImdb" / split / name / "0_7.txt").write_text(f"A {name} film.<br />Great!")
+            (tmp_path / "aclImdb" / split / name / "0_7.txt").write_text(
+                f"A {name} film.<br />Great!"
+            )
     dataset = Imdb(tmp_path, train=True, seq_len=8, vocab_size=100)
     tokens, label = dataset[1]
     assert label == 1 and tokens.shape == (8,)

@@ -19,9 +19,19 @@ def read_steps(folder):
 def test_two_rank_run_gathers_every_ranks_metrics(tiny_scenario, tmp_path):
     out = tmp_path / "out"
     result = run_cli(
-        "run", tiny_scenario(), "--out", out, "--json",
-        "--set", "world.nprocs=2", "--set", "optimizations.toy_probe.intensity=1",
-        "--set", "train.eval.at_end=true", "--set", "data.eval_samples=63",
+        "run",
+        tiny_scenario(),
+        "--out",
+        out,
+        "--json",
+        "--set",
+        "world.nprocs=2",
+        "--set",
+        "optimizations.toy_probe.intensity=1",
+        "--set",
+        "train.eval.at_end=true",
+        "--set",
+        "data.eval_samples=63",
     )
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
@@ -31,7 +41,9 @@ def test_two_rank_run_gathers_every_ranks_metrics(tiny_scenario, tmp_path):
     steps = read_steps(out)
     assert [(s["step"], s["rank"]) for s in steps] == [(i, r) for i in range(8) for r in (0, 1)]
     # Each rank trains on its own shard of the data...
-    assert [s["loss"] for s in steps if s["rank"] == 0] != [s["loss"] for s in steps if s["rank"] == 1]
+    assert [s["loss"] for s in steps if s["rank"] == 0] != [
+        s["loss"] for s in steps if s["rank"] == 1
+    ]
     # ...and the gradient all-reduce keeps the replicas identical.
     probes = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
     assert probes[0]["param_sum"] == pytest.approx(probes[1]["param_sum"], rel=1e-6)
@@ -49,10 +61,18 @@ def test_a_failing_rank_fails_the_run_promptly_with_its_error(tiny_scenario, tmp
     out = tmp_path / "out"
     start = time.monotonic()
     result = run_cli(
-        "run", tiny_scenario(), "--out", out,
-        "--set", "world.nprocs=2", "--set", "train.steps=1000",
-        "--set", "optimizations.toy_probe.intensity=1",
-        "--set", "optimizations.toy_fail={rank: 1, step: 3}",
+        "run",
+        tiny_scenario(),
+        "--out",
+        out,
+        "--set",
+        "world.nprocs=2",
+        "--set",
+        "train.steps=1000",
+        "--set",
+        "optimizations.toy_probe.intensity=1",
+        "--set",
+        "optimizations.toy_fail={rank: 1, step: 3}",
         timeout=120,
     )
     elapsed = time.monotonic() - start
@@ -64,16 +84,36 @@ def test_a_failing_rank_fails_the_run_promptly_with_its_error(tiny_scenario, tmp
     time.sleep(0.5)
     for rank in (0, 1):
         pid = int((out / f"pid-rank{rank}.txt").read_text())
-        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+        assert (
+            not os.path.exists(f"/proc/{pid}")
+            or "zombie" in open(f"/proc/{pid}/status").read().lower()
+        )
 
 
 def test_the_same_entry_point_runs_under_torchrun(tiny_scenario, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "overlapkit", "run", str(tiny_scenario()), "--out", str(out), "--quiet",
-         "--set", "optimizations.toy_probe.intensity=1"],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "overlapkit",
+            "run",
+            str(tiny_scenario()),
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            "optimizations.toy_probe.intensity=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -14,8 +14,13 @@ def run(*args, torchrun=False):
     prefix = [sys.executable]
     if torchrun:
         prefix += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = subprocess.run([*prefix, str(EXAMPLE), *map(str, args)],
-                            capture_output=True, text=True, timeout=180, cwd=ROOT)
+    result = subprocess.run(
+        [*prefix, str(EXAMPLE), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -13,7 +13,9 @@ from overlapkit.scenarios import load_scenario
 def run(tiny_scenario, tmp_path, *overrides, name="run"):
     scenario = load_scenario(tiny_scenario(), list(overrides))
     summary = run_scenario(scenario, tmp_path / name, progress=False, print_summary=False)
-    steps = [json.loads(line) for line in (tmp_path / name / "steps.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line) for line in (tmp_path / name / "steps.jsonl").read_text().splitlines()
+    ]
     return summary, steps
 
 
@@ -32,12 +34,25 @@ def test_run_folder_follows_the_public_contract(tiny_scenario, tmp_path):
     folder = tmp_path / "run"
     assert {p.name for p in folder.iterdir()} >= {"scenario.yaml", "steps.jsonl", "summary.json"}
     assert json.loads((folder / "summary.json").read_text()) == json.loads(json.dumps(summary))
-    for key in ("name", "world_size", "steps", "samples_per_s", "step_time_s", "phases_s", "pop", "optimizations"):
+    for key in (
+        "name",
+        "world_size",
+        "steps",
+        "samples_per_s",
+        "step_time_s",
+        "phases_s",
+        "pop",
+        "optimizations",
+    ):
         assert key in summary
     assert summary["name"] == "tiny" and summary["world_size"] == 1 and summary["steps"] == 6
     assert set(summary["step_time_s"]) >= {"mean", "p50", "p90"}
     assert set(summary["phases_s"]) == set(PHASES)
-    assert set(summary["pop"]) == {"load_balance", "communication_efficiency", "parallel_efficiency"}
+    assert set(summary["pop"]) == {
+        "load_balance",
+        "communication_efficiency",
+        "parallel_efficiency",
+    }
     assert [s["step"] for s in steps] == list(range(8))
     assert [s["warmup"] for s in steps] == [True, True] + [False] * 6
     for record in steps:
@@ -55,7 +70,11 @@ def test_run_folder_follows_the_public_contract(tiny_scenario, tmp_path):
 
 def test_training_learns_the_synthetic_task(tiny_scenario, tmp_path):
     summary, steps = run(
-        tiny_scenario, tmp_path, "train.steps=40", "train.eval.at_end=true", "model.width=8",
+        tiny_scenario,
+        tmp_path,
+        "train.steps=40",
+        "train.eval.at_end=true",
+        "model.width=8",
     )
     first = sum(s["loss"] for s in steps[:4]) / 4
     last = sum(s["loss"] for s in steps[-4:]) / 4
@@ -74,8 +93,15 @@ def test_hooks_see_every_event_in_loop_order(tiny_scenario, tmp_path):
     probe = json.loads((tmp_path / "run" / "probe-rank0.json").read_text())
     events = [e for _, e in probe["events"]]
     one_step = [
-        "step_start", "after_data", "before_forward", "after_forward", "before_backward",
-        "after_backward", "before_optimizer_step", "after_optimizer_step", "step_end",
+        "step_start",
+        "after_data",
+        "before_forward",
+        "after_forward",
+        "before_backward",
+        "after_backward",
+        "before_optimizer_step",
+        "after_optimizer_step",
+        "step_end",
     ]
     assert events[0] == "fit_start" and events[-1] == "fit_end"
     assert events[1:10] == one_step

@@ -52,13 +52,25 @@ def _record(step, rank, time_s, forward, warmup=False):
     phases = dict.fromkeys(PHASES, 0.0)
     phases["forward"] = forward
     phases["other"] = time_s - forward
-    return step_record(step=step, rank=rank, loss=1.0 + step, samples=10, step_time_s=time_s,
-                       phases_s=phases, warmup=warmup)
+    return step_record(
+        step=step,
+        rank=rank,
+        loss=1.0 + step,
+        samples=10,
+        step_time_s=time_s,
+        phases_s=phases,
+        warmup=warmup,
+    )
 
 
 def test_summary_skips_warmup_and_takes_the_slowest_rank_per_step():
     records = [_record(0, r, 9.0, 1.0, warmup=True) for r in (0, 1)]
-    records += [_record(1, 0, 1.0, 0.8), _record(1, 1, 2.0, 0.4), _record(2, 0, 1.0, 0.8), _record(2, 1, 1.0, 0.4)]
+    records += [
+        _record(1, 0, 1.0, 0.8),
+        _record(1, 1, 2.0, 0.4),
+        _record(2, 0, 1.0, 0.8),
+        _record(2, 1, 1.0, 0.4),
+    ]
     summary = summarize(records, world_size=2)
     assert summary["steps"] == 2
     assert summary["step_time_s"]["mean"] == pytest.approx(1.5)  # max(1, 2) and max(1, 1)

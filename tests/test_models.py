@@ -19,7 +19,14 @@ def test_resnets_have_the_standard_parameter_counts(depth, stem, size, params):
     model = ResNet(depth, stem, num_classes=10)
     assert sum(p.numel() for p in model.parameters()) == params
     assert model(torch.randn(2, 3, size, size)).shape == (2, 10)
-    assert [name for name, _ in model.named_children()] == ["stem", "layer1", "layer2", "layer3", "layer4", "head"]
+    assert [name for name, _ in model.named_children()] == [
+        "stem",
+        "layer1",
+        "layer2",
+        "layer3",
+        "layer4",
+        "head",
+    ]
 
 
 def test_resnet_with_the_imagenet_stem_takes_224():
@@ -29,7 +36,9 @@ def test_resnet_with_the_imagenet_stem_takes_224():
 
 def test_bert_masks_padding_and_classifies():
     torch.manual_seed(0)
-    model = BertClassifier(vocab_size=100, hidden=32, layers=2, heads=4, max_len=16, num_classes=3).eval()
+    model = BertClassifier(
+        vocab_size=100, hidden=32, layers=2, heads=4, max_len=16, num_classes=3
+    ).eval()
     tokens = torch.randint(2, 100, (2, 10))
     tokens[:, 0] = 1
     assert model(tokens).shape == (2, 3)

@@ -11,7 +11,9 @@ def test_numeric_knob_interpolates_linearly_and_geometrically():
     assert linear.at_intensity(0.0) == 2.0
     assert linear.at_intensity(0.5) == pytest.approx(6.0)
     assert linear.at_intensity(1.0) == 10.0
-    log = Knob(name="mb", type=float, default=25.0, low=1, high=256, log=True, intensity=(256.0, 1.0))
+    log = Knob(
+        name="mb", type=float, default=25.0, low=1, high=256, log=True, intensity=(256.0, 1.0)
+    )
     assert log.at_intensity(0.5) == pytest.approx(16.0)  # the geometric midpoint
     assert log.at_intensity(0.25) == pytest.approx(64.0)
 
@@ -19,7 +21,9 @@ def test_numeric_knob_interpolates_linearly_and_geometrically():
 def test_int_knob_rounds_and_multi_anchor_ladders():
     ladder = Knob(name="depth", type=int, default=1, low=1, high=8, intensity=(1, 2, 8))
     assert [ladder.at_intensity(i) for i in (0.0, 0.25, 0.5, 0.75, 1.0)] == [1, 2, 2, 5, 8]
-    choice = Knob(name="mode", type=str, default="a", choices=("a", "b", "c"), intensity=("a", "b", "c"))
+    choice = Knob(
+        name="mode", type=str, default="a", choices=("a", "b", "c"), intensity=("a", "b", "c")
+    )
     assert [choice.at_intensity(i) for i in (0.0, 0.3, 0.5, 0.8, 1.0)] == ["a", "b", "b", "c", "c"]
     fixed = Knob(name="flag", type=bool, default=True)
     assert fixed.at_intensity(0.7) is True
@@ -33,7 +37,11 @@ def test_int_knob_rounds_and_multi_anchor_ladders():
         (Knob(name="n", type=int, default=1), "two", "must be a number"),
         (Knob(name="n", type=int, default=1), True, "must be a number"),
         (Knob(name="b", type=bool, default=True), 1, "true or false"),
-        (Knob(name="c", type=str, default="a", choices=("a", "b")), "z", "choose one of ['a', 'b']"),
+        (
+            Knob(name="c", type=str, default="a", choices=("a", "b")),
+            "z",
+            "choose one of ['a', 'b']",
+        ),
     ],
 )
 def test_knob_rejects_bad_values(knob, value, fragment):
@@ -55,7 +63,9 @@ def test_explicit_knobs_override_the_intensity_mapping():
 
 def test_unknown_knob_and_bad_intensity_are_named():
     probe = get_optimization("toy_probe")
-    with pytest.raises(KnobError, match=r"no knob 'dept' \(did you mean 'depth'\?\); allowed: intensity, depth"):
+    with pytest.raises(
+        KnobError, match=r"no knob 'dept' \(did you mean 'depth'\?\); allowed: intensity, depth"
+    ):
         probe.resolve(1.0, {"dept": 2})
     with pytest.raises(KnobError, match="intensity=1.5 is out of range"):
         probe.resolve(1.5, {})
@@ -71,7 +81,12 @@ def test_describe_lists_knobs_for_the_tuner():
     described = get_optimization("toy_probe").describe()
     depth = described["knobs"][0]
     assert depth == {
-        "name": "depth", "type": "int", "default": 1, "range": [1, 16], "log": True, "intensity": [1, 16],
+        "name": "depth",
+        "type": "int",
+        "default": 1,
+        "range": [1, 16],
+        "log": True,
+        "intensity": [1, 16],
     }
     assert described["resources"] == ["host_cpu"]
 

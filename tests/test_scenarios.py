@@ -15,8 +15,10 @@ def errors_of(path, overrides=()):
 
 
 def test_the_design_example_loads_with_overrides(tiny_scenario):
-    scenario = load_scenario(tiny_scenario(), ["world.nprocs=2", "train.optimizer.lr=0.5",
-                                               "optimizations.toy_probe.intensity=0.5"])
+    scenario = load_scenario(
+        tiny_scenario(),
+        ["world.nprocs=2", "train.optimizer.lr=0.5", "optimizations.toy_probe.intensity=0.5"],
+    )
     assert scenario.world.nprocs == 2
     assert scenario.train.optimizer.lr == 0.5
     assert scenario.train.total_steps == 8
@@ -35,17 +37,47 @@ def test_intensity_zero_turns_an_optimization_off(tiny_scenario):
 @pytest.mark.parametrize(
     "edit, expected",
     [
-        ({"train": "  batch_sise: 8"}, ":6: train.batch_sise: unknown key 'batch_sise' (did you mean 'batch_size'?)"),
+        (
+            {"train": "  batch_sise: 8"},
+            ":6: train.batch_sise: unknown key 'batch_sise' (did you mean 'batch_size'?)",
+        ),
         ({"train": "  steps: many"}, ":6: train.steps: Input should be a valid integer"),
-        ({"train": "  steps: 0"}, ":6: train.steps: Input should be greater than or equal to 1, got 0"),
-        ({"model": "model: {name: resnet81}"}, ":2: model.name: unknown model 'resnet81' (did you mean 'resnet18'?) (allowed: resnet18, resnet50, bert)"),
-        ({"world": "world: {nprocs: 1, device: tpu}"}, "world.device: Input should be 'auto', 'cpu' or 'cuda'"),
-        ({"opt": "optimizations: {toy_probe: {depth: 99}}"}, "optimizations.toy_probe.depth: depth=99 is out of range: allowed 1 to 16"),
-        ({"opt": "optimizations: {toy_probe: {intensity: 2}}"}, "optimizations.toy_probe.intensity: intensity=2 is out of range: allowed 0 to 1"),
-        ({"opt": "optimizations: {toy_probe: {mode: z}}"}, "optimizations.toy_probe.mode: mode='z' is not allowed: choose one of ['a', 'b', 'c']"),
-        ({"opt": "optimizations: {toy_prob: {}}"}, "optimizations.toy_prob: unknown optimization 'toy_prob' (did you mean 'toy_probe'?)"),
-        ({"model": "model: {name: bert, num_classes: 4}"}, "model.name: model bert reads tokens but data synthetic-images yields images"),
-        ({"model": "model: {name: resnet18, num_classes: 3}"}, "model.num_classes: model.num_classes is 3 but data synthetic-images has 4 classes"),
+        (
+            {"train": "  steps: 0"},
+            ":6: train.steps: Input should be greater than or equal to 1, got 0",
+        ),
+        (
+            {"model": "model: {name: resnet81}"},
+            ":2: model.name: unknown model 'resnet81' (did you mean 'resnet18'?) (allowed: resnet18, resnet50, bert)",
+        ),
+        (
+            {"world": "world: {nprocs: 1, device: tpu}"},
+            "world.device: Input should be 'auto', 'cpu' or 'cuda'",
+        ),
+        (
+            {"opt": "optimizations: {toy_probe: {depth: 99}}"},
+            "optimizations.toy_probe.depth: depth=99 is out of range: allowed 1 to 16",
+        ),
+        (
+            {"opt": "optimizations: {toy_probe: {intensity: 2}}"},
+            "optimizations.toy_probe.intensity: intensity=2 is out of range: allowed 0 to 1",
+        ),
+        (
+            {"opt": "optimizations: {toy_probe: {mode: z}}"},
+            "optimizations.toy_probe.mode: mode='z' is not allowed: choose one of ['a', 'b', 'c']",
+        ),
+        (
+            {"opt": "optimizations: {toy_prob: {}}"},
+            "optimizations.toy_prob: unknown optimization 'toy_prob' (did you mean 'toy_probe'?)",
+        ),
+        (
+            {"model": "model: {name: bert, num_classes: 4}"},
+            "model.name: model bert reads tokens but data synthetic-images yields images",
+        ),
+        (
+            {"model": "model: {name: resnet18, num_classes: 3}"},
+            "model.num_classes: model.num_classes is 3 but data synthetic-images has 4 classes",
+        ),
     ],
 )
 def test_each_bad_value_names_file_line_key_and_what_is_allowed(tiny_scenario, edit, expected):
@@ -74,7 +106,10 @@ def test_each_bad_value_names_file_line_key_and_what_is_allowed(tiny_scenario, e
 
 def test_override_errors_name_the_override(tiny_scenario):
     message = errors_of(tiny_scenario(), ["train.batch_size=-3"])
-    assert "--set train.batch_size=-3: train.batch_size: Input should be greater than or equal to 1" in message
+    assert (
+        "--set train.batch_size=-3: train.batch_size: Input should be greater than or equal to 1"
+        in message
+    )
     assert "expected KEY=VALUE" in errors_of(tiny_scenario(), ["train.steps"])
 
 
@@ -103,8 +138,14 @@ def test_every_shipped_scenario_is_valid():
     "content, fragment",
     [
         ("name: x\nmodel: {name: resnet18, colour: red}\n", "unknown key 'colour'"),
-        ("name: x\nmodel: {name: resnet18}\ndata: {name: synthetic-images}\ntrain: {steps: lots}\n", "train.steps: Input should be a valid integer"),
-        ("model: {name: resnet18}\ndata: {name: synthetic-images}\noptimizations: {toy_probe: {depth: 0}}\n", "depth=0 is out of range"),
+        (
+            "name: x\nmodel: {name: resnet18}\ndata: {name: synthetic-images}\ntrain: {steps: lots}\n",
+            "train.steps: Input should be a valid integer",
+        ),
+        (
+            "model: {name: resnet18}\ndata: {name: synthetic-images}\noptimizations: {toy_probe: {depth: 0}}\n",
+            "depth=0 is out of range",
+        ),
         ("model: [\n", "not valid YAML"),
         ("model: {name: alexnet}\ndata: {name: synthetic-images}\n", "unknown model 'alexnet'"),
     ],
@@ -123,14 +164,18 @@ def test_cli_missing_scenario_and_missing_data_folder(tmp_path):
     result = run_cli("run", tmp_path / "nope.yaml", timeout=60)
     assert result.returncode == 2 and "scenario file not found" in result.stderr
     scenario = tmp_path / "cifar.yaml"
-    scenario.write_text(f"model: {{name: resnet18}}\ndata: {{name: cifar10, root: {tmp_path / 'no-cifar'}}}\n")
+    scenario.write_text(
+        f"model: {{name: resnet18}}\ndata: {{name: cifar10, root: {tmp_path / 'no-cifar'}}}\n"
+    )
     result = run_cli("run", scenario, timeout=60)
     assert result.returncode == 2
     assert "CIFAR-10 folder not found at" in result.stderr and "never downloads" in result.stderr
 
 
 def test_cli_check_and_list(tiny_scenario):
-    result = run_cli("check", tiny_scenario(), "--set", "optimizations.toy_probe.intensity=0.5", timeout=60)
+    result = run_cli(
+        "check", tiny_scenario(), "--set", "optimizations.toy_probe.intensity=0.5", timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert "scenario tiny: ok" in result.stdout and "optimizations.toy_probe" in result.stdout
     result = run_cli("list", "--json", timeout=60)

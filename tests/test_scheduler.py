@@ -4,7 +4,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from overlapkit.runtime import CombinationError, Event, Optimization, PhaseClock, Scheduler, WrapStage
+from overlapkit.runtime import (
+    CombinationError,
+    Event,
+    Optimization,
+    PhaseClock,
+    Scheduler,
+    WrapStage,
+)
 from overlapkit.runtime.arbitration import ArbitrationPolicy
 
 
@@ -15,9 +22,14 @@ def make(name, *, after=(), before=(), conflicts=(), provides=(), stage=WrapStag
         return lambda self, state: log.append((name, event))
 
     attrs = {
-        "name": name, "after": tuple(after), "before": tuple(before), "conflicts": tuple(conflicts),
-        "provides": frozenset(provides), "wrap_stage": stage,
-        "on_step_start": hook("step_start"), "on_step_end": hook("step_end"),
+        "name": name,
+        "after": tuple(after),
+        "before": tuple(before),
+        "conflicts": tuple(conflicts),
+        "provides": frozenset(provides),
+        "wrap_stage": stage,
+        "on_step_start": hook("step_start"),
+        "on_step_end": hook("step_end"),
         "wrap_model": lambda self, model, state: [*model, name],
     }
     return type(name, (Optimization,), attrs)()
@@ -33,7 +45,10 @@ def test_order_follows_after_and_before_and_keeps_listing_order_otherwise():
     # c and d are free to go first (c is listed first); b follows c, a follows d.
     assert ordered == ["c", "b", "d", "a"]
     # Declarations about absent optimizations are ignored.
-    assert [o.name for o in Scheduler([make("x", after=["nope"]), make("y")]).optimizations] == ["x", "y"]
+    assert [o.name for o in Scheduler([make("x", after=["nope"]), make("y")]).optimizations] == [
+        "x",
+        "y",
+    ]
 
 
 def test_exit_events_run_in_reverse_and_the_trace_records_them():
@@ -42,16 +57,24 @@ def test_exit_events_run_in_reverse_and_the_trace_records_them():
     state = fake_state()
     scheduler.fire(Event.STEP_START, state)
     scheduler.fire(Event.STEP_END, state)
-    assert log == [("first", "step_start"), ("second", "step_start"),
-                   ("second", "step_end"), ("first", "step_end")]
+    assert log == [
+        ("first", "step_start"),
+        ("second", "step_start"),
+        ("second", "step_end"),
+        ("first", "step_end"),
+    ]
     assert scheduler.trace.order_at(Event.STEP_START) == ["first", "second"]
     assert scheduler.trace.order_at(Event.STEP_END) == ["second", "first"]
     hooks = scheduler.trace.summary()
     assert hooks["first"]["step_start"]["calls"] == 1
     assert hooks["second"]["step_end"]["total_s"] >= 0.0
     chrome = scheduler.trace.chrome_events()
-    assert [e["name"] for e in chrome] == ["first.step_start", "second.step_start",
-                                           "second.step_end", "first.step_end"]
+    assert [e["name"] for e in chrome] == [
+        "first.step_start",
+        "second.step_start",
+        "second.step_end",
+        "first.step_end",
+    ]
     assert all(e["ph"] == "X" and e["dur"] >= 0 for e in chrome)
 
 
@@ -79,9 +102,14 @@ def test_model_wrappers_apply_in_the_fixed_stage_order():
 def test_hook_time_is_counted_as_other_not_in_the_surrounding_phase():
     import time
 
-    slow = type("slow", (Optimization,), {
-        "name": "slow", "on_after_data": lambda self, state: time.sleep(0.05),
-    })()
+    slow = type(
+        "slow",
+        (Optimization,),
+        {
+            "name": "slow",
+            "on_after_data": lambda self, state: time.sleep(0.05),
+        },
+    )()
     scheduler = Scheduler([slow])
     state = fake_state()
     state.clock.start_step()

@@ -11,7 +11,9 @@ from overlapkit.runtime.rng import seed_everything
 
 def make_parts(seed=0):
     seed_everything(seed)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 32), nn.Dropout(0.2), nn.ReLU(), nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(3 * 8 * 8, 32), nn.Dropout(0.2), nn.ReLU(), nn.Linear(32, 4)
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     dataset = SyntheticImages((3, 8, 8), num_classes=4, num_samples=40, seed=seed)
     loader = ResumableLoader(dataset, batch_size=8, sampler=ShardedSampler(len(dataset), seed=seed))
@@ -50,7 +52,7 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     after = train(second, model, optimizer, loader, total=12)
 
     assert before + after == straight
-    for a, b in zip(model.parameters(), straight_model.parameters()):
+    for a, b in zip(model.parameters(), straight_model.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -29,7 +29,11 @@ INTENSITY_POINTS = (0.25, 0.5, 0.75, 1.0)
 def _scenario_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", type=Path, help="a scenario YAML file")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a value by its dotted path, e.g. --set train.steps=20 (repeatable)",
     )
 
@@ -61,7 +65,8 @@ def _describe_scenario(scenario: Scenario) -> Table:
     table.add_row("data", json.dumps(scenario.data.model_dump(mode="json")))
     cfg = scenario.train
     table.add_row(
-        "train", f"{cfg.warmup_steps} warm-up + {cfg.steps} measured steps of {cfg.batch_size} per rank"
+        "train",
+        f"{cfg.warmup_steps} warm-up + {cfg.steps} measured steps of {cfg.batch_size} per rank",
     )
     table.add_row("world", json.dumps(scenario.world.model_dump(mode="json")))
     for optimization in scenario.build_optimizations():
@@ -88,7 +93,9 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
     if not catalogue["optimizations"]:
         console.print("no optimizations are installed yet")
     for entry in catalogue["optimizations"]:
-        table = Table(title=f"{entry['name']}: {entry['doc']}  (resources: {', '.join(entry['resources'])})")
+        table = Table(
+            title=f"{entry['name']}: {entry['doc']}  (resources: {', '.join(entry['resources'])})"
+        )
         table.add_column("knob")
         table.add_column("type")
         table.add_column("range / choices")
@@ -102,7 +109,9 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
             cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in values]
             table.add_row(knob["name"], knob["type"], span, str(knob["default"]), *cells)
         console.print(table)
-    console.print("intensity 0 turns an optimization off; knobs set explicitly override the mapping")
+    console.print(
+        "intensity 0 turns an optimization off; knobs set explicitly override the mapping"
+    )
     console.print(f"models: {', '.join(catalogue['models'])}")
     console.print(f"data: {', '.join(catalogue['data'])}")
     console.print(f"scheduler policies: {', '.join(catalogue['scheduler_policies'])}")

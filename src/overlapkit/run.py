@@ -43,8 +43,13 @@ def rank_main(
         train_set, eval_set = scenario.data.build(cfg.seed)
         wants_eval = bool(cfg.eval.every or cfg.eval.at_end)
         train_loader, eval_loader = build_loaders(
-            train_set, eval_set if wants_eval else None, cfg.batch_size,
-            world.rank, world.world_size, cfg.seed, cfg.eval.max_samples,
+            train_set,
+            eval_set if wants_eval else None,
+            cfg.batch_size,
+            world.rank,
+            world.world_size,
+            cfg.seed,
+            cfg.eval.max_samples,
         )
         seed_everything(cfg.seed + 1 + world.rank)  # dropout and the like differ per rank
         session = Session(

@@ -22,7 +22,9 @@ class ToyProbe(Optimization):
     name = "toy_probe"
     knobs = (
         Knob(name="depth", type=int, default=1, low=1, high=16, intensity=(1, 16), log=True),
-        Knob(name="mode", type=str, default="a", choices=("a", "b", "c"), intensity=("a", "b", "c")),
+        Knob(
+            name="mode", type=str, default="a", choices=("a", "b", "c"), intensity=("a", "b", "c")
+        ),
         Knob(name="ratio", type=float, default=0.5, low=0.0, high=1.0),
     )
     resources = frozenset({Resource.HOST_CPU})
@@ -109,4 +111,6 @@ class ToyFail(Optimization):
 
     def on_step_start(self, state):
         if state.world.rank == self.settings["rank"] and state.step == self.settings["step"]:
-            raise RuntimeError(f"toy failure on rank {state.world.rank} at step {state.step} (pid {os.getpid()})")
+            raise RuntimeError(
+                f"toy failure on rank {state.world.rank} at step {state.step} (pid {os.getpid()})"
+            )

@@ -35,8 +35,14 @@ class SyntheticImagesConfig(_Synthetic):
     def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
         def make(count: int, split: int) -> SyntheticImages:
             return SyntheticImages(
-                self.shape, self.num_classes, count, seed, self.signal,
-                self.sample_cost_ms, self.sample_cost, split,
+                self.shape,
+                self.num_classes,
+                count,
+                seed,
+                self.signal,
+                self.sample_cost_ms,
+                self.sample_cost,
+                split,
             )
 
         return make(self.num_samples, 0), make(self.eval_samples, 1) if self.eval_samples else None
@@ -53,8 +59,14 @@ class SyntheticTokensConfig(_Synthetic):
     def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
         def make(count: int, split: int) -> SyntheticTokens:
             return SyntheticTokens(
-                self.seq_len, self.vocab_size, self.num_classes, count, seed,
-                self.sample_cost_ms, self.sample_cost, split,
+                self.seq_len,
+                self.vocab_size,
+                self.num_classes,
+                count,
+                seed,
+                self.sample_cost_ms,
+                self.sample_cost,
+                split,
             )
 
         return make(self.num_samples, 0), make(self.eval_samples, 1) if self.eval_samples else None

@@ -129,8 +129,13 @@ class ImageFolder(Dataset):
         with Image.open(path) as image:
             image = image.convert("RGB")
             scale = round(self.size / 0.875) / min(image.size)
-            image = image.resize((max(self.size, round(image.width * scale)),
-                                  max(self.size, round(image.height * scale))), Image.BILINEAR)
+            image = image.resize(
+                (
+                    max(self.size, round(image.width * scale)),
+                    max(self.size, round(image.height * scale)),
+                ),
+                Image.BILINEAR,
+            )
             left = (image.width - self.size) // 2
             top = (image.height - self.size) // 2
             image = image.crop((left, top, left + self.size, top + self.size))

@@ -85,7 +85,12 @@ class SyntheticTokens(Dataset):
         if vocab_size <= first_plain:
             raise ValueError(f"vocab_size must exceed {first_plain} for {num_classes} classes")
         self.seq_len, self.vocab_size, self.num_classes = seq_len, vocab_size, num_classes
-        self.num_samples, self.seed, self.cost_ms, self.cost_kind = num_samples, seed, cost_ms, cost_kind
+        self.num_samples, self.seed, self.cost_ms, self.cost_kind = (
+            num_samples,
+            seed,
+            cost_ms,
+            cost_kind,
+        )
         self.first_plain = first_plain
 
     def __len__(self) -> int:
@@ -96,7 +101,9 @@ class SyntheticTokens(Dataset):
             raise IndexError(index)
         generator = _generator(self.seed + 104729 * (self.split + 1), index)
         label = int(torch.randint(self.num_classes, (1,), generator=generator))
-        tokens = torch.randint(self.first_plain, self.vocab_size, (self.seq_len,), generator=generator)
+        tokens = torch.randint(
+            self.first_plain, self.vocab_size, (self.seq_len,), generator=generator
+        )
         count = max(1, self.seq_len // 8)
         positions = torch.randint(1, max(2, self.seq_len), (count,), generator=generator)
         markers = torch.randint(MARKERS_PER_CLASS, (count,), generator=generator)

@@ -48,13 +48,21 @@ def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
         folder = os.environ.get(_FAILURE_DIR_ENV)
         if folder:
             rank = int(os.environ.get("RANK", 0))
-            record = {"rank": rank, "time": time.time(), "error": "".join(traceback.format_exception(error))}
+            record = {
+                "rank": rank,
+                "time": time.time(),
+                "error": "".join(traceback.format_exception(error)),
+            }
             Path(folder, f"rank{rank}.json").write_text(json.dumps(record))
         raise
 
 
 def _quiet_launcher_logs() -> None:
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+    for name in (
+        "torch.distributed.elastic",
+        "torch.distributed.launcher",
+        "torch.multiprocessing",
+    ):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

@@ -39,10 +39,18 @@ class BertConfig(Config):
 
     def build(self) -> nn.Module:
         if self.hidden % self.heads:
-            raise ValueError(f"model.hidden ({self.hidden}) must be divisible by model.heads ({self.heads})")
+            raise ValueError(
+                f"model.hidden ({self.hidden}) must be divisible by model.heads ({self.heads})"
+            )
         return BertClassifier(
-            self.vocab_size, self.hidden, self.layers, self.heads, self.intermediate,
-            self.max_len, self.num_classes, self.dropout,
+            self.vocab_size,
+            self.hidden,
+            self.layers,
+            self.heads,
+            self.intermediate,
+            self.max_len,
+            self.num_classes,
+            self.dropout,
         )
 
 

@@ -37,7 +37,7 @@ class FlatAllReduce:
         dist.all_reduce(flat)
         flat /= self.world_size
         offset = 0
-        for param, tensor in zip(self.params + [None] * len(self.buffers), tensors):
+        for param, tensor in zip(self.params + [None] * len(self.buffers), tensors, strict=True):
             n = tensor.numel()
             view = flat[offset : offset + n].view_as(tensor)
             if param is not None and param.grad is None:

@@ -54,7 +54,9 @@ class TrainConfig(Config):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        if self.optimizer.nesterov and (self.optimizer.name != "sgd" or not self.optimizer.momentum):
+        if self.optimizer.nesterov and (
+            self.optimizer.name != "sgd" or not self.optimizer.momentum
+        ):
             raise ValueError("optimizer.nesterov needs name: sgd and a momentum above 0")
         return self
 
@@ -63,7 +65,10 @@ def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optim
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+            params,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
             nesterov=cfg.nesterov,
         )
     cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
@@ -72,7 +77,10 @@ def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optim
 
 def build_lr_schedule(
     cfg: LRScheduleConfig, optimizer: torch.optim.Optimizer, total_steps: int
-) -> torch.optim.lr_scheduler.LRScheduler:
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The schedule as a LambdaLR, or None for a constant rate (nothing to step)."""
+    if cfg.name == "constant" and not cfg.warmup_steps:
+        return None
     warmup = cfg.warmup_steps
     decay_steps = max(1, total_steps - warmup)
 
@@ -81,7 +89,9 @@ def build_lr_schedule(
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / decay_steps)
         if cfg.name == "cosine":
-            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (
+                1 + math.cos(math.pi * progress)
+            )
         if cfg.name == "linear":
             return 1 - (1 - cfg.min_lr_ratio) * progress
         if cfg.name == "step":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import pairwise
 from time import perf_counter
 from typing import Any
 
@@ -84,7 +85,7 @@ class PhaseClock:
         if self._cuda:
             totals = dict.fromkeys(PHASES, 0.0)
             self._marks[-1][1].synchronize()
-            for (phase, begin), (_, end) in zip(self._marks, self._marks[1:]):
+            for (phase, begin), (_, end) in pairwise(self._marks):
                 totals[phase] += begin.elapsed_time(end) / 1000.0
             self._marks.clear()
         else:
@@ -181,7 +182,7 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
             "runtime_s": rank_runtime[rank],
             "useful_compute_s": u,
         }
-        for (rank, rs), u in zip(by_rank.items(), useful)
+        for (rank, rs), u in zip(by_rank.items(), useful, strict=True)
     ]
     return {
         "world_size": world_size,

@@ -123,7 +123,11 @@ class Knob:
 
     def describe(self) -> dict[str, Any]:
         """A plain description for `overlapkit list` and the tuner."""
-        out: dict[str, Any] = {"name": self.name, "type": self.type.__name__, "default": self.default}
+        out: dict[str, Any] = {
+            "name": self.name,
+            "type": self.type.__name__,
+            "default": self.default,
+        }
         if self.choices is not None:
             out["choices"] = list(self.choices)
         if self.low is not None or self.high is not None:

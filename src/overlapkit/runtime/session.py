@@ -155,7 +155,8 @@ class Session:
                         self._epoch += 1
                 if batch is None:
                     raise RuntimeError("the loader yielded no batch in a whole epoch")
-                batch = to_device(batch, self.world.device)
+                if self.world.device.type != "cpu":
+                    batch = to_device(batch, self.world.device)
             self.state.batch = batch
             self.scheduler.fire(Event.AFTER_DATA, self.state)
             yield batch
@@ -220,7 +221,9 @@ class Session:
         state.clock.switch("other")
         self.scheduler.fire(Event.AFTER_OPTIMIZER_STEP, state)
 
-    def end_step(self, loss: torch.Tensor | float | None = None, samples: int | None = None) -> None:
+    def end_step(
+        self, loss: torch.Tensor | float | None = None, samples: int | None = None
+    ) -> None:
         """Close the step: fire STEP_END, record its metrics, advance the step counter."""
         state = self.state
         self.scheduler.fire(Event.STEP_END, state)
@@ -239,7 +242,9 @@ class Session:
         )
         self.records.append(record)
         if self._progress is not None:
-            self._progress.advance(record["samples_per_s"] * self.world.world_size, loss_value, warmup)
+            self._progress.advance(
+                record["samples_per_s"] * self.world.world_size, loss_value, warmup
+            )
         state.step += 1
         self._in_step = False
 
@@ -337,10 +342,15 @@ class Session:
             self._progress.close()
             self._progress = None
         gathered = all_gather_objects(
-            (self.records, self.scheduler.trace.chrome_events(self.world.rank) if self._trace else None),
+            (
+                self.records,
+                self.scheduler.trace.chrome_events(self.world.rank) if self._trace else None,
+            ),
             self.world,
         )
-        records = sorted((r for rs, _ in gathered for r in rs), key=lambda r: (r["step"], r["rank"]))
+        records = sorted(
+            (r for rs, _ in gathered for r in rs), key=lambda r: (r["step"], r["rank"])
+        )
         summary = {"name": self.name, **summarize(records, self.world.world_size)}
         summary["optimizations"] = self.scheduler.summary()
         summary["scheduler"] = {
@@ -350,7 +360,10 @@ class Session:
             **self.scheduler.policy.stats(),
         }
         if self._grad_sync is not None:
-            summary["grad_sync"] = {"mode": "flat_allreduce", "bytes": self._grad_sync.bytes_per_call}
+            summary["grad_sync"] = {
+                "mode": "flat_allreduce",
+                "bytes": self._grad_sync.bytes_per_call,
+            }
         if self.state.eval_results:
             summary["eval"] = {
                 "accuracy": self.state.eval_results[-1]["accuracy"],

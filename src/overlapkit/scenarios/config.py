@@ -51,7 +51,9 @@ class Scenario(Config):
             try:
                 optimization.resolve(intensity, settings)
             except KnobError as error:
-                raise located(f"optimizations.{name}.{error.knob}", str(error), error.allowed) from None
+                raise located(
+                    f"optimizations.{name}.{error.knob}", str(error), error.allowed
+                ) from None
         return value
 
     @model_validator(mode="after")
@@ -62,7 +64,9 @@ class Scenario(Config):
                 "model.name",
                 f"model {model.name} reads {model.input_kind} but data {data.name} yields {data.input_kind}",
             )
-        classes = getattr(data, "num_classes", None)  # an image folder's count is known only on disk
+        classes = getattr(
+            data, "num_classes", None
+        )  # an image folder's count is known only on disk
         if classes is not None and model.num_classes != classes:
             raise located(
                 "model.num_classes",
@@ -77,7 +81,8 @@ class Scenario(Config):
         seq_len = getattr(data, "seq_len", None)
         if seq_len is not None and seq_len > model.max_len:
             raise located(
-                "model.max_len", f"model.max_len ({model.max_len}) is below data.seq_len ({seq_len})"
+                "model.max_len",
+                f"model.max_len ({model.max_len}) is below data.seq_len ({seq_len})",
             )
         if self.train.precision == "fp16" and self.world.device == "cpu":
             raise located("train.precision", "fp16 needs a CUDA device; use bf16 on CPU")

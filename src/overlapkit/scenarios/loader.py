@@ -73,7 +73,11 @@ def parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Path_, int]
     if not isinstance(data, dict):
         kind = "empty" if data is None else f"a {type(data).__name__}"
         raise ScenarioError(
-            [Problem(source, 1, "", f"a scenario must be a mapping of sections, this file is {kind}")]
+            [
+                Problem(
+                    source, 1, "", f"a scenario must be a mapping of sections, this file is {kind}"
+                )
+            ]
         )
     lines: dict[Path_, int] = {}
     duplicates: list[str] = []
@@ -86,7 +90,9 @@ def parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Path_, int]
 def apply_override(data: dict[str, Any], override: str) -> Path_:
     """Apply ``a.b.c=value`` (value parsed as YAML) to ``data``; return the path set."""
     if "=" not in override:
-        raise ScenarioError([Problem(f"--set {override}", None, "", "expected KEY=VALUE, e.g. train.steps=20")])
+        raise ScenarioError(
+            [Problem(f"--set {override}", None, "", "expected KEY=VALUE, e.g. train.steps=20")]
+        )
     dotted, _, raw = override.partition("=")
     keys = tuple(k for k in dotted.strip().split(".") if k)
     if not keys:
@@ -122,13 +128,15 @@ def _model_at(path: Path_, data: Any) -> type[BaseModel] | None:
             return None
         data = data.get(key)
         candidates = [
-            c for c in _unwrap(cls.model_fields[key].annotation)
+            c
+            for c in _unwrap(cls.model_fields[key].annotation)
             if isinstance(c, type) and issubclass(c, BaseModel)
         ]
         if len(candidates) > 1 and isinstance(data, dict):
             # A union chosen by "name" (model, data): pick the member whose name matches.
             candidates = [
-                c for c in candidates
+                c
+                for c in candidates
                 if data.get("name") in typing.get_args(c.model_fields["name"].annotation)
             ]
         if len(candidates) != 1:
@@ -138,8 +146,11 @@ def _model_at(path: Path_, data: Any) -> type[BaseModel] | None:
 
 
 def _problem_from(
-    error: dict[str, Any], data: dict[str, Any], lines: dict[Path_, int],
-    sources: dict[Path_, str], default_source: str,
+    error: dict[str, Any],
+    data: dict[str, Any],
+    lines: dict[Path_, int],
+    sources: dict[Path_, str],
+    default_source: str,
 ) -> Problem:
     loc = list(error["loc"])
     # Discriminated unions put the chosen member's tag into the location: drop it.
@@ -172,7 +183,11 @@ def _problem_from(
     else:
         message = f"{error['msg']}, got {error.get('input')!r}"
         if error["type"] == "literal_error" and "expected" in ctx:
-            allowed = [t.strip(" '") for t in str(ctx["expected"]).replace(" or ", ",").split(",") if t.strip()]
+            allowed = [
+                t.strip(" '")
+                for t in str(ctx["expected"]).replace(" or ", ",").split(",")
+                if t.strip()
+            ]
     path = tuple(loc)
     source, line = default_source, None
     for end in range(len(path), 0, -1):
