@@ -1,0 +1,31 @@
+"""The README's quickstart and benchmark commands keep working."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_quickstart_scenario_runs_and_prints_the_summary(tmp_path):
+    result = run_cli("run", "scenarios/quickstart.yaml", "--out", tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "quickstart: 60 measured steps" in result.stdout
+    assert "where each step's time went" in result.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 60
+    assert summary["eval"]["accuracy"] > 0.3  # ten classes: chance is 0.1
+
+
+def test_runtime_overhead_benchmark_runs(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/runtime_overhead.py", "--quick", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "runtime overhead" in result.stdout
+    numbers = json.loads(result.stdout[result.stdout.index("{"):])
+    assert all(r["ratio"] > 0 and r["plain_step_ms"] > 0 for r in numbers.values())
