@@ -103,3 +103,18 @@ def test_priority_policy_holds_background_work_while_the_critical_path_runs():
     # Another resource is not held back.
     with policy.critical(Resource.NETWORK), policy.background(Resource.DISK):
         pass
+
+
+def test_consecutive_steps_leave_no_time_uncounted_unless_paused():
+    clock = PhaseClock()
+    clock.start_step()
+    first, _ = clock.end_step()
+    time.sleep(0.03)  # between steps: e.g. logging
+    clock.start_step()
+    second, phases = clock.end_step()
+    assert second >= 0.03 and phases["other"] >= 0.03
+    clock.pause()
+    time.sleep(0.03)  # e.g. evaluation
+    clock.start_step()
+    third, _ = clock.end_step()
+    assert third < 0.01

@@ -45,15 +45,25 @@ class PhaseClock:
         self._totals = dict.fromkeys(PHASES, 0.0)
         self._moved: list[tuple[str, str, float]] = []
         self._marks: list[tuple[str, Any]] = []
-        self._t = self._step_start = perf_counter()
+        self._t = perf_counter()
+        self._last_end: tuple[float, Any] | None = None
 
     def start_step(self) -> None:
+        """Open a step. It starts where the previous one ended (the time in between
+        is this step's ``other``), unless `pause` was called since."""
         self._totals = dict.fromkeys(PHASES, 0.0)
         self._moved.clear()
         self.current = "other"
-        self._t = self._step_start = perf_counter()
+        if self._last_end is not None:
+            self._t, last_event = self._last_end
+        else:
+            self._t, last_event = perf_counter(), None
         if self._cuda:
-            self._marks = [("other", self._cuda_event())]
+            self._marks = [("other", last_event or self._cuda_event())]
+
+    def pause(self) -> None:
+        """Leave the time until the next step out of every step (e.g. evaluation)."""
+        self._last_end = None
 
     def switch(self, phase: str) -> str:
         """Make ``phase`` current; return the phase that was current."""
@@ -82,6 +92,7 @@ class PhaseClock:
     def end_step(self) -> tuple[float, dict[str, float]]:
         """Close the step: its wall time and the time of each phase."""
         self.switch("other")
+        self._last_end = (self._t, self._marks[-1][1] if self._cuda else None)
         if self._cuda:
             totals = dict.fromkeys(PHASES, 0.0)
             self._marks[-1][1].synchronize()

@@ -254,6 +254,7 @@ class Session:
         """Classification accuracy and loss over ``loader`` (each rank passes its
         own shard); the counts are summed across ranks."""
         state = self.state
+        state.clock.pause()  # evaluation time is reported on its own, not in any step
         self.scheduler.fire(Event.EVAL_START, state)
         start = perf_counter()
         model = state.model
