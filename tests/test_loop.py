@@ -114,7 +114,8 @@ def test_hooks_see_every_event_in_loop_order(tiny_scenario, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", ["resnet18-cifar", "resnet18-imagenet", "resnet50-cifar", "resnet50-imagenet", "bert-imdb"]
+    "name",
+    ["resnet18-cifar", "resnet18-imagenet", "resnet50-cifar", "resnet50-imagenet", "bert-imdb"],
 )
 def test_matrix_scenarios_run_at_small_scale_with_their_documented_overrides(name, tmp_path):
     from conftest import ROOT
@@ -124,8 +125,14 @@ def test_matrix_scenarios_run_at_small_scale_with_their_documented_overrides(nam
     overrides = header.split("--set")[1:]
     assert overrides, header
     overrides = [o.strip() for o in overrides]
-    overrides += ["train.steps=2", "train.warmup_steps=1", "world.nprocs=1",
-                  "data.num_samples=64", "data.eval_samples=16", "train.eval.at_end=true"]
+    overrides += [
+        "train.steps=2",
+        "train.warmup_steps=1",
+        "world.nprocs=1",
+        "data.num_samples=64",
+        "data.eval_samples=16",
+        "train.eval.at_end=true",
+    ]
     scenario = load_scenario(path, overrides)
     summary = run_scenario(scenario, tmp_path / name, progress=False, print_summary=False)
     assert summary["steps"] == 2 and summary["eval"]["runs"][0]["samples"] == 16

@@ -23,9 +23,12 @@ def test_quickstart_scenario_runs_and_prints_the_summary(tmp_path):
 def test_runtime_overhead_benchmark_runs(tmp_path):
     result = subprocess.run(
         [sys.executable, "benchmarks/runtime_overhead.py", "--quick", "--json"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "runtime overhead" in result.stdout
-    numbers = json.loads(result.stdout[result.stdout.index("{"):])
+    numbers = json.loads(result.stdout[result.stdout.index("{") :])
     assert all(r["ratio"] > 0 and r["plain_step_ms"] > 0 for r in numbers.values())
