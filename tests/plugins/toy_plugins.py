@@ -36,45 +36,13 @@ class ToyProbe(Optimization):
 
     def _record(self, event: Event, state) -> None:
         self.events.append((state.step, event.value))
+        if event is Event.STEP_END:
+            self.steps_seen += 1
 
     def on_fit_start(self, state):
         self._record(Event.FIT_START, state)
         if state.run_dir is not None:
             (state.run_dir / f"pid-rank{state.world.rank}.txt").write_text(str(os.getpid()))
-
-    def on_step_start(self, state):
-        self._record(Event.STEP_START, state)
-
-    def on_after_data(self, state):
-        self._record(Event.AFTER_DATA, state)
-
-    def on_before_forward(self, state):
-        self._record(Event.BEFORE_FORWARD, state)
-
-    def on_after_forward(self, state):
-        self._record(Event.AFTER_FORWARD, state)
-
-    def on_before_backward(self, state):
-        self._record(Event.BEFORE_BACKWARD, state)
-
-    def on_after_backward(self, state):
-        self._record(Event.AFTER_BACKWARD, state)
-
-    def on_before_optimizer_step(self, state):
-        self._record(Event.BEFORE_OPTIMIZER_STEP, state)
-
-    def on_after_optimizer_step(self, state):
-        self._record(Event.AFTER_OPTIMIZER_STEP, state)
-
-    def on_step_end(self, state):
-        self._record(Event.STEP_END, state)
-        self.steps_seen += 1
-
-    def on_eval_start(self, state):
-        self._record(Event.EVAL_START, state)
-
-    def on_eval_end(self, state):
-        self._record(Event.EVAL_END, state)
 
     def on_fit_end(self, state):
         self._record(Event.FIT_END, state)
@@ -97,6 +65,15 @@ class ToyProbe(Optimization):
 
     def load_state_dict(self, state):
         self.steps_seen = state["steps_seen"]
+
+
+def _recorder(event: Event):
+    return lambda self, state: self._record(event, state)
+
+
+for _event in Event:
+    if _event not in (Event.FIT_START, Event.FIT_END):
+        setattr(ToyProbe, _event.hook_name, _recorder(_event))
 
 
 @register_optimization

@@ -329,9 +329,8 @@ class Session:
 
     def load(self, directory: str | Path) -> None:
         """Restore this rank's state saved by `save` (tensors and plain values only)."""
-        saved = torch.load(
-            self.checkpoint_path(directory), map_location=self.world.device, weights_only=True
-        )
+        # To the CPU: RNG states must stay there; load_state_dict copies onto the device.
+        saved = torch.load(self.checkpoint_path(directory), map_location="cpu", weights_only=True)
         self.load_state_dict(saved)
 
     # ---------------------------------------------------------------- finish
