@@ -90,6 +90,25 @@ def test_a_failing_rank_fails_the_run_promptly_with_its_error(tiny_scenario, tmp
         )
 
 
+def test_a_rank_killed_by_a_signal_is_named_not_its_peer(tiny_scenario, tmp_path):
+    result = run_cli(
+        "run",
+        tiny_scenario(),
+        "--out",
+        tmp_path,
+        "--set",
+        "world.nprocs=2",
+        "--set",
+        "train.steps=1000",
+        "--set",
+        "optimizations.toy_fail={rank: 1, step: 3, how: sigkill}",
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "run failed: rank 1" in result.stderr
+    assert "died with SIGKILL" in result.stderr
+
+
 def test_the_same_entry_point_runs_under_torchrun(tiny_scenario, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(

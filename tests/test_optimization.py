@@ -97,5 +97,5 @@ def test_min_world_size_is_checked():
         min_world_size = 2
 
     with pytest.raises(ValueError, match="needs at least 2 ranks, the run has 1"):
-        NeedsTwo().check(1, "cpu")
-    NeedsTwo().check(2, "cpu")
+        NeedsTwo().check(1, "cpu", "gloo")
+    NeedsTwo().check(2, "cpu", "gloo")

@@ -106,3 +106,17 @@ def test_empty_loader_is_an_error_not_a_hang():
     session.prepare(nn.Linear(2, 2), None, [])
     with pytest.raises(RuntimeError, match="yielded no batch"):
         next(iter(session.steps(3)))
+
+
+def test_accumulating_half_batches_equals_full_batches():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    from rank_programs import train_mlp
+
+    full = train_mlp(1, 0, batch_size=16, steps=4, optimizations={})
+    halves = train_mlp(1, 0, batch_size=8, steps=4, optimizations={}, accumulate=2)
+    assert torch.allclose(full["params"], halves["params"], atol=1e-6)
+    assert halves["summary"]["samples"] == full["summary"]["samples"] == 64
+    assert halves["summary"]["final_loss"] == pytest.approx(full["summary"]["final_loss"], rel=1e-5)

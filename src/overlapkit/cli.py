@@ -80,6 +80,8 @@ def _catalogue() -> dict[str, Any]:
     for cls in registered_optimizations().values():
         entry = cls.describe()
         entry["intensity_mapping"] = {str(i): cls.resolve(i, {}) for i in INTENSITY_POINTS}
+        if not cls.off_at_zero:
+            entry["intensity_mapping"]["0"] = cls.resolve(0.0, {})
         optimizations.append(entry)
     return {
         "optimizations": optimizations,
@@ -100,17 +102,25 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
         table.add_column("type")
         table.add_column("range / choices")
         table.add_column("default")
-        for point in INTENSITY_POINTS:
-            table.add_column(f"@{point:g}", justify="right")
+        points = [p for p in ("0", *map(str, INTENSITY_POINTS)) if p in entry["intensity_mapping"]]
+        for point in points:
+            table.add_column(f"@{float(point):g}", justify="right")
         for knob in entry["knobs"]:
-            span = knob.get("choices") or knob.get("range") or ""
-            span = f"{span}{' log' if knob.get('log') else ''}"
-            values = [entry["intensity_mapping"][str(p)][knob["name"]] for p in INTENSITY_POINTS]
+            if "choices" in knob:
+                span = "|".join(map(str, knob["choices"]))
+            elif "range" in knob:
+                span = (
+                    f"{knob['range'][0]:g}..{knob['range'][1]:g}{' log' if knob.get('log') else ''}"
+                )
+            else:
+                span = ""
+            values = [entry["intensity_mapping"][p][knob["name"]] for p in points]
             cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in values]
             table.add_row(knob["name"], knob["type"], span, str(knob["default"]), *cells)
         console.print(table)
     console.print(
-        "intensity 0 turns an optimization off; knobs set explicitly override the mapping"
+        "intensity 0 turns an optimization off, unless an @0 column shows a mode of its own; "
+        "knobs set explicitly override the mapping"
     )
     console.print(f"models: {', '.join(catalogue['models'])}")
     console.print(f"data: {', '.join(catalogue['data'])}")
@@ -120,6 +130,8 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # tables piped to a file need not wrap at 80 columns
     errors = Console(stderr=True)
     try:
         if args.command == "list":
@@ -132,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         scenario = load_scenario(args.scenario, args.overrides)
         if args.command == "check":
             scenario.data.check()
-            for optimization in scenario.build_optimizations():
-                optimization.check(scenario.world.nprocs, scenario.world.device)
+            scenario.check_setup()
             console.print(_describe_scenario(scenario))
             return 0
         from .run import run_scenario  # imports torch.distributed machinery: only when running

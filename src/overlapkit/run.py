@@ -58,6 +58,7 @@ def rank_main(
             world=world,
             precision=cfg.precision,
             warmup_steps=cfg.warmup_steps,
+            accumulate=cfg.accumulate,
             run_dir=run_dir,
             progress=progress,
             print_summary=print_summary,
@@ -79,6 +80,7 @@ def run_scenario(
 ) -> dict[str, Any]:
     """Run ``scenario``; return rank 0's summary (also written to ``run_dir/summary.json``)."""
     scenario.data.check()
+    scenario.check_setup(int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(scenario)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not under_torchrun() or int(os.environ.get("RANK", 0)) == 0:

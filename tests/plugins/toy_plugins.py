@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import torch
 
@@ -84,10 +85,13 @@ class ToyFail(Optimization):
     knobs = (
         Knob(name="rank", type=int, default=1, low=0, high=1024),
         Knob(name="step", type=int, default=2, low=0, high=10**6),
+        Knob(name="how", type=str, default="raise", choices=("raise", "sigkill")),
     )
 
     def on_step_start(self, state):
         if state.world.rank == self.settings["rank"] and state.step == self.settings["step"]:
+            if self.settings["how"] == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(
                 f"toy failure on rank {state.world.rank} at step {state.step} (pid {os.getpid()})"
             )

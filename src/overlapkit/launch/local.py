@@ -89,9 +89,29 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any) -> dict[int, A
         try:
             return elastic_launch(config, _run_rank)(fn, *args)
         except ChildFailedError as error:
-            recorded = [json.loads(p.read_text()) for p in Path(failures).glob("rank*.json")]
+            recorded = {
+                r["rank"]: r
+                for r in (json.loads(p.read_text()) for p in Path(failures).glob("rank*.json"))
+            }
+            # A rank that died without a Python error (a signal: a crash, the OOM killer)
+            # is the likelier cause: its peers then fail with "connection reset".
+            silent = {
+                rank: f
+                for rank, f in error.failures.items()
+                if rank not in recorded and f.exitcode < 0
+            }
+            if silent:
+                rank, failure = min(silent.items(), key=lambda item: item[1].timestamp)
+                others = "".join(
+                    f"\n\nrank {r} failed after it:\n{rec['error']}"
+                    for r, rec in sorted(recorded.items())
+                )
+                raise RankFailedError(
+                    rank,
+                    f"died with {failure.signal_name()} (exit code {failure.exitcode}){others}",
+                ) from None
             if recorded:
-                first = min(recorded, key=lambda r: r["time"])
+                first = min(recorded.values(), key=lambda r: r["time"])
                 raise RankFailedError(first["rank"], first["error"]) from None
             rank, failure = error.get_first_failure()
             message = failure.message

@@ -41,6 +41,7 @@ class TrainConfig(Config):
     batch_size: int = Field(32, ge=1)  # per rank
     steps: int = Field(50, ge=1)  # measured steps, after warm-up
     warmup_steps: int = Field(5, ge=0)
+    accumulate: int = Field(1, ge=1)  # micro-batches of batch_size per optimizer step
     optimizer: OptimizerConfig = OptimizerConfig()
     lr_schedule: LRScheduleConfig = LRScheduleConfig()
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -121,7 +122,9 @@ def train(
             loss = F.cross_entropy(model(inputs), targets)
         session.backward(loss)
         session.optimizer_step()
-        session.end_step(loss)
+        if not session.state.is_sync_step:
+            continue
+        session.end_step()
         if evaluate_every and session.state.step % evaluate_every == 0:
             session.evaluate(eval_loader)
     last = session.state.eval_results[-1]["step"] if session.state.eval_results else None

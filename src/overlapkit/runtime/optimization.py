@@ -71,6 +71,7 @@ class Knob:
     choices: tuple[Any, ...] | None = None
     log: bool = False
     intensity: tuple[Any, ...] | None = None
+    at_zero: Any = None  # the value at intensity exactly 0, when that is a mode of its own
     help: str = ""
 
     def coerce(self, value: Any) -> Any:
@@ -103,6 +104,8 @@ class Knob:
         return value
 
     def at_intensity(self, intensity: float) -> Any:
+        if intensity == 0 and self.at_zero is not None:
+            return self.at_zero
         if not self.intensity:
             return self.default
         anchors = self.intensity
@@ -119,7 +122,7 @@ class Knob:
             value = math.exp(math.log(lo) + frac * (math.log(hi) - math.log(lo)))
         else:
             value = lo + frac * (hi - lo)
-        return round(value) if self.type is int else value
+        return round(value) if self.type is int else float(f"{value:.4g}")
 
     def describe(self) -> dict[str, Any]:
         """A plain description for `overlapkit list` and the tuner."""
@@ -136,6 +139,8 @@ class Knob:
             out["log"] = True
         if self.intensity:
             out["intensity"] = list(self.intensity)
+        if self.at_zero is not None:
+            out["at_zero"] = self.at_zero
         if self.help:
             out["help"] = self.help
         return out
@@ -159,6 +164,7 @@ class Optimization:
     conflicts: ClassVar[tuple[str, ...]] = ()
     wrap_stage: ClassVar[WrapStage] = WrapStage.OTHER
     min_world_size: ClassVar[int] = 1
+    off_at_zero: ClassVar[bool] = True
 
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
         self.intensity = float(intensity)
@@ -194,8 +200,9 @@ class Optimization:
         }
 
     # Checks and wrappers: override what applies.
-    def check(self, world_size: int, device: str) -> None:
-        """Raise `CombinationError` when this set-up cannot run the optimization."""
+    def check(self, world_size: int, device: str, backend: str) -> None:
+        """Raise `CombinationError` when this set-up (ranks, device type ``cpu``/``cuda``,
+        back end ``gloo``/``nccl``) cannot run the optimization."""
         if world_size < self.min_world_size:
             raise CombinationError(
                 f"{self.name} needs at least {self.min_world_size} ranks, the run has {world_size}"

@@ -69,7 +69,18 @@ def summary_tables(summary: dict[str, Any]) -> list[Table]:
         for name, section in summary["optimizations"].items():
             flat = {k: v for k, v in section.items() if not isinstance(v, (dict, list))}
             opts.add_row(name, ", ".join(f"{k}={v}" for k, v in flat.items()))
+            for note in section.get("notes", []):
+                opts.add_row("", f"note: {note}")
         tables.append(opts)
+        # An optimization may add tables of its own: {"title", "columns", "rows"}.
+        for section in summary["optimizations"].values():
+            for spec in section.get("tables", []):
+                table = Table(title=spec["title"])
+                for i, column in enumerate(spec["columns"]):
+                    table.add_column(column, justify="left" if i == 0 else "right")
+                for row in spec["rows"]:
+                    table.add_row(*map(str, row))
+                tables.append(table)
     return tables
 
 

@@ -144,9 +144,9 @@ class Scheduler:
     def provides(self, role: str) -> bool:
         return any(role in opt.provides for opt in self.optimizations)
 
-    def check(self, world_size: int, device: str) -> None:
+    def check(self, world_size: int, device: str, backend: str) -> None:
         for opt in self.optimizations:
-            opt.check(world_size, device)
+            opt.check(world_size, device, backend)
 
     def wrap(self, state: State) -> None:
         """Apply every wrapper to the state's model, optimizer and loader, in the fixed order."""

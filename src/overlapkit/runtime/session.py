@@ -65,8 +65,11 @@ class Session:
     gradient sync across ranks, save and resume.
 
     Steps below ``warmup_steps`` run normally but are left out of the summary.
-    Without an optimization that provides ``grad_sync``, a multi-rank session
-    averages gradients with one flat all-reduce before each optimizer step.
+    With ``accumulate=k`` each step takes k micro-batches: `steps` yields k
+    batches per step, `backward` scales the loss by 1/k, and `optimizer_step`
+    does nothing until the last micro-batch. Without an optimization that
+    provides ``grad_sync``, a multi-rank session averages gradients with one
+    flat all-reduce before each optimizer step.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class Session:
         device: str = "auto",
         precision: PrecisionName = "fp32",
         warmup_steps: int = 0,
+        accumulate: int = 1,
         run_dir: str | Path | None = None,
         progress: bool = False,
         print_summary: bool = False,
@@ -86,7 +90,7 @@ class Session:
     ) -> None:
         self.world = world or init_world(device)
         self.scheduler = Scheduler(optimizations, policy)
-        self.scheduler.check(self.world.world_size, self.world.device.type)
+        self.scheduler.check(self.world.world_size, self.world.device.type, self.world.backend)
         self.precision = Precision(precision, self.world.device)
         self.name = name
         self.state = State(
@@ -94,8 +98,11 @@ class Session:
             clock=PhaseClock(self.world.device),
             policy=self.scheduler.policy,
             warmup_steps=warmup_steps,
+            accumulate=accumulate,
             run_dir=Path(run_dir) if run_dir is not None else None,
         )
+        if accumulate < 1:
+            raise ValueError(f"accumulate must be at least 1, got {accumulate}")
         self.records: list[dict[str, Any]] = []
         self._show_progress = progress and self.world.is_main
         self._print_summary = print_summary and self.world.is_main
@@ -107,6 +114,8 @@ class Session:
         self._epoch = 0
         self._started = False
         self._in_step = False
+        self._step_samples = 0
+        self._micro_losses: list[torch.Tensor] = []
 
     # ----------------------------------------------------------------- set-up
     def prepare(
@@ -139,29 +148,36 @@ class Session:
         loader = loader if loader is not None else self.state.loader
         self.state.total_steps = total_steps
         self._fit_start(total_steps)
-        iterator = None
-        while self.state.step < total_steps:
+        state = self.state
+        iterator: Iterator[Any] | None = None
+        while state.step < total_steps:
             self.start_step()
-            with self.state.clock.phase("data_wait"):
-                batch = None
-                for _attempt in range(2):
-                    if iterator is None:
-                        iterator = self._new_epoch(loader)
-                    try:
-                        batch = next(iterator)
-                        break
-                    except StopIteration:
-                        iterator = None
-                        self._epoch += 1
-                if batch is None:
-                    raise RuntimeError("the loader yielded no batch in a whole epoch")
-                if self.world.device.type != "cpu":
-                    batch = to_device(batch, self.world.device)
-            self.state.batch = batch
-            self.scheduler.fire(Event.AFTER_DATA, self.state)
-            yield batch
+            for micro_step in range(state.accumulate):
+                state.micro_step = micro_step
+                with state.clock.phase("data_wait"):
+                    batch, iterator = self._next_batch(loader, iterator)
+                state.batch = batch
+                self._step_samples += batch_size(batch)
+                self.scheduler.fire(Event.AFTER_DATA, state)
+                yield batch
             if self._in_step:
                 self.end_step()
+
+    def _next_batch(self, loader: Any, iterator: Iterator[Any] | None) -> tuple[Any, Iterator[Any]]:
+        for _attempt in range(2):
+            if iterator is None:
+                iterator = self._new_epoch(loader)
+            try:
+                batch = next(iterator)
+                break
+            except StopIteration:
+                iterator = None
+                self._epoch += 1
+        else:
+            raise RuntimeError("the loader yielded no batch in a whole epoch")
+        if self.world.device.type != "cpu":
+            batch = to_device(batch, self.world.device)
+        return batch, iterator
 
     def _new_epoch(self, loader: Any) -> Iterator[Any]:
         # A loader that keeps its own position (it has state_dict) manages epochs itself.
@@ -184,6 +200,8 @@ class Session:
     def start_step(self) -> None:
         self.state.clock.start_step()
         self._in_step = True
+        self._step_samples = 0
+        self._micro_losses.clear()
         self.scheduler.fire(Event.STEP_START, self.state)
 
     @contextmanager
@@ -198,17 +216,22 @@ class Session:
         self.scheduler.fire(Event.AFTER_FORWARD, self.state)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.state.loss = loss
-        self.scheduler.fire(Event.BEFORE_BACKWARD, self.state)
-        clock = self.state.clock
+        state = self.state
+        state.loss = loss
+        self._micro_losses.append(loss.detach())
+        self.scheduler.fire(Event.BEFORE_BACKWARD, state)
+        clock = state.clock
         clock.switch("backward")
-        self.precision.backward(loss)
+        self.precision.backward(loss / state.accumulate if state.accumulate > 1 else loss)
         clock.switch("other")
         self.scheduler.fire(Event.AFTER_BACKWARD, self.state)
 
     def optimizer_step(self) -> None:
-        """Sync gradients if nothing else does, step optimizer and LR schedule, zero grads."""
+        """Sync gradients if nothing else does, step optimizer and LR schedule, zero
+        grads; on any but the last micro-batch of a step, do nothing."""
         state = self.state
+        if not state.is_sync_step:
+            return
         if self._grad_sync is not None:
             with state.clock.phase("comm_exposed"), state.policy.critical(Resource.NETWORK):
                 self._grad_sync()
@@ -228,14 +251,15 @@ class Session:
         state = self.state
         self.scheduler.fire(Event.STEP_END, state)
         step_time, phases = state.clock.end_step()
-        loss = state.loss if loss is None else loss
-        loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0)
+        if loss is None:
+            loss = torch.stack(self._micro_losses).mean() if self._micro_losses else 0.0
+        loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         warmup = state.is_warmup
         record = step_record(
             step=state.step,
             rank=self.world.rank,
             loss=loss_value,
-            samples=samples if samples is not None else batch_size(state.batch),
+            samples=samples if samples is not None else self._step_samples,
             step_time_s=step_time,
             phases_s=phases,
             warmup=warmup,

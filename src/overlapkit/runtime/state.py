@@ -16,7 +16,8 @@ class State:
     """Mutable loop state passed to every hook.
 
     ``step`` is the index of the current step (the number of optimizer steps
-    completed before it); steps below ``warmup_steps`` are not measured.
+    completed before it); steps below ``warmup_steps`` are not measured. A
+    step is ``accumulate`` micro-batches; ``micro_step`` is the current one.
     """
 
     world: World
@@ -29,6 +30,8 @@ class State:
     step: int = 0
     total_steps: int = 0
     warmup_steps: int = 0
+    accumulate: int = 1  # micro-batches per optimizer step
+    micro_step: int = 0
     batch: Any = None
     outputs: Any = None
     loss: Any = None
@@ -38,3 +41,8 @@ class State:
     @property
     def is_warmup(self) -> bool:
         return self.step < self.warmup_steps
+
+    @property
+    def is_sync_step(self) -> bool:
+        """True on the last micro-batch of a step: gradients are synchronised and applied."""
+        return self.micro_step == self.accumulate - 1

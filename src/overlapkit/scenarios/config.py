@@ -84,17 +84,47 @@ class Scenario(Config):
                 "model.max_len",
                 f"model.max_len ({model.max_len}) is below data.seq_len ({seq_len})",
             )
+        if self.world.backend == "nccl" and self.world.device == "cpu":
+            raise located("world.backend", "nccl needs CUDA devices; use gloo (or auto) on CPU")
         if self.train.precision == "fp16" and self.world.device == "cpu":
             raise located("train.precision", "fp16 needs a CUDA device; use bf16 on CPU")
         return self
 
     def build_optimizations(self) -> list[Optimization]:
-        """The enabled optimizations (intensity 0 means off), in the order listed."""
+        """The enabled optimizations (intensity 0 means off, unless it is a mode of
+        the optimization's own), in the order listed."""
         built = []
         for name, settings in self.optimizations.items():
             settings = dict(settings or {})
             intensity = settings.pop("intensity", 1.0)
-            if intensity == 0 and not settings:
+            cls = get_optimization(name)
+            if intensity == 0 and not settings and cls.off_at_zero:
                 continue
-            built.append(get_optimization(name)(intensity, **settings))
+            built.append(cls(intensity, **settings))
         return built
+
+    @property
+    def backend(self) -> str:
+        """The process-group back end the run will use (``auto`` resolved)."""
+        if self.world.backend != "auto":
+            return self.world.backend
+        import torch
+
+        on_gpu = self.world.device == "cuda" or (
+            self.world.device == "auto" and torch.cuda.is_available()
+        )
+        return "nccl" if on_gpu else "gloo"
+
+    @property
+    def device_type(self) -> str:
+        if self.world.device != "auto":
+            return self.world.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def check_setup(self, world_size: int | None = None) -> None:
+        """Let every optimization check this set-up before any process starts
+        (``world_size`` when something else, like torchrun, decides it)."""
+        for optimization in self.build_optimizations():
+            optimization.check(world_size or self.world.nprocs, self.device_type, self.backend)

@@ -1,0 +1,255 @@
+"""``ddp_overlap``: hide the gradient all-reduce behind the backward pass.
+
+Intensity maps onto DDP's bucket size: small buckets start all-reducing
+early in backward (more overlap, more calls), one big bucket starts only
+when backward is done. Intensity 0 is the no-overlap baseline: no DDP; all
+gradients all-reduced once after backward as one flat buffer (like Horovod
+without tensor fusion), the whole of it exposed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from time import perf_counter
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ...runtime import (
+    CombinationError,
+    Knob,
+    Optimization,
+    Resource,
+    State,
+    WrapStage,
+    register_optimization,
+)
+from ...runtime.gradsync import FlatAllReduce, broadcast_model
+from .hooks import BucketTimer, make_hook, wire_bytes_factor
+from .profile import AllreduceProfile
+
+# DDP builds its buckets in the first synchronised backward and rebuilds them
+# after it (in the order gradients became ready): the profile starts after that.
+PROFILE_FROM_SYNC = 2
+
+# torch 2.13 renamed DDP's broadcast_buffers (the knob keeps the name users know).
+_SYNC_BUFFERS = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
+
+NCCL_ALGO = {"ring": "Ring", "tree": "Tree"}
+NCCL_PROTO = {"simple": "Simple", "ll": "LL", "ll128": "LL128"}
+
+
+@register_optimization
+class DDPOverlap(Optimization):
+    """Overlaps gradient all-reduce with backward (DistributedDataParallel)."""
+
+    name = "ddp_overlap"
+    knobs = (
+        Knob(
+            name="mode",
+            type=str,
+            default="overlap",
+            choices=("overlap", "no_overlap"),
+            at_zero="no_overlap",
+            help="no_overlap: one flat all-reduce after backward, the baseline",
+        ),
+        Knob(
+            name="bucket_cap_mb",
+            type=float,
+            default=25.0,
+            low=0.5,
+            high=512.0,
+            log=True,
+            intensity=(256.0, 1.0),
+            help="bucket size: smaller starts communication earlier",
+        ),
+        Knob(
+            name="comm_hook",
+            type=str,
+            default="none",
+            choices=("none", "fp16", "bf16", "powersgd"),
+            help="compress gradients on the wire (bf16 needs nccl)",
+        ),
+        Knob(name="powersgd_rank", type=int, default=1, low=1, high=64),
+        Knob(name="powersgd_start_iter", type=int, default=10, low=2, high=1_000_000),
+        Knob(name="gradient_as_bucket_view", type=bool, default=False),
+        Knob(name="static_graph", type=bool, default=False),
+        Knob(name="broadcast_buffers", type=bool, default=True),
+        Knob(name="find_unused_parameters", type=bool, default=False),
+        Knob(name="nccl_algo", type=str, default="default", choices=("default", "ring", "tree")),
+        Knob(
+            name="nccl_proto",
+            type=str,
+            default="default",
+            choices=("default", "simple", "ll", "ll128"),
+        ),
+    )
+    resources = frozenset({Resource.NETWORK, Resource.HOST_CPU})
+    provides = frozenset({"grad_sync"})
+    wrap_stage = WrapStage.DATA_PARALLEL
+    min_world_size = 2
+    off_at_zero = False  # intensity 0 is the no-overlap baseline, still measured
+
+    def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
+        super().__init__(intensity, **explicit)
+        self.profile = AllreduceProfile()
+        self.notes: list[str] = []
+        self.ddp: DistributedDataParallel | None = None
+        self._timer: BucketTimer | None = None
+        self._flat: FlatAllReduce | None = None
+        self._grad_ready = 0.0
+        self._syncs = 0
+        self._profiled_steps = 0
+        self._comm_busy_s = 0.0
+        self._comm_exposed_s = 0.0
+        self._last_buckets: list[int] = []
+
+    @property
+    def overlapping(self) -> bool:
+        return self.settings["mode"] == "overlap"
+
+    def check(self, world_size: int, device: str, backend: str) -> None:
+        super().check(world_size, device, backend)
+        if self.settings["comm_hook"] == "bf16" and backend != "nccl":
+            raise CombinationError(
+                f"ddp_overlap comm_hook bf16 needs the nccl back end; {backend} cannot "
+                "all-reduce bfloat16 (use fp16 or none)"
+            )
+        if not self.overlapping and self.settings["comm_hook"] != "none":
+            raise CombinationError("ddp_overlap comm_hook applies to mode overlap only")
+
+    # ----------------------------------------------------------------- set-up
+    def wrap_model(self, model: nn.Module, state: State) -> nn.Module:
+        self._apply_nccl_settings(state.world.backend)
+        if not self.overlapping:
+            broadcast_model(model)
+            self._flat = FlatAllReduce(model, state.world.world_size)
+            return model
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        device = state.world.device
+        s = self.settings
+        if s["comm_hook"] == "powersgd" and state.world.backend == "gloo":
+            # Seen with torch 2.13: PowerSGD on gloo crashes a rank (SIGSEGV) once several
+            # buckets are in flight; one bucket for all gradients runs correctly.
+            grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+            if s["bucket_cap_mb"] <= grad_mb:
+                s["bucket_cap_mb"] = float(f"{grad_mb + 1:.4g}")
+                self.notes.append(
+                    f"powersgd on gloo: bucket_cap_mb raised to {s['bucket_cap_mb']} (one bucket); "
+                    "several buckets in flight crash a rank with torch 2.13"
+                )
+        self.ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=s["bucket_cap_mb"],
+            gradient_as_bucket_view=s["gradient_as_bucket_view"],
+            static_graph=s["static_graph"],
+            find_unused_parameters=s["find_unused_parameters"],
+            **{_SYNC_BUFFERS: s["broadcast_buffers"]},
+        )
+        hook_state, hook = make_hook(s["comm_hook"], s)
+        self._timer = BucketTimer(hook)
+        self.ddp.register_comm_hook(hook_state, self._timer.hook)
+        return self.ddp
+
+    def _apply_nccl_settings(self, backend: str) -> None:
+        for knob, variable, names in (
+            ("nccl_algo", "NCCL_ALGO", NCCL_ALGO),
+            ("nccl_proto", "NCCL_PROTO", NCCL_PROTO),
+        ):
+            value = self.settings[knob]
+            if value == "default":
+                continue
+            if backend == "nccl":
+                # NCCL reads these when its communicator is created, at DDP's first collective.
+                os.environ[variable] = names[value]
+            else:
+                self.notes.append(
+                    f"{knob}={value} recorded and ignored: it applies to nccl, not {backend}"
+                )
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        self._grad_ready = perf_counter()
+
+    # ------------------------------------------------------------------ hooks
+    def on_step_start(self, state: State) -> None:
+        if self._timer is not None:
+            self._timer.calls.clear()
+
+    def on_before_forward(self, state: State) -> None:
+        if self.ddp is not None and state.accumulate > 1:
+            # Skip the all-reduce on all but the last micro-batch of a step.
+            self.ddp.require_backward_grad_sync = state.is_sync_step
+
+    def on_after_backward(self, state: State) -> None:
+        if self._timer is None or not state.is_sync_step:
+            return
+        calls = self._timer.calls
+        self._syncs += 1
+        if not calls:
+            return
+        first_launch = min(c.launched for c in calls)
+        last_done = max(c.completed for c in calls)
+        # Exposed: communication still in flight after the last gradient was computed.
+        exposed = max(0.0, last_done - max(self._grad_ready, first_launch))
+        state.clock.reattribute("backward", "comm_exposed", exposed)
+        calls_made = [(c.nbytes, c.completed - c.launched) for c in calls]
+        self._record(state, calls_made, exposed, busy=last_done - first_launch)
+
+    def on_before_optimizer_step(self, state: State) -> None:
+        if self._flat is None:
+            return
+        self._syncs += 1
+        start = perf_counter()
+        with state.clock.phase("comm_exposed"), state.policy.critical(Resource.NETWORK):
+            self._flat()
+        latency = perf_counter() - start
+        self._record(state, [(self._flat.bytes_per_call, latency)], latency, busy=latency)
+
+    def _record(
+        self, state: State, calls: list[tuple[int, float]], exposed: float, busy: float
+    ) -> None:
+        if state.is_warmup or self._syncs < PROFILE_FROM_SYNC:
+            return
+        factor = wire_bytes_factor(self.settings["comm_hook"])
+        for nbytes, latency in calls:
+            self.profile.add(int(nbytes * factor), latency)
+        self._profiled_steps += 1
+        self._comm_busy_s += busy
+        self._comm_exposed_s += exposed
+        self._last_buckets = [int(nbytes * factor) for nbytes, _ in calls]
+
+    # ---------------------------------------------------------------- results
+    def summary(self) -> dict[str, Any]:
+        steps = max(self._profiled_steps, 1)
+        busy = self._comm_busy_s / steps
+        exposed = self._comm_exposed_s / steps
+        return {
+            **super().summary(),
+            "overlap": {
+                "comm_busy_s_per_step": busy,
+                "comm_exposed_s_per_step": exposed,
+                "hidden_fraction": 1.0 - exposed / busy if busy > 0 else 0.0,
+            },
+            "buckets_per_step": len(self._last_buckets),
+            "bytes_per_step": sum(self._last_buckets),
+            "bucket_bytes": self._last_buckets,
+            "allreduce_profile": {
+                "profiled_steps": self._profiled_steps,
+                "note": (
+                    f"rank 0, measured steps from the {PROFILE_FROM_SYNC + 1}rd synchronised "
+                    "backward on: DDP rebuilds its buckets after the first"
+                ),
+                "classes": self.profile.summary(),
+            },
+            "notes": self.notes,
+            "tables": [self.profile.table("all-reduce calls by message size (rank 0)")],
+        }

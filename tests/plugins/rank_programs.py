@@ -1,0 +1,75 @@
+"""Functions the tests run inside ranks (importable by spawned processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from overlapkit import Session, get_optimization
+from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
+from overlapkit.runtime.distributed import init_world
+from overlapkit.runtime.rng import seed_everything
+
+SHAPE = (3, 8, 8)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(192, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 256),
+        nn.ReLU(),
+        nn.Linear(256, 4),
+    )
+
+
+def train_mlp(
+    world_size: int,
+    rank: int,
+    batch_size: int,
+    steps: int,
+    optimizations: dict[str, dict[str, Any]],
+    accumulate: int = 1,
+    warmup_steps: int = 0,
+) -> dict[str, Any]:
+    """Train the MLP on this rank's shard; return final parameters and the summary."""
+    seed_everything(0)
+    model = mlp()
+    dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=512, seed=0)
+    loader = ResumableLoader(
+        dataset, batch_size, ShardedSampler(len(dataset), rank, world_size, seed=0)
+    )
+    built = []
+    for name, settings in optimizations.items():
+        settings = dict(settings)
+        built.append(get_optimization(name)(settings.pop("intensity", 1.0), **settings))
+    session = Session(built, device="cpu", accumulate=accumulate, warmup_steps=warmup_steps)
+    model, optimizer, _ = session.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loader
+    )
+    for inputs, targets in session.steps(steps):
+        with session.forward():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        session.backward(loss)
+        session.optimizer_step()
+    summary = session.finish()
+    raw = model.module if hasattr(model, "module") else model
+    params = torch.cat([p.detach().reshape(-1) for p in raw.parameters()])
+    return {"params": params, "summary": summary}
+
+
+def ddp_configs(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """In one 2-rank process group, train once per config (kwargs of `train_mlp`)."""
+    world = init_world("cpu", "gloo")
+    try:
+        return {
+            name: train_mlp(world.world_size, world.rank, **kwargs)
+            for name, kwargs in configs.items()
+        }
+    finally:
+        torch.distributed.destroy_process_group()
