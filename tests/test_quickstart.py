@@ -32,3 +32,18 @@ def test_runtime_overhead_benchmark_runs(tmp_path):
     assert "runtime overhead" in result.stdout
     numbers = json.loads(result.stdout[result.stdout.index("{") :])
     assert all(r["ratio"] > 0 and r["plain_step_ms"] > 0 for r in numbers.values())
+
+
+def test_ddp_overlap_benchmark_runs():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/ddp_overlap.py", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    numbers = json.loads(result.stdout[result.stdout.index("{\n") :])
+    baseline = numbers["buckets"]["no overlap (baseline)"]
+    assert baseline["ratio"] == 1.0 and baseline["hidden_fraction"] == 0.0
+    assert numbers["buckets"]["4 MB buckets"]["buckets"] > 1

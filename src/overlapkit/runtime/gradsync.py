@@ -21,27 +21,50 @@ def broadcast_model(model: nn.Module, src: int = 0) -> None:
 
 class FlatAllReduce:
     """Averages gradients (and floating-point buffers, e.g. batch-norm statistics)
-    across ranks with one all-reduce of one flat buffer."""
+    across ranks with one all-reduce of one flat buffer.
+
+    The gradients live in that buffer as views, so nothing is copied before or
+    after the all-reduce, provided they are zeroed in place rather than set to
+    None (``State.zero_grad_in_place``): otherwise the first call after each
+    ``zero_grad(set_to_none=True)`` copies them back in.
+    """
 
     def __init__(self, model: nn.Module, world_size: int) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.world_size = world_size
-        self.bytes_per_call = sum(t.numel() * t.element_size() for t in self.params + self.buffers)
+        tensors = self.params + self.buffers
+        dtype = tensors[0].dtype if tensors else torch.float32
+        self.flat = torch.zeros(
+            sum(t.numel() for t in tensors), dtype=dtype, device=_device(tensors)
+        )
+        self.bytes_per_call = self.flat.numel() * self.flat.element_size()
+        self._views: list[torch.Tensor] = []
+        offset = 0
+        for tensor in tensors:
+            self._views.append(self.flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+        with torch.no_grad():
+            for param, view in zip(self.params, self._views, strict=False):
+                param.grad = view  # gradients accumulate straight into the flat buffer
 
     @torch.no_grad()
     def __call__(self) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        tensors = grads + self.buffers
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat)
-        flat /= self.world_size
-        offset = 0
-        for param, tensor in zip(self.params + [None] * len(self.buffers), tensors, strict=True):
-            n = tensor.numel()
-            view = flat[offset : offset + n].view_as(tensor)
-            if param is not None and param.grad is None:
-                param.grad = view.clone()
-            else:
-                tensor.copy_(view)
-            offset += n
+        grad_views, buffer_views = self._views[: len(self.params)], self._views[len(self.params) :]
+        for param, view in zip(self.params, grad_views, strict=True):
+            if param.grad is None:
+                view.zero_()
+                param.grad = view
+            elif param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)
+                param.grad = view
+        for buffer, view in zip(self.buffers, buffer_views, strict=True):
+            view.copy_(buffer)
+        dist.all_reduce(self.flat)
+        self.flat /= self.world_size
+        for buffer, view in zip(self.buffers, buffer_views, strict=True):
+            buffer.copy_(view)
+
+
+def _device(tensors: list[torch.Tensor]) -> torch.device:
+    return tensors[0].device if tensors else torch.device("cpu")

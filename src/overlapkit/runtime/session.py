@@ -131,6 +131,7 @@ class Session:
         if self.world.world_size > 1 and not self.scheduler.provides("grad_sync"):
             broadcast_model(model)
             self._grad_sync = FlatAllReduce(model, self.world.world_size)
+            self.state.zero_grad_in_place = True
         state = self.state
         state.model, state.optimizer, state.loader = model, optimizer, loader
         state.lr_scheduler = lr_scheduler
@@ -238,7 +239,7 @@ class Session:
         self.scheduler.fire(Event.BEFORE_OPTIMIZER_STEP, state)
         state.clock.switch("optimizer")
         self.precision.step(state.optimizer)
-        state.optimizer.zero_grad(set_to_none=True)
+        state.optimizer.zero_grad(set_to_none=not state.zero_grad_in_place)
         if state.lr_scheduler is not None:
             state.lr_scheduler.step()
         state.clock.switch("other")

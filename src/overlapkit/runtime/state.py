@@ -36,6 +36,7 @@ class State:
     outputs: Any = None
     loss: Any = None
     run_dir: Path | None = None
+    zero_grad_in_place: bool = False  # gradients are views of a flat buffer: keep them
     eval_results: list[dict[str, Any]] = field(default_factory=list)
 
     @property

@@ -127,9 +127,15 @@ class DDPOverlap(Optimization):
     # ----------------------------------------------------------------- set-up
     def wrap_model(self, model: nn.Module, state: State) -> nn.Module:
         self._apply_nccl_settings(state.world.backend)
+        if state.world.backend == "nccl":
+            self.notes.append(
+                "comm timings are host clocks of the comm-hook futures: verified on gloo; on nccl "
+                "they mark when the CUDA work was enqueued, not done (not yet verified on a GPU)"
+            )
         if not self.overlapping:
             broadcast_model(model)
             self._flat = FlatAllReduce(model, state.world.world_size)
+            state.zero_grad_in_place = True
             return model
         for param in model.parameters():
             if param.requires_grad:
