@@ -140,18 +140,10 @@ class DDPOverlap(Optimization):
         for param in model.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
-        device = state.world.device
+        if self.settings["comm_hook"] == "powersgd" and state.world.backend == "gloo":
+            self._keep_powersgd_to_one_bucket(model)
         s = self.settings
-        if s["comm_hook"] == "powersgd" and state.world.backend == "gloo":
-            # Seen with torch 2.13: PowerSGD on gloo crashes a rank (SIGSEGV) once several
-            # buckets are in flight; one bucket for all gradients runs correctly.
-            grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-            if s["bucket_cap_mb"] <= grad_mb:
-                s["bucket_cap_mb"] = float(f"{grad_mb + 1:.4g}")
-                self.notes.append(
-                    f"powersgd on gloo: bucket_cap_mb raised to {s['bucket_cap_mb']} (one bucket); "
-                    "several buckets in flight crash a rank with torch 2.13"
-                )
+        device = state.world.device
         self.ddp = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
@@ -165,6 +157,18 @@ class DDPOverlap(Optimization):
         self._timer = BucketTimer(hook)
         self.ddp.register_comm_hook(hook_state, self._timer.hook)
         return self.ddp
+
+    def _keep_powersgd_to_one_bucket(self, model: nn.Module) -> None:
+        # Seen with torch 2.13: PowerSGD on gloo crashes a rank (SIGSEGV) once several
+        # buckets are in flight; one bucket for all gradients runs correctly.
+        grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        if self.settings["bucket_cap_mb"] > grad_mb:
+            return
+        self.settings["bucket_cap_mb"] = float(f"{grad_mb + 1:.4g}")
+        self.notes.append(
+            f"powersgd on gloo: bucket_cap_mb raised to {self.settings['bucket_cap_mb']} "
+            "(one bucket); several buckets in flight crash a rank with torch 2.13"
+        )
 
     def _apply_nccl_settings(self, backend: str) -> None:
         for knob, variable, names in (
