@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arbitration import ArbitrationPolicy
+from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, init_world
 from .events import Event
 from .gradsync import FlatAllReduce, broadcast_model
@@ -38,26 +39,6 @@ from .report import print_summary, write_run_files
 from .rng import capture_rng, restore_rng
 from .scheduler import Scheduler
 from .state import State
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-def batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, (list, tuple)) and batch:
-        return batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return batch_size(next(iter(batch.values())))
-    return 1
 
 
 class Session:

@@ -1,0 +1,27 @@
+"""Helpers for batches of any nesting: tensors, tuples, lists, dicts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_size(batch[0])
+    if isinstance(batch, dict) and batch:
+        return batch_size(next(iter(batch.values())))
+    return 1
