@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     _scenario_arguments(run)
     run.add_argument("--out", type=Path, help="run folder (default: runs/<name>-<time>)")
     run.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    run.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over instead of resuming from the run folder's newest checkpoint",
+    )
     run.add_argument("--json", action="store_true", help="print summary.json to stdout")
 
     check = commands.add_parser("check", help="validate a scenario without running it")
@@ -148,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             console.print(_describe_scenario(scenario))
             return 0
         from .run import run_scenario  # imports torch.distributed machinery: only when running
+
+        if args.fresh and "checkpoint" in scenario.optimizations:
+            scenario.optimizations["checkpoint"] = {
+                **(scenario.optimizations["checkpoint"] or {}),
+                "resume": False,
+            }
 
         summary = run_scenario(
             scenario, args.out, progress=not args.quiet, print_summary=not (args.quiet or args.json)

@@ -96,6 +96,8 @@ class Knob:
                     f"{self.name}={value} is out of range: allowed {self.low} to {self.high}",
                 )
             return value
+        if self.type is str and not isinstance(value, str):
+            raise KnobError(self.name, f"{self.name} must be a string, got {value!r}")
         if self.choices is not None and value not in self.choices:
             allowed = [str(c) for c in self.choices]
             raise KnobError(

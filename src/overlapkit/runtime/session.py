@@ -82,6 +82,8 @@ class Session:
             accumulate=accumulate,
             run_dir=Path(run_dir) if run_dir is not None else None,
         )
+        self.state.capture = self.state_dict
+        self.state.restore = self.load_state_dict
         if accumulate < 1:
             raise ValueError(f"accumulate must be at least 1, got {accumulate}")
         self.records: list[dict[str, Any]] = []
@@ -173,11 +175,11 @@ class Session:
         if self._started:
             return
         self._started = True
+        self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
         if self._show_progress and ProgressBar.wanted():
             self._progress = ProgressBar(self.name, total_steps)
             for _ in range(self.state.step):
                 self._progress.advance(0.0, float("nan"), True)
-        self.scheduler.fire(Event.FIT_START, self.state)
 
     def start_step(self) -> None:
         self.state.clock.start_step()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ class State:
     loss: Any = None
     run_dir: Path | None = None
     zero_grad_in_place: bool = False  # gradients are views of a flat buffer: keep them
+    # Everything needed to resume exactly, as the session gathers it, and its inverse.
+    capture: Callable[[], dict[str, Any]] | None = None
+    restore: Callable[[dict[str, Any]], None] | None = None
     eval_results: list[dict[str, Any]] = field(default_factory=list)
 
     @property

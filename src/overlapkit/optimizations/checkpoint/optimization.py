@@ -1,0 +1,255 @@
+"""``checkpoint``: CheckFreq-style two-phase checkpointing, pipelined with training.
+
+At the start of a step the state is exactly "after the previous step": the
+snapshot is taken there (phase one, see `snapshot`) and overlaps the step's
+data loading, forward and backward; the step waits for it just before its
+optimizer step. A background thread then persists it (phase two, see
+`persister`) while the following steps run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+from ...runtime import Knob, Optimization, Resource, State, register_optimization
+from .persister import SHARED_KEYS, Persister
+from .policy import AutoInterval
+from .restore import load, newest_common_step
+from .snapshot import Snapshot, Snapshotter
+
+
+class CheckpointError(RuntimeError):
+    """Persisting a checkpoint failed and ``on_error`` is ``stop``."""
+
+
+@register_optimization
+class Checkpoint(Optimization):
+    """Two-phase checkpoints (snapshot, then persist) overlapped with training."""
+
+    name = "checkpoint"
+    knobs = (
+        Knob(
+            name="every",
+            type=int,
+            default=100,
+            low=1,
+            high=1_000_000,
+            log=True,
+            intensity=(1000, 1),
+            help="steps between checkpoints; 'auto': CheckFreq's policy",
+        ),
+        Knob(name="auto", type=bool, default=False, help="choose the interval (every: auto)"),
+        Knob(name="max_overhead", type=float, default=0.035, low=0.001, high=0.5),
+        Knob(name="keep", type=int, default=2, low=1, high=10_000, help="checkpoints kept"),
+        Knob(name="dir", type=str, default="checkpoints", help="relative to the run folder"),
+        Knob(name="max_in_flight", type=int, default=1, low=1, high=4, help="persists at once"),
+        Knob(name="on_error", type=str, default="stop", choices=("stop", "continue")),
+        Knob(name="resume", type=bool, default=True, help="resume from the newest valid one"),
+        Knob(name="final", type=bool, default=True, help="also checkpoint at the end"),
+    )
+    resources = frozenset({Resource.D2H, Resource.DISK, Resource.HOST_CPU})
+
+    @classmethod
+    def resolve(cls, intensity: float, explicit: dict[str, Any]) -> dict[str, Any]:
+        explicit = dict(explicit)
+        if explicit.get("every") == "auto":  # the YAML spelling of auto mode
+            del explicit["every"]
+            explicit["auto"] = True
+        return super().resolve(intensity, explicit)
+
+    def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
+        super().__init__(intensity, **explicit)
+        self.root: Path | None = None
+        self.policy_auto = (
+            AutoInterval(self.settings["max_overhead"]) if self.settings["auto"] else None
+        )
+        self._snapshotter: Snapshotter | None = None
+        self._persister: Persister | None = None
+        self._pending: Snapshot | None = None
+        self._last_step = -1
+        self._step_started = 0.0
+        self._stall_since_checkpoint = 0.0
+        self._slowdown_since_checkpoint = 0.0
+        self.stalls_s: list[float] = []
+        self.snapshot_copy_s: list[float] = []
+        self.resumed_from: int | None = None
+        self.skipped_corrupt: int = 0
+        self.errors: list[str] = []
+
+    # ---------------------------------------------------------------- set-up
+    def on_fit_start(self, state: State) -> None:
+        configured = Path(self.settings["dir"]).expanduser()
+        base = state.run_dir if state.run_dir is not None else Path.cwd()
+        self.root = configured if configured.is_absolute() else base / configured
+        world = state.world
+        if self.settings["resume"]:
+            self._resume(state)
+        elif world.is_main and (self.root / "manifest.json").exists():
+            # A fresh start keeps the old checkpoints, out of the way.
+            shutil.move(str(self.root), f"{self.root}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._snapshotter = Snapshotter(world.device, self.settings["max_in_flight"])
+        self._persister = Persister(
+            self.root, world.rank, world.world_size, self.settings["keep"], state.policy
+        )
+        self._last_step = state.step
+
+    def _resume(self, state: State) -> None:
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = newest_common_step(self.root, state.world) if self.root.exists() else None
+        for warning in caught:
+            self.skipped_corrupt += 1
+            warnings.warn(warning.message, warning.category, stacklevel=2)
+        if step is None:
+            return
+        saved = load(self.root, step, state.world.rank)
+        state.restore(saved)
+        self.resumed_from = step
+
+    # ----------------------------------------------------------------- hooks
+    def on_step_start(self, state: State) -> None:
+        self._raise_if_failed()
+        now = perf_counter()
+        self._observe_previous_step(now)
+        self._step_started = now
+        if not self._due(state):
+            return
+        with state.clock.phase("ckpt_stall"):
+            start = perf_counter()
+            deferrable = _deferrable_storages(state)
+            tree = state.capture()
+            if state.world.world_size > 1 and not state.world.is_main:
+                tree = {k: v for k, v in tree.items() if k not in SHARED_KEYS}  # rank 0 writes them
+            self._pending = self._snapshotter.take(state.step, tree, deferrable)
+            self._stall_since_checkpoint += perf_counter() - start
+        self._last_step = state.step
+
+    def on_before_optimizer_step(self, state: State) -> None:
+        if self._pending is None:
+            return
+        # The only moment the saved state changes: the snapshot must be complete.
+        with state.clock.phase("ckpt_stall"):
+            start = perf_counter()
+            self._pending.wait()
+            self._stall_since_checkpoint += perf_counter() - start
+        self._submit(self._pending)
+        self._pending = None
+
+    def on_fit_end(self, state: State) -> None:
+        if self._persister is None:
+            return
+        if self.settings["final"] and state.step != self._last_step:
+            tree = state.capture()
+            if state.world.world_size > 1 and not state.world.is_main:
+                tree = {k: v for k, v in tree.items() if k not in SHARED_KEYS}
+            snapshot = self._snapshotter.take(state.step, tree, set())
+            snapshot.wait()
+            self._submit(snapshot)
+            self._last_step = state.step
+        self._persister.close()
+        self._raise_if_failed()
+
+    # --------------------------------------------------------------- helpers
+    def _due(self, state: State) -> bool:
+        since = state.step - self._last_step
+        if since <= 0:
+            return False
+        if self.policy_auto is None:
+            return state.step % self.settings["every"] == 0
+        if self.policy_auto.interval is None:
+            return self.policy_auto.ready  # the first, measured, checkpoint
+        return since >= self.policy_auto.interval
+
+    def _submit(self, snapshot: Snapshot) -> None:
+        self.snapshot_copy_s.append(snapshot.copy_s)
+        self._persister.submit(snapshot)
+
+    def _observe_previous_step(self, now: float) -> None:
+        """Feed the auto policy: clean steps set the base time, others measure the cost."""
+        if self._step_started == 0.0:
+            return
+        seconds = now - self._step_started
+        busy = self._pending is not None or (self._persister and self._persister.in_flight)
+        auto = self.policy_auto
+        if auto is not None and not busy and self._stall_since_checkpoint == 0.0:
+            auto.record_clean_step(seconds)
+        elif auto is not None and auto.base_step_s is not None:
+            self._slowdown_since_checkpoint += max(0.0, seconds - auto.base_step_s)
+        if self._stall_since_checkpoint and not busy:
+            # The checkpoint and everything it slowed down are over: account for it.
+            self.stalls_s.append(self._stall_since_checkpoint)
+            if auto is not None:
+                persist = self._persister.persist_s[-1] if self._persister.persist_s else 0.0
+                auto.after_checkpoint(
+                    self._stall_since_checkpoint, self._slowdown_since_checkpoint, persist
+                )
+            self._stall_since_checkpoint = self._slowdown_since_checkpoint = 0.0
+
+    def _raise_if_failed(self) -> None:
+        error = self._persister.error if self._persister else None
+        if error is None:
+            return
+        message = f"persisting a checkpoint to {self.root} failed: {error}"
+        if self.settings["on_error"] == "stop":
+            raise CheckpointError(message + " (earlier checkpoints are intact)") from error
+        if message not in self.errors:
+            self.errors.append(message)  # training goes on without checkpoints
+
+    # ---------------------------------------------------------------- results
+    def state_dict(self) -> dict[str, Any]:
+        auto = self.policy_auto
+        return {"interval": auto.interval if auto else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.policy_auto is not None and state.get("interval"):
+            self.policy_auto.interval = int(state["interval"])
+
+    def summary(self) -> dict[str, Any]:
+        persister = self._persister
+        stalls = self.stalls_s
+        out = {
+            **super().summary(),
+            "dir": str(self.root),
+            "checkpoints": len(persister.persist_s) if persister else 0,
+            "resumed_from_step": self.resumed_from,
+            "stall_s_mean": sum(stalls) / len(stalls) if stalls else 0.0,
+            "snapshot_copy_s_mean": (
+                sum(self.snapshot_copy_s) / len(self.snapshot_copy_s)
+                if self.snapshot_copy_s
+                else 0.0
+            ),
+            "persist_s_mean": (
+                sum(persister.persist_s) / len(persister.persist_s)
+                if persister and persister.persist_s
+                else 0.0
+            ),
+            "bytes_written": persister.bytes_written if persister else 0,
+            "host_buffer_bytes": sum(b.nbytes for b in self._snapshotter.sets)
+            if self._snapshotter
+            else 0,
+            "notes": self.errors,
+        }
+        if self.policy_auto is not None:
+            out["auto"] = {
+                "interval": self.policy_auto.interval,
+                "history": self.policy_auto.history,
+            }
+        return out
+
+
+def _deferrable_storages(state: State) -> set[int]:
+    """Storages that change only in optimizer.step(): parameters and optimizer state."""
+    storages = {p.untyped_storage().data_ptr() for p in state.model.parameters()}
+    if state.optimizer is not None:
+        for per_param in state.optimizer.state.values():
+            for value in per_param.values():
+                if hasattr(value, "untyped_storage"):
+                    storages.add(value.untyped_storage().data_ptr())
+    return storages

@@ -1,0 +1,106 @@
+"""Writes finished snapshots to disk in a background thread, one after another."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+from ...runtime import Resource
+from ...runtime.arbitration import ArbitrationPolicy
+from .snapshot import Snapshot
+from .store import (
+    SHARED,
+    Manifest,
+    rank_file,
+    step_dir,
+    wait_for_ranks,
+    write_rank_checksum,
+    write_state,
+)
+
+# Replicated across data-parallel ranks: written once, by rank 0.
+SHARED_KEYS = ("model", "optimizer", "lr_scheduler", "precision", "progress")
+
+
+def split_state(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    shared = {k: v for k, v in tree.items() if k in SHARED_KEYS}
+    own = {k: v for k, v in tree.items() if k not in SHARED_KEYS}
+    return shared, own
+
+
+class Persister:
+    """A thread that persists snapshots in order; `error` holds the first failure."""
+
+    def __init__(
+        self, root: Path, rank: int, world_size: int, keep: int, policy: ArbitrationPolicy
+    ) -> None:
+        self.root, self.rank, self.world_size, self.keep = root, rank, world_size, keep
+        self.manifest = Manifest(root)
+        self.policy = policy
+        self.error: BaseException | None = None
+        self.persist_s: list[float] = []
+        self.bytes_written = 0
+        self.in_flight = 0
+        self._queue: queue.Queue[Snapshot | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="overlapkit-persist", daemon=True)
+        self._thread.start()
+
+    def submit(self, snapshot: Snapshot) -> None:
+        with self._idle:
+            self.in_flight += 1
+        self._queue.put(snapshot)
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until every submitted snapshot is persisted (or failed)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self.in_flight == 0, timeout=timeout_s)
+
+    def close(self) -> None:
+        self.drain()
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while (snapshot := self._queue.get()) is not None:
+            try:
+                if self.error is None:
+                    self._persist(snapshot)
+            except BaseException as error:  # reported on the training thread
+                self.error = error
+            finally:
+                snapshot.buffers.free.set()
+                with self._idle:
+                    self.in_flight -= 1
+                    self._idle.notify_all()
+
+    def _persist(self, snapshot: Snapshot) -> None:
+        snapshot.wait()
+        start = perf_counter()
+        folder = step_dir(self.root, snapshot.step)
+        shared, own = split_state(snapshot.tree)
+        # Background writes yield to critical-path work under the "priority" policy.
+        with self.policy.background(Resource.DISK):
+            record = write_state(folder / rank_file(self.rank), own)
+        write_rank_checksum(folder, self.rank, record)
+        written = record["bytes"]
+        if self.rank == 0:
+            files = {}
+            if shared:
+                with self.policy.background(Resource.DISK):
+                    files[SHARED] = write_state(folder / SHARED, shared)
+                written += files[SHARED]["bytes"]
+            files.update(wait_for_ranks(folder, self.world_size))
+            entry = {
+                "step": snapshot.step,
+                "time": time.time(),
+                "world_size": self.world_size,
+                "files": files,
+            }
+            self.manifest.add(entry, self.keep)
+        self.bytes_written += written
+        self.persist_s.append(perf_counter() - start)

@@ -1,0 +1,163 @@
+"""Phase two of a checkpoint, on disk: durable files, a manifest, integrity checks.
+
+Layout under the checkpoint folder::
+
+    manifest.json                the checkpoints that are complete, with checksums
+    step-00000120/
+        shared.pt                replicated state (model, optimizer, ...), written by rank 0
+        rank00000.pt, ...        each rank's own state (RNG, loader position, ...)
+        rank00000.json, ...      each rank's checksum, once its file is durable
+
+A file is written to a temporary name, fsynced, renamed and its folder
+fsynced; the manifest is replaced the same way, and only after it names a
+new checkpoint are older ones deleted. A step folder the manifest does not
+name (a crash mid-persist) is ignored and cleaned up later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...runtime.persist import fsync_dir
+
+MANIFEST = "manifest.json"
+SHARED = "shared.pt"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+class _HashingWriter(io.RawIOBase):
+    """A file that computes its SHA-256 while it is written."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.sha.update(view)
+        self.bytes += view.nbytes
+        return self.f.write(view)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def write_state(path: Path, tree: Any) -> dict[str, Any]:
+    """Durably write ``tree`` with torch.save; return its checksum and size."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(tree, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return {"sha256": writer.sha.hexdigest(), "bytes": writer.bytes}
+
+
+def write_rank_checksum(folder: Path, rank: int, record: dict[str, Any]) -> None:
+    _atomic_write_bytes(folder / f"rank{rank:05d}.json", json.dumps(record).encode())
+
+
+def wait_for_ranks(folder: Path, world_size: int, timeout_s: float = 600) -> dict[str, Any]:
+    """Rank 0 waits until every rank's file is durable; returns their checksums."""
+    deadline = time.monotonic() + timeout_s
+    records: dict[str, Any] = {}
+    while len(records) < world_size:
+        for rank in range(world_size):
+            name = f"rank{rank:05d}.json"
+            if rank_file(rank) not in records and (folder / name).exists():
+                records[rank_file(rank)] = json.loads((folder / name).read_text())
+        if len(records) < world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not finish writing {folder} within {timeout_s} s")
+            time.sleep(0.005)
+    return records
+
+
+@dataclass
+class Manifest:
+    root: Path
+
+    @property
+    def path(self) -> Path:
+        return self.root / MANIFEST
+
+    def read(self) -> list[dict[str, Any]]:
+        """The complete checkpoints, oldest first ([] when there is no readable manifest)."""
+        try:
+            return json.loads(self.path.read_text())["checkpoints"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            return []
+
+    def add(self, entry: dict[str, Any], keep: int) -> list[dict[str, Any]]:
+        """Durably add ``entry``; then delete all but the newest ``keep`` checkpoints."""
+        entries = [e for e in self.read() if e["step"] != entry["step"]] + [entry]
+        entries.sort(key=lambda e: e["step"])
+        kept = entries[-keep:]
+        document = {"format": 1, "checkpoints": kept}
+        _atomic_write_bytes(self.path, json.dumps(document, indent=1).encode())
+        # Only now that the manifest naming the new checkpoint is durable: clean up.
+        wanted = {step_dir(self.root, e["step"]).name for e in kept}
+        for folder in self.root.glob("step-*"):
+            if folder.name not in wanted and folder.is_dir():
+                shutil.rmtree(folder, ignore_errors=True)
+        return kept
+
+
+def verify(root: Path, entry: dict[str, Any], files: list[str]) -> str | None:
+    """None if ``files`` of the checkpoint match their checksums, else what is wrong."""
+    folder = step_dir(root, entry["step"])
+    for name in files:
+        expected = entry["files"].get(name)
+        if expected is None:
+            return f"{name} is not in the manifest"
+        path = folder / name
+        if not path.exists():
+            return f"{path} is missing"
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                sha.update(chunk)
+        if sha.hexdigest() != expected["sha256"]:
+            return f"{path} does not match its checksum (truncated or corrupted)"
+    return None
+
+
+def load_state(root: Path, step: int, name: str) -> Any:
+    return torch.load(step_dir(root, step) / name, map_location="cpu", weights_only=True)
