@@ -19,6 +19,7 @@ from .data import DataNotFoundError
 from .launch.local import RankFailedError
 from .models import MODEL_NAMES
 from .optimizations import registered_optimizations
+from .optimizations.checkpoint import CheckpointError
 from .runtime import POLICIES, CombinationError
 from .scenarios import Scenario, ScenarioError, load_scenario
 
@@ -174,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         errors.print("[bold red]error:[/] ", end="")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
+    except CheckpointError as error:
+        errors.print("[bold red]run failed:[/] ", end="")
+        errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
+        return 1
     except RankFailedError as error:
         errors.print(f"[bold red]run failed: rank {error.rank}[/]", highlight=False)
         errors.print(error.details, highlight=False, markup=False, soft_wrap=True)

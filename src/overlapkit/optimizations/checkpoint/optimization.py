@@ -91,7 +91,12 @@ class Checkpoint(Optimization):
         elif world.is_main and (self.root / "manifest.json").exists():
             # A fresh start keeps the old checkpoints, out of the way.
             shutil.move(str(self.root), f"{self.root}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise CheckpointError(
+                f"cannot create the checkpoint folder {self.root}: {error}"
+            ) from None
         self._snapshotter = Snapshotter(world.device, self.settings["max_in_flight"])
         self._persister = Persister(
             self.root, world.rank, world.world_size, self.settings["keep"], state.policy
@@ -164,7 +169,8 @@ class Checkpoint(Optimization):
         if self.policy_auto is None:
             return state.step % self.settings["every"] == 0
         if self.policy_auto.interval is None:
-            return self.policy_auto.ready  # the first, measured, checkpoint
+            # One checkpoint to measure, once the base step time is known.
+            return self.policy_auto.ready and self._stall_since_checkpoint == 0.0
         return since >= self.policy_auto.interval
 
     def _submit(self, snapshot: Snapshot) -> None:

@@ -49,6 +49,7 @@ class _HashingWriter(io.RawIOBase):
         self.f = f
         self.sha = hashlib.sha256()
         self.bytes = 0
+        self.os_error: OSError | None = None
 
     def writable(self) -> bool:
         return True
@@ -57,7 +58,11 @@ class _HashingWriter(io.RawIOBase):
         view = memoryview(data)
         self.sha.update(view)
         self.bytes += view.nbytes
-        return self.f.write(view)
+        try:
+            return self.f.write(view)
+        except OSError as error:  # torch.save hides it behind a message about positions
+            self.os_error = error
+            raise
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -80,7 +85,12 @@ def write_state(path: Path, tree: Any) -> dict[str, Any]:
     try:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
-            torch.save(tree, writer)
+            try:
+                torch.save(tree, writer)
+            except Exception:
+                if writer.os_error is not None:
+                    raise writer.os_error from None  # e.g. "No space left on device"
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -1,0 +1,204 @@
+"""Two-phase checkpointing: exact resume, isolation from later updates, integrity, disk errors."""
+
+import json
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+from rank_programs import mlp
+
+from overlapkit import Session, get_optimization
+from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
+from overlapkit.optimizations.checkpoint import (
+    AutoInterval,
+    CheckpointCorruptWarning,
+    CheckpointError,
+)
+from overlapkit.optimizations.checkpoint.snapshot import Snapshotter
+from overlapkit.runtime.rng import seed_everything
+
+Checkpoint = get_optimization("checkpoint")
+
+
+def train(run_dir, steps, *, every=3, momentum=0.9, on_step=None, **knobs):
+    """One rank, the test MLP with dropout (so RNG state matters), SGD with momentum."""
+    seed_everything(0)
+    model = torch.nn.Sequential(mlp(), torch.nn.Dropout(0.1))
+    data = SyntheticImages((3, 8, 8), num_classes=4, num_samples=96, seed=0)
+    loader = ResumableLoader(data, 16, ShardedSampler(len(data), seed=0))
+    checkpoint = Checkpoint(every=every, **knobs)
+    session = Session([checkpoint], device="cpu", run_dir=run_dir)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    model, optimizer, _ = session.prepare(model, optimizer, loader)
+    losses = {}
+    for inputs, targets in session.steps(steps):
+        with session.forward():
+            loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+        session.backward(loss)
+        session.optimizer_step()
+        losses[session.state.step] = float(loss.detach())
+        if on_step is not None:
+            on_step(session, model)
+    summary = session.finish()
+    return losses, model, summary["optimizations"]["checkpoint"]
+
+
+def params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_interrupted_and_resumed_run_is_bitwise_identical(tmp_path):
+    straight_losses, straight_model, _ = train(tmp_path / "a", 14)
+    # 96 samples / 16 = 6 batches an epoch: step 7 is mid-epoch.
+    first, _, section = train(tmp_path / "b", 7, final=False)
+    assert section["checkpoints"] == 2  # steps 3 and 6
+    rest, model, section = train(tmp_path / "b", 14)
+    assert section["resumed_from_step"] == 6
+    assert min(rest) == 6  # step 6 is run again: the checkpoint is of the state before it
+    assert {**first, **rest} == straight_losses
+    assert torch.equal(params(model), params(straight_model))
+
+
+def test_parameters_changed_after_the_snapshot_never_reach_the_checkpoint(tmp_path, monkeypatch):
+    # A slow background copy: only the wait before the optimizer step keeps the
+    # next update out of the snapshot.
+    original = Snapshotter._copy
+
+    def slow_copy(snapshot, deferred):
+        time.sleep(0.05)
+        original(snapshot, deferred)
+
+    monkeypatch.setattr(Snapshotter, "_copy", staticmethod(slow_copy))
+    after_step = {}
+
+    def remember(session, model):
+        after_step[session.state.step] = params(model).clone()
+
+    train(tmp_path, 10, every=2, keep=10, on_step=remember)
+    manifest = json.loads((tmp_path / "checkpoints" / "manifest.json").read_text())
+    steps = [e["step"] for e in manifest["checkpoints"]]
+    assert steps == [2, 4, 6, 8, 10]
+    for step in steps:
+        saved = torch.load(
+            tmp_path / "checkpoints" / f"step-{step:08d}" / "shared.pt", weights_only=True
+        )
+        flat = torch.cat([t.reshape(-1) for k, t in saved["model"].items()])
+        # Taken as step `step` starts: the state after steps 0..step-1, not one update more.
+        assert torch.equal(flat, after_step[step - 1]), step
+        assert step not in after_step or not torch.equal(flat, after_step[step])
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    train(tmp_path, 9, every=3, keep=3)  # checkpoints at 3, 6, 9
+    newest = tmp_path / "checkpoints" / "step-00000009" / "shared.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle
+    newest.write_bytes(bytes(data))
+    with pytest.warns(CheckpointCorruptWarning, match="step 9.*does not match its checksum"):
+        _, _, section = train(tmp_path, 9, every=3, keep=3, final=False)
+    assert section["resumed_from_step"] == 6
+    # Truncation is caught the same way.
+    for step in (6, 9):
+        path = tmp_path / "checkpoints" / f"step-{step:08d}" / "shared.pt"
+        path.write_bytes(path.read_bytes()[:1000])
+    with pytest.warns(CheckpointCorruptWarning):
+        _, _, section = train(tmp_path, 9, every=3, keep=3, final=False)
+    assert section["resumed_from_step"] == 3
+
+
+def test_host_memory_stays_flat_across_many_checkpoints(tmp_path):
+    sizes = []
+
+    def measure(session, model):
+        if session.state.step % 10 == 0:
+            rss_pages = int(Path("/proc/self/statm").read_text().split()[1])
+            sizes.append(rss_pages * 4096)
+
+    _, model, section = train(tmp_path, 60, every=1, keep=1, momentum=0.9, on_step=measure)
+    assert section["checkpoints"] == 60
+    state_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # + momentum
+    assert state_bytes <= section["host_buffer_bytes"] < state_bytes * 1.1  # one reused set
+    growth = sizes[-1] - sizes[1]
+    assert growth < 2 * state_bytes, f"resident memory grew by {growth / 1e6:.1f} MB"
+    assert len(list((tmp_path / "checkpoints").glob("step-*"))) == 1
+
+
+def test_auto_policy_on_known_inputs():
+    auto = AutoInterval(max_overhead=0.05, profile_steps=3)
+    for seconds in (0.1, 0.1, 0.1):
+        auto.record_clean_step(seconds)
+    assert auto.ready and auto.base_step_s == pytest.approx(0.1)
+    # 20 ms of stall + 10 ms of slow-down at 5 %: k = 0.03 / (0.05 * 0.1) = 6 steps.
+    assert auto.after_checkpoint(stall_s=0.02, slowdown_s=0.01, persist_s=0.2) == 6
+    # A persist of 1 s needs 10 steps to finish before the next snapshot.
+    assert auto.after_checkpoint(stall_s=0.02, slowdown_s=0.01, persist_s=1.0) == 10
+    # Cheaper checkpoints never lower the interval.
+    assert auto.after_checkpoint(stall_s=0.0, slowdown_s=0.0, persist_s=0.0) == 10
+
+
+def test_auto_mode_chooses_an_interval_and_spells_every_auto():
+    assert Checkpoint.resolve(1.0, {"every": "auto"})["auto"] is True
+    assert [Checkpoint.resolve(i, {})["every"] for i in (0.25, 0.5, 1.0)] == [178, 32, 1]
+
+
+def test_auto_mode_runs(tmp_path):
+    _, _, section = train(tmp_path, 40, every=1, auto=True, max_overhead=0.05)
+    assert section["auto"]["interval"] >= 1
+    assert section["checkpoints"] >= 2  # the measured first one, then at the chosen interval
+
+
+def mount_tiny_filesystem(folder, size):
+    folder.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True
+    )
+    return result.returncode == 0
+
+
+@pytest.mark.parametrize("on_error", ["stop", "continue"])
+def test_a_full_disk_is_reported_and_earlier_checkpoints_survive(tmp_path, on_error):
+    disk = tmp_path / "disk"
+    if not mount_tiny_filesystem(disk, "5m"):  # each checkpoint is ~2.2 MB: two fit
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        run = lambda: train(disk, 12, every=3, keep=3, momentum=0.0, on_error=on_error)  # noqa: E731
+        if on_error == "stop":
+            with pytest.raises(
+                CheckpointError, match="No space left on device.*earlier checkpoints are intact"
+            ):
+                run()
+        else:
+            _, _, section = run()
+            assert any("No space left on device" in note for note in section["notes"])
+        manifest = json.loads((disk / "checkpoints" / "manifest.json").read_text())
+        assert [e["step"] for e in manifest["checkpoints"]] == [3, 6]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # both intact: no corruption warning
+            _, _, section = train(disk, 6, every=3, keep=3, momentum=0.0, final=False)
+        assert section["resumed_from_step"] == 6
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_an_unwritable_checkpoint_folder_is_a_clear_error(tmp_path, tiny_scenario):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CheckpointError, match="cannot create the checkpoint folder"):
+        train(tmp_path, 3, dir=str(blocker / "checkpoints"))
+    result = run_cli(
+        "run",
+        tiny_scenario(),
+        "--out",
+        tmp_path / "run",
+        "--set",
+        f"optimizations.checkpoint={{every: 2, dir: {blocker}/ck}}",
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert (
+        "cannot create the checkpoint folder" in result.stderr and "Traceback" not in result.stderr
+    )
