@@ -108,7 +108,8 @@ class Checkpoint(Optimization):
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            step = newest_common_step(self.root, state.world) if self.root.exists() else None
+            # A collective: every rank takes part, whatever it finds on disk.
+            step = newest_common_step(self.root, state.world)
         for warning in caught:
             self.skipped_corrupt += 1
             warnings.warn(warning.message, warning.category, stacklevel=2)
