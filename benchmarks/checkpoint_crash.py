@@ -1,0 +1,179 @@
+"""Crash safety of two-phase checkpointing, by brute force: SIGKILL a training
+process at random moments (during snapshots, persists and manifest updates
+too), again and again, resuming each time; then check every promise.
+
+After each kill: the newest checkpoint in the manifest loads and matches its
+checksums, and at most two checkpoint intervals of work were lost. At the
+end, the run is completed and its parameters must equal, bit for bit, those
+of a run that was never interrupted.
+
+    python benchmarks/checkpoint_crash.py --kills 300       # the stress run
+    python benchmarks/checkpoint_crash.py --train DIR ...   # one training process (used by the above)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BATCH = 16
+
+
+def train(folder: Path, steps: int, every: int) -> None:
+    """Train, printing 'done S' after each step; resumes from the folder's checkpoints."""
+    from torch import nn
+
+    from overlapkit import Session, get_optimization
+    from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
+    from overlapkit.runtime.rng import seed_everything
+
+    seed_everything(0)
+    model = nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(192, 768),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(768, 768),
+        nn.ReLU(),
+        nn.Linear(768, 4),
+    )
+    data = SyntheticImages((3, 8, 8), num_classes=4, num_samples=200, seed=0)
+    loader = ResumableLoader(data, BATCH, ShardedSampler(len(data), seed=0))
+    checkpoint = get_optimization("checkpoint")(every=every, keep=2)
+    session = Session([checkpoint], device="cpu", run_dir=folder)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    model, optimizer, _ = session.prepare(model, optimizer, loader)
+    for inputs, targets in session.steps(steps):
+        with session.forward():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        session.backward(loss)
+        session.optimizer_step()
+        session.end_step()
+        print(f"done {session.state.step}", flush=True)  # steps completed
+    session.finish()
+
+
+def newest_checkpoint(folder: Path) -> tuple[int | None, str | None]:
+    """The newest checkpoint in the manifest, after checking that it loads."""
+    from overlapkit.optimizations.checkpoint.store import Manifest, load_state, verify
+
+    root = folder / "checkpoints"
+    entries = Manifest(root).read()
+    if not entries:
+        return None, "no checkpoint in the manifest"
+    entry = entries[-1]
+    problem = verify(root, entry, list(entry["files"]))
+    if problem:
+        return entry["step"], problem
+    for name in entry["files"]:
+        load_state(root, entry["step"], name)
+    return entry["step"], None
+
+
+def start(folder: Path, steps: int, every: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--train",
+            str(folder),
+            "--steps",
+            str(steps),
+            "--every",
+            str(every),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def kill_loop(
+    folder: Path, kills: int, every: int = 2, seed: int = 0, max_delay_s: float = 0.4
+) -> dict[str, Any]:
+    """Kill and resume ``kills`` times, then finish and compare with an uninterrupted run."""
+    rng = random.Random(seed)
+    stats: dict[str, Any] = {"kills": 0, "mid_persist": 0, "unloadable": [], "max_lost_steps": 0}
+    progress = 0
+    for _ in range(kills):
+        process = start(folder, 10**6, every)
+        # Wait until training runs (and, the first time, a checkpoint can exist).
+        done = 0
+        assert process.stdout is not None
+        while done < max(1, 2 * every + 1 - progress):
+            line = process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"training exited early: {process.stderr.read()[-2000:]}")
+            done += line.startswith("done")
+        time.sleep(rng.uniform(0.0, max_delay_s))
+        os.kill(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        lines = [line for line in out.splitlines() if line.startswith("done ")]
+        progress = max(progress, int(lines[-1].split()[1]) if lines else progress)
+        stats["kills"] += 1
+        root = folder / "checkpoints"
+        listed = {
+            f"step-{e['step']:08d}"
+            for e in json.loads((root / "manifest.json").read_text())["checkpoints"]
+        }
+        on_disk = {p.name for p in root.glob("step-*")}
+        if on_disk - listed or list(root.rglob(".*.tmp-*")):
+            stats["mid_persist"] += 1  # killed while a checkpoint was being written
+        step, problem = newest_checkpoint(folder)
+        if problem or step is None:
+            stats["unloadable"].append(problem)
+            continue
+        stats["max_lost_steps"] = max(stats["max_lost_steps"], progress - step)
+        progress = step  # the next process resumes here
+    final_steps = progress + 2 * every
+    finish = start(folder, final_steps, every)
+    finish.communicate()
+    reference = folder.parent / f"{folder.name}-reference"
+    uninterrupted = start(reference, final_steps, every)
+    uninterrupted.communicate()
+    a = torch.load(
+        folder / "checkpoints" / f"step-{final_steps:08d}" / "shared.pt", weights_only=True
+    )
+    b = torch.load(
+        reference / "checkpoints" / f"step-{final_steps:08d}" / "shared.pt", weights_only=True
+    )
+    stats["final_step"] = final_steps
+    stats["bitwise_equal_to_uninterrupted"] = all(
+        torch.equal(a["model"][k], b["model"][k]) for k in a["model"]
+    )
+    stats["every"] = every
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--train", type=Path, help="run one training process in this folder")
+    parser.add_argument("--steps", type=int, default=10**6)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--kills", type=int, default=300)
+    parser.add_argument("--dir", type=Path, default=Path("runs/checkpoint-crash"))
+    args = parser.parse_args()
+    if args.train is not None:
+        train(args.train, args.steps, args.every)
+        return
+    args.dir.mkdir(parents=True, exist_ok=True)
+    folder = args.dir / time.strftime("%Y%m%d-%H%M%S")
+    stats = kill_loop(folder, args.kills, args.every)
+    print(json.dumps(stats, indent=2))
+    ok = not stats["unloadable"] and stats["max_lost_steps"] <= 2 * args.every
+    ok = ok and stats["bitwise_equal_to_uninterrupted"]
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
