@@ -141,12 +141,10 @@ def kill_loop(
     reference = folder.parent / f"{folder.name}-reference"
     uninterrupted = start(reference, final_steps, every)
     uninterrupted.communicate()
-    a = torch.load(
-        folder / "checkpoints" / f"step-{final_steps:08d}" / "shared.pt", weights_only=True
-    )
-    b = torch.load(
-        reference / "checkpoints" / f"step-{final_steps:08d}" / "shared.pt", weights_only=True
-    )
+    from overlapkit.optimizations.checkpoint.fileformat import read as read_checkpoint
+
+    a = read_checkpoint(folder / "checkpoints" / f"step-{final_steps:08d}" / "shared.ckpt")
+    b = read_checkpoint(reference / "checkpoints" / f"step-{final_steps:08d}" / "shared.ckpt")
     stats["final_step"] = final_steps
     stats["bitwise_equal_to_uninterrupted"] = all(
         torch.equal(a["model"][k], b["model"][k]) for k in a["model"]

@@ -244,7 +244,7 @@ class Checkpoint(Optimization):
             "notes": self.errors,
         }
         if self.policy_auto is not None:
-            out["auto"] = {
+            out["auto_policy"] = {
                 "interval": self.policy_auto.interval,
                 "history": self.policy_auto.history,
             }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -66,6 +67,12 @@ class Persister:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        # Linux applies nice values per thread: the persist fills the cores' idle gaps
+        # instead of taking them from the training step's compute threads.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         while (snapshot := self._queue.get()) is not None:
             try:
                 if self.error is None:

@@ -4,8 +4,8 @@ Layout under the checkpoint folder::
 
     manifest.json                the checkpoints that are complete, with checksums
     step-00000120/
-        shared.pt                replicated state (model, optimizer, ...), written by rank 0
-        rank00000.pt, ...        each rank's own state (RNG, loader position, ...)
+        shared.ckpt              replicated state (model, optimizer, ...), written by rank 0
+        rank00000.ckpt, ...      each rank's own state (RNG, loader position, ...)
         rank00000.json, ...      each rank's checksum, once its file is durable
 
 A file is written to a temporary name, fsynced, renamed and its folder
@@ -16,8 +16,6 @@ name (a crash mid-persist) is ignored and cleaned up later.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
 import shutil
@@ -26,12 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ...runtime.persist import fsync_dir
+from . import fileformat
 
 MANIFEST = "manifest.json"
-SHARED = "shared.pt"
+SHARED = "shared.ckpt"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -39,30 +36,7 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.pt"
-
-
-class _HashingWriter(io.RawIOBase):
-    """A file that computes its SHA-256 while it is written."""
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.sha = hashlib.sha256()
-        self.bytes = 0
-        self.os_error: OSError | None = None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        self.sha.update(view)
-        self.bytes += view.nbytes
-        try:
-            return self.f.write(view)
-        except OSError as error:  # torch.save hides it behind a message about positions
-            self.os_error = error
-            raise
+    return f"rank{rank:05d}.ckpt"
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -79,25 +53,21 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def write_state(path: Path, tree: Any) -> dict[str, Any]:
-    """Durably write ``tree`` with torch.save; return its checksum and size."""
+    """Durably write ``tree`` (see `fileformat`); return its checksum and size."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            try:
-                torch.save(tree, writer)
-            except Exception:
-                if writer.os_error is not None:
-                    raise writer.os_error from None  # e.g. "No space left on device"
-                raise
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            record = fileformat.write(fd, tree)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
-    return {"sha256": writer.sha.hexdigest(), "bytes": writer.bytes}
+    return record
 
 
 def write_rank_checksum(folder: Path, rank: int, record: dict[str, Any]) -> None:
@@ -132,7 +102,7 @@ class Manifest:
         """The complete checkpoints, oldest first ([] when there is no readable manifest)."""
         try:
             return json.loads(self.path.read_text())["checkpoints"]
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, KeyError):
             return []
 
     def add(self, entry: dict[str, Any], keep: int) -> list[dict[str, Any]]:
@@ -160,14 +130,14 @@ def verify(root: Path, entry: dict[str, Any], files: list[str]) -> str | None:
         path = folder / name
         if not path.exists():
             return f"{path} is missing"
-        sha = hashlib.sha256()
+        crc = fileformat.Crc32()
         with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                sha.update(chunk)
-        if sha.hexdigest() != expected["sha256"]:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                crc.update(chunk)
+        if crc.hexdigest() != expected["crc32"] or path.stat().st_size != expected["bytes"]:
             return f"{path} does not match its checksum (truncated or corrupted)"
     return None
 
 
 def load_state(root: Path, step: int, name: str) -> Any:
-    return torch.load(step_dir(root, step) / name, map_location="cpu", weights_only=True)
+    return fileformat.read(step_dir(root, step) / name)
