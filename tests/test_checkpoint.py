@@ -145,7 +145,8 @@ def test_auto_mode_chooses_an_interval_and_spells_every_auto():
 
 
 def test_auto_mode_runs(tmp_path):
-    _, _, section = train(tmp_path, 40, every=1, auto=True, max_overhead=0.05)
+    # At full priority the measured checkpoint finishes within a few of these 3 ms steps.
+    _, _, section = train(tmp_path, 40, every=1, auto=True, max_overhead=0.05, persist_nice=0)
     assert section["auto_policy"]["interval"] >= 1
     assert section["checkpoints"] >= 2  # the measured first one, then at the chosen interval
 

@@ -48,6 +48,14 @@ class Checkpoint(Optimization):
         Knob(name="dir", type=str, default="checkpoints", help="relative to the run folder"),
         Knob(name="max_in_flight", type=int, default=1, low=1, high=4, help="persists at once"),
         Knob(name="on_error", type=str, default="stop", choices=("stop", "continue")),
+        Knob(
+            name="persist_nice",
+            type=int,
+            default=10,
+            low=0,
+            high=19,
+            help="CPU priority of the persist thread: higher yields more to training",
+        ),
         Knob(name="resume", type=bool, default=True, help="resume from the newest valid one"),
         Knob(name="final", type=bool, default=True, help="also checkpoint at the end"),
     )
@@ -99,7 +107,12 @@ class Checkpoint(Optimization):
             ) from None
         self._snapshotter = Snapshotter(world.device, self.settings["max_in_flight"])
         self._persister = Persister(
-            self.root, world.rank, world.world_size, self.settings["keep"], state.policy
+            self.root,
+            world.rank,
+            world.world_size,
+            self.settings["keep"],
+            state.policy,
+            nice=self.settings["persist_nice"],
         )
         self._last_step = state.step
 

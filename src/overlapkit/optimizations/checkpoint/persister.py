@@ -37,9 +37,16 @@ class Persister:
     """A thread that persists snapshots in order; `error` holds the first failure."""
 
     def __init__(
-        self, root: Path, rank: int, world_size: int, keep: int, policy: ArbitrationPolicy
+        self,
+        root: Path,
+        rank: int,
+        world_size: int,
+        keep: int,
+        policy: ArbitrationPolicy,
+        nice: int = 10,
     ) -> None:
         self.root, self.rank, self.world_size, self.keep = root, rank, world_size, keep
+        self.nice = nice
         self.manifest = Manifest(root)
         self.policy = policy
         self.error: BaseException | None = None
@@ -69,10 +76,11 @@ class Persister:
     def _run(self) -> None:
         # Linux applies nice values per thread: the persist fills the cores' idle gaps
         # instead of taking them from the training step's compute threads.
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
+        if self.nice:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except (AttributeError, OSError):
+                pass
         while (snapshot := self._queue.get()) is not None:
             try:
                 if self.error is None:
