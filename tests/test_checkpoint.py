@@ -128,15 +128,18 @@ def test_host_memory_stays_flat_across_many_checkpoints(tmp_path):
 
 def test_auto_policy_on_known_inputs():
     auto = AutoInterval(max_overhead=0.05, profile_steps=3)
-    for seconds in (0.1, 0.1, 0.1):
-        auto.record_clean_step(seconds)
+    for seconds in (0.1, 0.1, 0.1, 0.5):  # the fourth comes too late to count
+        auto.record_profile_step(seconds)
     assert auto.ready and auto.base_step_s == pytest.approx(0.1)
-    # 20 ms of stall + 10 ms of slow-down at 5 %: k = 0.03 / (0.05 * 0.1) = 6 steps.
-    assert auto.after_checkpoint(stall_s=0.02, slowdown_s=0.01, persist_s=0.2) == 6
-    # A persist of 1 s needs 10 steps to finish before the next snapshot.
-    assert auto.after_checkpoint(stall_s=0.02, slowdown_s=0.01, persist_s=1.0) == 10
-    # Cheaper checkpoints never lower the interval.
-    assert auto.after_checkpoint(stall_s=0.0, slowdown_s=0.0, persist_s=0.0) == 10
+    # 4 steps took 0.43 s instead of 0.4: 30 ms of cost at 5 % needs k = 0.03 / 0.005 = 6.
+    assert auto.after_window(window_s=0.43, steps=4, persist_s=0.2) == 6
+    # A persist of 1 s needs 10 steps to finish, plus the step that starts the next one.
+    assert auto.after_window(window_s=0.63, steps=6, persist_s=1.0) == 11
+    # A window with more overhead than p raises k: 12 steps, 0.2 s too slow -> 40.
+    assert auto.after_window(window_s=1.4, steps=12, persist_s=0.1) == 40
+    assert auto.history[-1]["overhead"] == pytest.approx(0.2 / 1.2)
+    # Cheaper checkpoints never lower it.
+    assert auto.after_window(window_s=4.0, steps=40, persist_s=0.0) == 40
 
 
 def test_auto_mode_chooses_an_interval_and_spells_every_auto():
@@ -254,3 +257,15 @@ def test_two_rank_run_killed_and_resumed_matches_an_uninterrupted_one(tiny_scena
     ]
     assert rank1[0]["loader"] == rank1[1]["loader"]
     assert torch.equal(rank1[0]["rng"]["torch"], rank1[1]["rng"]["torch"])
+
+
+def test_pruning_never_touches_checkpoints_other_ranks_are_still_writing(tmp_path):
+    from overlapkit.optimizations.checkpoint.store import Manifest, step_dir
+
+    for step in (2, 3, 4, 6):  # 3: a crash leftover; 6: another rank is writing it now
+        step_dir(tmp_path, step).mkdir(parents=True)
+    manifest = Manifest(tmp_path)
+    manifest.add({"step": 2, "files": {}}, keep=1)
+    manifest.add({"step": 4, "files": {}}, keep=1)
+    assert [e["step"] for e in manifest.read()] == [4]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000006"]

@@ -81,7 +81,9 @@ class Checkpoint(Optimization):
         self._last_step = -1
         self._step_started = 0.0
         self._stall_since_checkpoint = 0.0
-        self._slowdown_since_checkpoint = 0.0
+        # The auto policy's window: the steps since the last checkpoint started.
+        self._window_s = 0.0
+        self._window_steps: int | None = None
         self.stalls_s: list[float] = []
         self.snapshot_copy_s: list[float] = []
         self.resumed_from: int | None = None
@@ -140,6 +142,9 @@ class Checkpoint(Optimization):
         self._step_started = now
         if not self._due(state):
             return
+        if self.policy_auto is not None:
+            self._close_window()
+            self._window_s, self._window_steps = 0.0, 0
         with state.clock.phase("ckpt_stall"):
             start = perf_counter()
             deferrable = _deferrable_storages(state)
@@ -184,7 +189,7 @@ class Checkpoint(Optimization):
             return state.step % self.settings["every"] == 0
         if self.policy_auto.interval is None:
             # One checkpoint to measure, once the base step time is known.
-            return self.policy_auto.ready and self._stall_since_checkpoint == 0.0
+            return self.policy_auto.ready and self._window_steps is None
         return since >= self.policy_auto.interval
 
     def _submit(self, snapshot: Snapshot) -> None:
@@ -192,25 +197,31 @@ class Checkpoint(Optimization):
         self._persister.submit(snapshot)
 
     def _observe_previous_step(self, now: float) -> None:
-        """Feed the auto policy: clean steps set the base time, others measure the cost."""
+        """Feed the auto policy: steps before any checkpoint set the base step time;
+        later steps fill the window of the checkpoint they ran beside."""
         if self._step_started == 0.0:
             return
         seconds = now - self._step_started
-        busy = self._pending is not None or (self._persister and self._persister.in_flight)
         auto = self.policy_auto
-        if auto is not None and not busy and self._stall_since_checkpoint == 0.0:
-            auto.record_clean_step(seconds)
-        elif auto is not None and auto.base_step_s is not None:
-            self._slowdown_since_checkpoint += max(0.0, seconds - auto.base_step_s)
+        if auto is not None and self._window_steps is None and auto.interval is None:
+            auto.record_profile_step(seconds)
+        if self._window_steps is not None:
+            self._window_s += seconds
+            self._window_steps += 1
+        busy = self._pending is not None or (self._persister and self._persister.in_flight)
         if self._stall_since_checkpoint and not busy:
-            # The checkpoint and everything it slowed down are over: account for it.
             self.stalls_s.append(self._stall_since_checkpoint)
-            if auto is not None:
-                persist = self._persister.persist_s[-1] if self._persister.persist_s else 0.0
-                auto.after_checkpoint(
-                    self._stall_since_checkpoint, self._slowdown_since_checkpoint, persist
-                )
-            self._stall_since_checkpoint = self._slowdown_since_checkpoint = 0.0
+            self._stall_since_checkpoint = 0.0
+            if auto is not None and auto.interval is None:
+                self._close_window()  # the measured first checkpoint is over
+
+    def _close_window(self) -> None:
+        if self._window_steps:
+            persisted = self._persister.persist_s if self._persister else []
+            self.policy_auto.after_window(
+                self._window_s, self._window_steps, persisted[-1] if persisted else 0.0
+            )
+        self._window_steps = None
 
     def _raise_if_failed(self) -> None:
         error = self._persister.error if self._persister else None

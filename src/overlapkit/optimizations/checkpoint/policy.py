@@ -9,49 +9,55 @@ import statistics
 class AutoInterval:
     """Chooses the checkpoint interval k (in steps) so that the overhead stays under ``p``.
 
-    It first times ``profile_steps`` steps with no checkpoint activity (the
-    base step time T), then takes a checkpoint to measure its cost: the stall
-    it caused plus the slow-down of the steps that ran beside it. Then
+    It first times ``profile_steps`` steps with no checkpoint (the base step
+    time T, then frozen). Each checkpoint's cost is everything it added to the
+    steps up to the next one: the window's time minus ``steps * T``. That
+    counts the stall and every slow-down beside the snapshot and the persist
+    (on a small machine the slow-down dominates). Then
 
-        k = max(ceil(cost / (p * T)), ceil(persist / T))
+        k = max(ceil(cost / (p * T)), ceil(persist / T) + 1)
 
-    so that the overhead cost / (k T) is at most p and a persist finishes
-    before the next snapshot needs its buffers. It keeps measuring each
-    checkpoint and raises k when the measured overhead exceeds p (a slower
-    disk, a busier machine); it never lowers k.
+    so that cost / (k T) is at most p and a persist finishes before the next
+    snapshot needs its buffers. k is re-measured after every checkpoint and
+    raised when a window shows more overhead than p (a slower disk, a busier
+    machine); it is never lowered.
     """
 
     def __init__(self, max_overhead: float, profile_steps: int = 5) -> None:
         self.max_overhead = max_overhead
         self.profile_steps = profile_steps
         self.interval: int | None = None
-        self._clean: list[float] = []
+        self._profile: list[float] = []
         self.history: list[dict[str, float]] = []
 
     @property
     def base_step_s(self) -> float | None:
-        return statistics.median(self._clean) if self._clean else None
-
-    def record_clean_step(self, seconds: float) -> None:
-        """A step during which nothing of the checkpoint was in flight."""
-        self._clean.append(seconds)
-        del self._clean[:-50]  # a recent window: the machine's speed drifts
+        return statistics.median(self._profile) if self.ready else None
 
     @property
     def ready(self) -> bool:
-        return len(self._clean) >= self.profile_steps
+        return len(self._profile) >= self.profile_steps
 
-    def after_checkpoint(self, stall_s: float, slowdown_s: float, persist_s: float) -> int:
+    def record_profile_step(self, seconds: float) -> None:
+        """A step before any checkpoint: sets the base step time."""
+        if not self.ready:
+            self._profile.append(seconds)
+
+    def after_window(self, window_s: float, steps: int, persist_s: float) -> int:
+        """Account for one checkpoint: ``steps`` steps took ``window_s`` from its start."""
         base = self.base_step_s or 1e-3
-        cost = stall_s + slowdown_s
-        needed = max(math.ceil(cost / (self.max_overhead * base)), math.ceil(persist_s / base), 1)
-        previous = self.interval
-        if previous is None or needed > previous:
+        cost = max(0.0, window_s - steps * base)
+        needed = max(
+            math.ceil(cost / (self.max_overhead * base)), math.ceil(persist_s / base) + 1, 1
+        )
+        if self.interval is None or needed > self.interval:
             self.interval = needed
         self.history.append(
             {
-                "stall_s": stall_s,
-                "slowdown_s": slowdown_s,
+                "window_s": window_s,
+                "steps": float(steps),
+                "cost_s": cost,
+                "overhead": cost / (steps * base) if steps else 0.0,
                 "persist_s": persist_s,
                 "base_step_s": base,
                 "interval": float(self.interval),

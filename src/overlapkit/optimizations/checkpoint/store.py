@@ -112,12 +112,22 @@ class Manifest:
         kept = entries[-keep:]
         document = {"format": 1, "checkpoints": kept}
         _atomic_write_bytes(self.path, json.dumps(document, indent=1).encode())
-        # Only now that the manifest naming the new checkpoint is durable: clean up.
-        wanted = {step_dir(self.root, e["step"]).name for e in kept}
+        # Only now that the manifest naming the new checkpoint is durable: clean up
+        # older folders (dropped ones, crash leftovers). Newer ones may still be
+        # being written by other ranks.
+        wanted = {e["step"] for e in kept}
         for folder in self.root.glob("step-*"):
-            if folder.name not in wanted and folder.is_dir():
+            step = _step_of(folder)
+            if step is not None and step not in wanted and step < kept[-1]["step"]:
                 shutil.rmtree(folder, ignore_errors=True)
         return kept
+
+
+def _step_of(folder: Path) -> int | None:
+    try:
+        return int(folder.name.removeprefix("step-"))
+    except ValueError:
+        return None
 
 
 def verify(root: Path, entry: dict[str, Any], files: list[str]) -> str | None:
