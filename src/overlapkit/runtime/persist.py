@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def fsync_dir(directory: Path) -> None:
@@ -17,17 +20,32 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file, fsync, rename over ``path``, fsync the folder."""
+def atomic_write(path: Path, write: Callable[[int], T]) -> T:
+    """Call ``write(fd)`` on a temporary file beside ``path``, fsync it, rename it over
+    ``path`` and fsync the folder; return what ``write`` returned. On any error the
+    temporary file is removed and ``path`` is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            result = write(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+    return result
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` atomically and durably (see `atomic_write`)."""
+
+    def save(fd: int) -> None:
+        with os.fdopen(os.dup(fd), "wb") as f:
+            torch.save(obj, f)
+
+    atomic_write(path, save)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...runtime.persist import fsync_dir
+from ...runtime.persist import atomic_write
 from . import fileformat
 
 MANIFEST = "manifest.json"
@@ -39,39 +39,24 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.ckpt"
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-
-
 def write_state(path: Path, tree: Any) -> dict[str, Any]:
     """Durably write ``tree`` (see `fileformat`); return its checksum and size."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            record = fileformat.write(fd, tree)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-    return record
+    return atomic_write(path, lambda fd: fileformat.write(fd, tree))
+
+
+def _write_json(path: Path, document: Any) -> None:
+    data = memoryview(json.dumps(document, indent=1).encode())
+
+    def write(fd: int) -> None:
+        view = data
+        while view:
+            view = view[os.write(fd, view) :]
+
+    atomic_write(path, write)
 
 
 def write_rank_checksum(folder: Path, rank: int, record: dict[str, Any]) -> None:
-    _atomic_write_bytes(folder / f"rank{rank:05d}.json", json.dumps(record).encode())
+    _write_json(folder / f"rank{rank:05d}.json", record)
 
 
 def wait_for_ranks(folder: Path, world_size: int, timeout_s: float = 600) -> dict[str, Any]:
@@ -111,7 +96,7 @@ class Manifest:
         entries.sort(key=lambda e: e["step"])
         kept = entries[-keep:]
         document = {"format": 1, "checkpoints": kept}
-        _atomic_write_bytes(self.path, json.dumps(document, indent=1).encode())
+        _write_json(self.path, document)
         # Only now that the manifest naming the new checkpoint is durable: clean up
         # older folders (dropped ones, crash leftovers). Newer ones may still be
         # being written by other ranks.
