@@ -20,30 +20,27 @@ def test_quickstart_scenario_runs_and_prints_the_summary(tmp_path):
     assert summary["eval"]["accuracy"] > 0.3  # ten classes: chance is 0.1
 
 
-def test_runtime_overhead_benchmark_runs(tmp_path):
+def run_benchmark(script: str) -> tuple[str, dict]:
+    """Run ``benchmarks/<script> --quick --json``; return its output and its JSON numbers."""
     result = subprocess.run(
-        [sys.executable, "benchmarks/runtime_overhead.py", "--quick", "--json"],
+        [sys.executable, f"benchmarks/{script}", "--quick", "--json"],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "runtime overhead" in result.stdout
-    numbers = json.loads(result.stdout[result.stdout.index("{") :])
+    return result.stdout, json.loads(result.stdout[result.stdout.index("{\n") :])
+
+
+def test_runtime_overhead_benchmark_runs():
+    output, numbers = run_benchmark("runtime_overhead.py")
+    assert "runtime overhead" in output
     assert all(r["ratio"] > 0 and r["plain_step_ms"] > 0 for r in numbers.values())
 
 
 def test_ddp_overlap_benchmark_runs():
-    result = subprocess.run(
-        [sys.executable, "benchmarks/ddp_overlap.py", "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    numbers = json.loads(result.stdout[result.stdout.index("{\n") :])
+    _, numbers = run_benchmark("ddp_overlap.py")
     baseline = numbers["buckets"]["no overlap (baseline)"]
     assert baseline["ratio"] == 1.0 and baseline["hidden_fraction"] == 0.0
     assert numbers["buckets"]["4 MB buckets"]["buckets"] > 1

@@ -19,7 +19,9 @@ class ProgressBar:
         """Draw only on a terminal: piped or captured output stays clean."""
         return Console(stderr=True).is_terminal
 
-    def __init__(self, description: str, total: int, console: Console | None = None) -> None:
+    def __init__(
+        self, description: str, total: int, done: int = 0, console: Console | None = None
+    ) -> None:
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -32,7 +34,9 @@ class ProgressBar:
             refresh_per_second=4,
             transient=False,
         )
-        self._task = self._progress.add_task(description, total=total, rate=0.0, loss=float("nan"))
+        self._task = self._progress.add_task(
+            description, total=total, completed=done, rate=0.0, loss=float("nan")
+        )
         self._progress.start()
         self._rate = 0.0
 

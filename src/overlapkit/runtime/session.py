@@ -177,9 +177,7 @@ class Session:
         self._started = True
         self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
         if self._show_progress and ProgressBar.wanted():
-            self._progress = ProgressBar(self.name, total_steps)
-            for _ in range(self.state.step):
-                self._progress.advance(0.0, float("nan"), True)
+            self._progress = ProgressBar(self.name, total_steps, done=self.state.step)
 
     def start_step(self) -> None:
         self.state.clock.start_step()

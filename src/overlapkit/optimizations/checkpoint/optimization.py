@@ -16,7 +16,7 @@ from time import perf_counter
 from typing import Any
 
 from ...runtime import Knob, Optimization, Resource, State, register_optimization
-from .persister import SHARED_KEYS, Persister
+from .persister import Persister, split_state
 from .policy import AutoInterval
 from .restore import load, newest_common_step
 from .snapshot import Snapshot, Snapshotter
@@ -87,7 +87,6 @@ class Checkpoint(Optimization):
         self.stalls_s: list[float] = []
         self.snapshot_copy_s: list[float] = []
         self.resumed_from: int | None = None
-        self.skipped_corrupt: int = 0
         self.errors: list[str] = []
 
     # ---------------------------------------------------------------- set-up
@@ -119,15 +118,8 @@ class Checkpoint(Optimization):
         self._last_step = state.step
 
     def _resume(self, state: State) -> None:
-        import warnings
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            # A collective: every rank takes part, whatever it finds on disk.
-            step = newest_common_step(self.root, state.world)
-        for warning in caught:
-            self.skipped_corrupt += 1
-            warnings.warn(warning.message, warning.category, stacklevel=2)
+        # A collective: every rank takes part, whatever it finds on disk.
+        step = newest_common_step(self.root, state.world)
         if step is None:
             return
         saved = load(self.root, step, state.world.rank)
@@ -148,10 +140,7 @@ class Checkpoint(Optimization):
         with state.clock.phase("ckpt_stall"):
             start = perf_counter()
             deferrable = _deferrable_storages(state)
-            tree = state.capture()
-            if state.world.world_size > 1 and not state.world.is_main:
-                tree = {k: v for k, v in tree.items() if k not in SHARED_KEYS}  # rank 0 writes them
-            self._pending = self._snapshotter.take(state.step, tree, deferrable)
+            self._pending = self._snapshotter.take(state.step, _capture(state), deferrable)
             self._stall_since_checkpoint += perf_counter() - start
         self._last_step = state.step
 
@@ -170,10 +159,7 @@ class Checkpoint(Optimization):
         if self._persister is None:
             return
         if self.settings["final"] and state.step != self._last_step:
-            tree = state.capture()
-            if state.world.world_size > 1 and not state.world.is_main:
-                tree = {k: v for k, v in tree.items() if k not in SHARED_KEYS}
-            snapshot = self._snapshotter.take(state.step, tree, set())
+            snapshot = self._snapshotter.take(state.step, _capture(state), set())
             snapshot.wait()
             self._submit(snapshot)
             self._last_step = state.step
@@ -273,6 +259,14 @@ class Checkpoint(Optimization):
                 "history": self.policy_auto.history,
             }
         return out
+
+
+def _capture(state: State) -> dict[str, Any]:
+    """The state to checkpoint; with several ranks, rank 0 alone writes the replicated part."""
+    tree = state.capture()
+    if state.world.world_size > 1 and not state.world.is_main:
+        _, tree = split_state(tree)
+    return tree
 
 
 def _deferrable_storages(state: State) -> set[int]:

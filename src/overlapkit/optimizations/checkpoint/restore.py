@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ...runtime.distributed import World, all_gather_objects
-from .store import SHARED, Manifest, load_state, rank_file, verify
+from .store import SHARED, Manifest, load_state, rank_file, step_dir, verify
 
 
 class CheckpointCorruptWarning(UserWarning):
@@ -46,7 +46,6 @@ def newest_common_step(root: Path, world: World) -> int | None:
 
 def load(root: Path, step: int, rank: int) -> dict[str, Any]:
     state = load_state(root, step, rank_file(rank))
-    shared = Path(root, f"step-{step:08d}", SHARED)
-    if shared.exists():
+    if (step_dir(root, step) / SHARED).exists():
         state.update(load_state(root, step, SHARED))
     return state

@@ -66,17 +66,10 @@ class Snapshot:
         self.tree = tree
         self.buffers = buffers
         self.started = perf_counter()
-        self.sync_s = 0.0  # the part copied at once, on the training thread
         self.copy_s = 0.0  # the whole copy, start to finish
         self._done = threading.Event()
         self._cuda_event: Any = None
         self.error: BaseException | None = None
-
-    @property
-    def done(self) -> bool:
-        if self._cuda_event is not None:
-            return self._cuda_event.query()
-        return self._done.is_set()
 
     def wait(self) -> None:
         if self._cuda_event is not None:
@@ -118,9 +111,7 @@ class Snapshotter:
                 buffer.copy_(tensor.detach())
             return buffer
 
-        start = perf_counter()
         snapshot = Snapshot(step, map_tree(state, to_host), buffers)
-        snapshot.sync_s = perf_counter() - start
         if self._stream is not None:
             # The side stream starts after the work that produced the values.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
