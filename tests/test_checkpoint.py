@@ -13,6 +13,7 @@ from rank_programs import mlp
 
 from overlapkit import Session, get_optimization
 from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
+from overlapkit.launch.local import launch_local
 from overlapkit.optimizations.checkpoint import (
     AutoInterval,
     CheckpointCorruptWarning,
@@ -127,19 +128,62 @@ def test_host_memory_stays_flat_across_many_checkpoints(tmp_path):
 
 
 def test_auto_policy_on_known_inputs():
-    auto = AutoInterval(max_overhead=0.05, profile_steps=3)
-    for seconds in (0.1, 0.1, 0.1, 0.5):  # the fourth comes too late to count
-        auto.record_profile_step(seconds)
-    assert auto.ready and auto.base_step_s == pytest.approx(0.1)
-    # 4 steps took 0.43 s instead of 0.4: 30 ms of cost at 5 % needs k = 0.03 / 0.005 = 6.
-    assert auto.after_window(window_s=0.43, steps=4, persist_s=0.2) == 6
-    # A persist of 1 s needs 10 steps to finish, plus the step that starts the next one.
-    assert auto.after_window(window_s=0.63, steps=6, persist_s=1.0) == 11
-    # A window with more overhead than p raises k: 12 steps, 0.2 s too slow -> 40.
-    assert auto.after_window(window_s=1.4, steps=12, persist_s=0.1) == 40
-    assert auto.history[-1]["overhead"] == pytest.approx(0.2 / 1.2)
-    # Cheaper checkpoints never lower it.
-    assert auto.after_window(window_s=4.0, steps=40, persist_s=0.0) == 40
+    # Binary fractions keep the arithmetic exact: T = 1/8 s, p = 1/16, p T = 1/128 s.
+    auto = AutoInterval(max_overhead=0.0625, profile_steps=3)
+    for _ in range(3):
+        assert not auto.due(0)
+        auto.record_step(0.125)
+    assert auto.due(0) and auto.base_step_s == 0.125
+    auto.checkpoint_started()
+    for seconds in (0.125 + 6 / 128, 0.125, 0.125):  # the checkpoint cost 6/128 s
+        auto.record_step(seconds)
+    assert not auto.due(3)  # measured alone: nothing starts before its persist is done
+    auto.persist_finished(0.25)  # a persist of 2 steps needs k >= 3
+    assert auto.interval == 6
+    # The budget: 0.796875 s trained so far must grow to (6 + 6) / 128 / p = 1.5 s.
+    for _ in range(5):
+        auto.record_step(0.125)
+    assert not auto.due(8)
+    auto.record_step(0.125)
+    assert auto.due(9)
+    auto.checkpoint_started()
+    # A slower window (0.25 s more) raises k to 0.25 s / (p T) = 32; from here on the
+    # first window, which also paid for one-time costs, counts in the budget only.
+    for seconds in [0.125] * 8 + [0.375, 0.125]:
+        auto.record_step(seconds)
+    auto.checkpoint_started()
+    assert auto.interval == 32
+    assert auto.history[-1]["overhead"] == 0.2
+    # A machine that slows down as a whole is not blamed on the checkpoint.
+    for _ in range(10):
+        auto.record_step(0.25)
+    auto.checkpoint_started()
+    assert auto.history[-1]["cost_s"] == 0.0
+
+
+@pytest.mark.parametrize("steps", [200, 1000])
+def test_auto_policy_keeps_the_whole_run_under_its_bound(steps):
+    """A simulated run: each checkpoint costs 45 ms over two 70 ms steps, the first one
+    100 ms more (its buffers are allocated), and a persist takes 3 steps."""
+    p, step_s, cost_s = 0.035, 0.07, 0.045
+    auto = AutoInterval(max_overhead=p)
+    extra, persist_in, since, count = [], None, 0, 0
+    for _ in range(steps):
+        if auto.due(since):
+            auto.checkpoint_started()
+            extra = [cost_s / 2 + (0.1 if count == 0 else 0.0), cost_s / 2]
+            persist_in, since, count = 3, 0, count + 1
+        auto.record_step(step_s + (extra.pop(0) if extra else 0.0))
+        since += 1
+        if persist_in is not None:
+            persist_in -= 1
+            if persist_in == 0:
+                auto.persist_finished(3 * step_s)
+                persist_in = None
+    overhead = (0.1 + count * cost_s) / (steps * step_s)
+    assert overhead <= p
+    # ... and spends most of it once the first checkpoint's one-time cost is paid back.
+    assert overhead >= (0.5 if steps < 500 else 0.8) * p, (overhead, count)
 
 
 def test_auto_mode_chooses_an_interval_and_spells_every_auto():
@@ -269,3 +313,23 @@ def test_pruning_never_touches_checkpoints_other_ranks_are_still_writing(tmp_pat
     manifest.add({"step": 4, "files": {}}, keep=1)
     assert [e["step"] for e in manifest.read()] == [4]
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000006"]
+
+
+def test_each_shard_is_written_once_and_restored_to_its_own_ranks(tmp_path):
+    """The layout for pipeline stages: one replicated file per shard, one manifest."""
+    from rank_programs import stage_shards
+
+    first = launch_local(stage_shards, 2, str(tmp_path), 4)
+    step = json.loads((tmp_path / "checkpoints" / "manifest.json").read_text())["checkpoints"][-1]
+    assert step["step"] == 4
+    assert sorted(step["files"]) == [
+        "rank00000.ckpt",
+        "rank00001.ckpt",
+        "stage000.ckpt",
+        "stage001.ckpt",
+    ]
+    assert not torch.equal(first[0]["params"], first[1]["params"])
+    again = launch_local(stage_shards, 2, str(tmp_path), 4)  # resumes at the end: no steps
+    for rank in (0, 1):
+        assert again[rank]["resumed_from"]["resumed_from_step"] == 4
+        assert torch.equal(again[rank]["params"], first[rank]["params"])

@@ -73,3 +73,32 @@ def ddp_configs(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
         }
     finally:
         torch.distributed.destroy_process_group()
+
+
+def stage_shards(root: str, steps: int) -> dict[str, Any]:
+    """Each rank holds a different model, as a pipeline stage does, checkpointed as its own
+    shard (``stage000``, ``stage001``); returns the parameters and where training began."""
+    from overlapkit.runtime import Shard
+
+    world = init_world("cpu", "gloo")
+    try:
+        seed_everything(world.rank)  # different weights on each rank: no replicas
+        model = mlp()
+        dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=world.rank)
+        loader = ResumableLoader(dataset, 8, ShardedSampler(len(dataset), seed=world.rank))
+        checkpoint = get_optimization("checkpoint")(every=2, keep=2, final=True)
+        session = Session([checkpoint], device="cpu", run_dir=root)
+        session.state.shard = Shard(f"stage{world.rank:03d}", writer=True)
+        model, optimizer, _ = session.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loader
+        )
+        for inputs, targets in session.steps(steps):
+            with session.forward():
+                loss = nn.functional.cross_entropy(model(inputs), targets)
+            session.backward(loss)
+            session.optimizer_step()
+        summary = session.finish()
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        return {"params": params, "resumed_from": summary["optimizations"]["checkpoint"]}
+    finally:
+        torch.distributed.destroy_process_group()

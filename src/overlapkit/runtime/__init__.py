@@ -15,7 +15,7 @@ from .optimization import (
 )
 from .scheduler import Scheduler, SchedulerConfig, resolve_order
 from .session import Session
-from .state import State
+from .state import Shard, State
 
 __all__ = [
     "POLICIES",
@@ -32,6 +32,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "Session",
+    "Shard",
     "State",
     "WrapStage",
     "register_optimization",

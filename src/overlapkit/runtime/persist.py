@@ -20,15 +20,18 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[int], T]) -> T:
+def atomic_write(path: Path, write: Callable[[int], T], direct: bool = False) -> T:
     """Call ``write(fd)`` on a temporary file beside ``path``, fsync it, rename it over
     ``path`` and fsync the folder; return what ``write`` returned. On any error the
-    temporary file is removed and ``path`` is untouched."""
+    temporary file is removed and ``path`` is untouched.
+
+    ``direct`` opens the file with O_DIRECT where the file system allows it
+    (``write`` must then write aligned blocks) and silently without elsewhere."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = _open_for_writing(tmp, direct)
         try:
             result = write(fd)
             os.fsync(fd)
@@ -39,6 +42,16 @@ def atomic_write(path: Path, write: Callable[[int], T]) -> T:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
     return result
+
+
+def _open_for_writing(path: Path, direct: bool) -> int:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o644)
+        except OSError:  # e.g. tmpfs: EINVAL
+            pass
+    return os.open(path, flags, 0o644)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:

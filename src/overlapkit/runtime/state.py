@@ -12,6 +12,19 @@ from .distributed import World
 from .metrics import PhaseClock
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Which copy of the replicated state (model, optimizer, ...) a rank holds.
+
+    Ranks with the same ``name`` hold the same values, and its ``writer`` saves
+    them once for all of them. Data parallelism: one shard, written by rank 0.
+    Pipeline stages: one shard per stage, written by one replica of each.
+    """
+
+    name: str = "shared"
+    writer: bool = True
+
+
 @dataclass(eq=False)
 class State:
     """Mutable loop state passed to every hook.
@@ -38,10 +51,15 @@ class State:
     loss: Any = None
     run_dir: Path | None = None
     zero_grad_in_place: bool = False  # gradients are views of a flat buffer: keep them
+    shard: Shard | None = None  # None: one shard for all ranks, written by rank 0
     # Everything needed to resume exactly, as the session gathers it, and its inverse.
     capture: Callable[[], dict[str, Any]] | None = None
     restore: Callable[[dict[str, Any]], None] | None = None
     eval_results: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def replicated_shard(self) -> Shard:
+        return self.shard or Shard(writer=self.world.is_main)
 
     @property
     def is_warmup(self) -> bool:

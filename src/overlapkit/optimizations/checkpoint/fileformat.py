@@ -3,11 +3,18 @@
 Why not torch.save: its writer holds Python's interpreter lock for the whole
 write, so a persist in a background thread stalls the training loop (measured:
 a 100 ms step took 418 ms beside an 89 MB torch.save). Here every tensor is
-written with os.write, which releases the lock, and checksummed (CRC-32) as
+written with os.write, which releases the lock, and checksummed (CRC-32C) as
 it is written.
+
+On a small machine a persist's cost is the CPU it takes from training, so the
+writer avoids the two big ones (measured on 89 MB, 2 cores): the copy into the
+page cache (26-80 ms; with O_DIRECT the disk reads the host buffers itself,
+2.4 ms) and a software checksum (zlib's CRC-32 28 ms, hardware CRC-32C 8 ms).
+Every tensor starts on a 4 KiB boundary of the file, so that `BlockWriter`
+can hand the snapshot's 4 KiB-aligned host buffers straight to the disk.
 Loading parses JSON and copies bytes: nothing is ever unpickled.
 
-    b"OVLKCKP1" | header length (8 bytes, little-endian) | header (JSON) | tensor bytes...
+    b"OVLKCKP2" | header length (8 bytes, little-endian) | header (JSON) | tensor bytes...
 
 Values keep their types: tuples, dicts with non-string keys, None, bools,
 numbers, strings, and tensors of any dtype and shape.
@@ -16,16 +23,17 @@ numbers, strings, and tensors of any dtype and shape.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import torch
 
-MAGIC = b"OVLKCKP1"
-ALIGN = 64
+MAGIC = b"OVLKCKP2"
+BLOCK = 4096  # file offsets, buffer addresses and lengths for O_DIRECT
 
 
 class CheckpointFormatError(ValueError):
@@ -59,37 +67,83 @@ def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value
 
 
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+class Crc32c:
+    """A running CRC-32C (hardware instructions; releases the interpreter lock on large
+    buffers). It detects truncation and flipped bits, which is what a checkpoint
+    needs; SHA-256 ran at 360 MB/s here and stole that core from training."""
 
-
-class Crc32:
-    """A running CRC-32 (zlib's, which releases the interpreter lock on large buffers).
-
-    It detects truncation and flipped bits, which is what a checkpoint needs;
-    SHA-256 ran at 360 MB/s here against 3 GB/s, and stole that core from training.
-    """
+    name = "crc32c"
 
     def __init__(self) -> None:
         self.value = 0
 
     def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
+        self.value = crc32c.crc32c(data, self.value)
 
     def hexdigest(self) -> str:
         return f"{self.value:08x}"
 
 
-def _write_all(fd: int, data: memoryview, crc: Crc32) -> None:
-    crc.update(data)
+def _write_all(fd: int, data: memoryview) -> None:
     while data:
-        written = os.write(fd, data)  # so does os.write
-        data = data[written:]
+        data = data[os.write(fd, data) :]  # releases the interpreter lock
+
+
+class BlockWriter:
+    """Writes a stream of pieces in whole, aligned blocks, as O_DIRECT needs.
+
+    A piece that starts on a block boundary of both the file and memory goes
+    to the disk from where it lies; the rest (the header, padding, the tail of
+    a tensor, small tensors) is gathered in a page-aligned bounce buffer. The
+    last block is padded and the file then truncated to its true size. The
+    same calls work on a file opened without O_DIRECT.
+    """
+
+    def __init__(self, fd: int, bounce_bytes: int = 1 << 20) -> None:
+        self.fd = fd
+        self.crc = Crc32c()
+        self.size = 0
+        self._bounce = mmap.mmap(-1, bounce_bytes)
+        self._view = memoryview(self._bounce)
+        self._fill = 0
+
+    def write(self, data: memoryview, address: int | None = None) -> None:
+        """Append ``data``; ``address`` is where it lies in memory, if known."""
+        self.crc.update(data)
+        self.size += len(data)
+        if self._fill == 0 and address is not None and address % BLOCK == 0:
+            direct = len(data) - len(data) % BLOCK
+            _write_all(self.fd, data[:direct])
+            data = data[direct:]
+        while data:
+            count = min(len(data), len(self._view) - self._fill)
+            self._view[self._fill : self._fill + count] = data[:count]
+            self._fill += count
+            data = data[count:]
+            if self._fill == len(self._view):
+                self._flush()
+
+    def write_tensor(self, tensor: torch.Tensor) -> None:
+        flat = tensor.detach().contiguous().reshape(-1)
+        if flat.numel():
+            self.write(memoryview(flat.view(torch.uint8).numpy()), flat.data_ptr())
+
+    def close(self) -> None:
+        if self._fill:
+            self._flush()
+            os.ftruncate(self.fd, self.size)
+        self._view.release()
+        self._bounce.close()
+
+    def _flush(self) -> None:
+        length = -(-self._fill // BLOCK) * BLOCK
+        self._view[self._fill : length] = bytes(length - self._fill)
+        _write_all(self.fd, self._view[:length])
+        self._fill = 0
 
 
 def write(fd: int, tree: Any) -> dict[str, Any]:
-    """Write ``tree`` to the open file ``fd``; return its CRC-32 and size."""
+    """Write ``tree`` to the open file ``fd``; return its CRC-32C and size."""
     tensors: list[torch.Tensor] = []
     encoded = _encode(tree, tensors)
     entries, offset = [], 0
@@ -103,21 +157,19 @@ def write(fd: int, tree: Any) -> dict[str, Any]:
                 "nbytes": nbytes,
             }
         )
-        offset += -(-nbytes // ALIGN) * ALIGN
+        offset += -(-nbytes // BLOCK) * BLOCK
     header = json.dumps({"tree": encoded, "tensors": entries}).encode()
     start = len(MAGIC) + 8 + len(header)
-    padding = -start % ALIGN
-    crc = Crc32()
-    _write_all(
-        fd, memoryview(MAGIC + struct.pack("<Q", len(header)) + header + b"\0" * padding), crc
-    )
-    position = 0
-    for tensor, entry in zip(tensors, entries, strict=True):
-        if entry["offset"] > position:
-            _write_all(fd, memoryview(b"\0" * (entry["offset"] - position)), crc)
-        _write_all(fd, _as_bytes(tensor), crc)
-        position = entry["offset"] + entry["nbytes"]
-    return {"crc32": crc.hexdigest(), "bytes": start + padding + position}
+    writer = BlockWriter(fd)
+    try:
+        writer.write(memoryview(MAGIC + struct.pack("<Q", len(header)) + header))
+        writer.write(memoryview(bytes(-start % BLOCK)))
+        for tensor, entry in zip(tensors, entries, strict=True):
+            writer.write_tensor(tensor)
+            writer.write(memoryview(bytes(-entry["nbytes"] % BLOCK)))
+    finally:
+        writer.close()
+    return {writer.crc.name: writer.crc.hexdigest(), "bytes": writer.size}
 
 
 def read(path: Path) -> Any:
@@ -128,7 +180,7 @@ def read(path: Path) -> Any:
         length = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(length))
         base = len(MAGIC) + 8 + length
-        base += -base % ALIGN
+        base += -base % BLOCK
         tensors = []
         for entry in header["tensors"]:
             f.seek(base + entry["offset"])

@@ -81,9 +81,7 @@ class Checkpoint(Optimization):
         self._last_step = -1
         self._step_started = 0.0
         self._stall_since_checkpoint = 0.0
-        # The auto policy's window: the steps since the last checkpoint started.
-        self._window_s = 0.0
-        self._window_steps: int | None = None
+        self._persists_seen = 0
         self.stalls_s: list[float] = []
         self.snapshot_copy_s: list[float] = []
         self.resumed_from: int | None = None
@@ -113,16 +111,17 @@ class Checkpoint(Optimization):
             world.world_size,
             self.settings["keep"],
             state.policy,
+            shard=state.replicated_shard,
             nice=self.settings["persist_nice"],
         )
         self._last_step = state.step
 
     def _resume(self, state: State) -> None:
         # A collective: every rank takes part, whatever it finds on disk.
-        step = newest_common_step(self.root, state.world)
+        step = newest_common_step(self.root, state.world, state.replicated_shard)
         if step is None:
             return
-        saved = load(self.root, step, state.world.rank)
+        saved = load(self.root, step, state.world.rank, state.replicated_shard)
         state.restore(saved)
         self.resumed_from = step
 
@@ -135,8 +134,7 @@ class Checkpoint(Optimization):
         if not self._due(state):
             return
         if self.policy_auto is not None:
-            self._close_window()
-            self._window_s, self._window_steps = 0.0, 0
+            self.policy_auto.checkpoint_started()
         with state.clock.phase("ckpt_stall"):
             start = perf_counter()
             deferrable = _deferrable_storages(state)
@@ -173,41 +171,27 @@ class Checkpoint(Optimization):
             return False
         if self.policy_auto is None:
             return state.step % self.settings["every"] == 0
-        if self.policy_auto.interval is None:
-            # One checkpoint to measure, once the base step time is known.
-            return self.policy_auto.ready and self._window_steps is None
-        return since >= self.policy_auto.interval
+        return self.policy_auto.due(since)
 
     def _submit(self, snapshot: Snapshot) -> None:
         self.snapshot_copy_s.append(snapshot.copy_s)
         self._persister.submit(snapshot)
 
     def _observe_previous_step(self, now: float) -> None:
-        """Feed the auto policy: steps before any checkpoint set the base step time;
-        later steps fill the window of the checkpoint they ran beside."""
+        """Feed the auto policy the last step's time and finished persists; close the
+        stall record of a checkpoint once its snapshot and persist are done."""
         if self._step_started == 0.0:
             return
-        seconds = now - self._step_started
-        auto = self.policy_auto
-        if auto is not None and self._window_steps is None and auto.interval is None:
-            auto.record_profile_step(seconds)
-        if self._window_steps is not None:
-            self._window_s += seconds
-            self._window_steps += 1
-        busy = self._pending is not None or (self._persister and self._persister.in_flight)
+        auto, persister = self.policy_auto, self._persister
+        if auto is not None:
+            auto.record_step(now - self._step_started)
+            while persister and self._persists_seen < len(persister.persist_s):
+                auto.persist_finished(persister.persist_s[self._persists_seen])
+                self._persists_seen += 1
+        busy = self._pending is not None or (persister and persister.in_flight)
         if self._stall_since_checkpoint and not busy:
             self.stalls_s.append(self._stall_since_checkpoint)
             self._stall_since_checkpoint = 0.0
-            if auto is not None and auto.interval is None:
-                self._close_window()  # the measured first checkpoint is over
-
-    def _close_window(self) -> None:
-        if self._window_steps:
-            persisted = self._persister.persist_s if self._persister else []
-            self.policy_auto.after_window(
-                self._window_s, self._window_steps, persisted[-1] if persisted else 0.0
-            )
-        self._window_steps = None
 
     def _raise_if_failed(self) -> None:
         error = self._persister.error if self._persister else None
@@ -256,15 +240,16 @@ class Checkpoint(Optimization):
         if self.policy_auto is not None:
             out["auto_policy"] = {
                 "interval": self.policy_auto.interval,
+                "measured_overhead": self.policy_auto.overhead,
                 "history": self.policy_auto.history,
             }
         return out
 
 
 def _capture(state: State) -> dict[str, Any]:
-    """The state to checkpoint; with several ranks, rank 0 alone writes the replicated part."""
+    """The state to checkpoint; the replicated part only on its shard's writer."""
     tree = state.capture()
-    if state.world.world_size > 1 and not state.world.is_main:
+    if not state.replicated_shard.writer:
         _, tree = split_state(tree)
     return tree
 

@@ -12,18 +12,19 @@ from typing import Any
 
 from ...runtime import Resource
 from ...runtime.arbitration import ArbitrationPolicy
+from ...runtime.state import Shard
 from .snapshot import Snapshot
 from .store import (
-    SHARED,
     Manifest,
     rank_file,
+    shard_file,
     step_dir,
     wait_for_ranks,
-    write_rank_checksum,
+    write_rank_checksums,
     write_state,
 )
 
-# Replicated across data-parallel ranks: written once, by rank 0.
+# Replicated across the ranks of a shard: written once, by its writer.
 SHARED_KEYS = ("model", "optimizer", "lr_scheduler", "precision", "progress")
 
 
@@ -43,9 +44,11 @@ class Persister:
         world_size: int,
         keep: int,
         policy: ArbitrationPolicy,
+        shard: Shard | None = None,
         nice: int = 10,
     ) -> None:
         self.root, self.rank, self.world_size, self.keep = root, rank, world_size, keep
+        self.shard = shard or Shard(writer=rank == 0)
         self.nice = nice
         self.manifest = Manifest(root)
         self.policy = policy
@@ -98,18 +101,17 @@ class Persister:
         start = perf_counter()
         folder = step_dir(self.root, snapshot.step)
         shared, own = split_state(snapshot.tree)
+        files = {}
         # Background writes yield to critical-path work under the "priority" policy.
         with self.policy.background(Resource.DISK):
-            record = write_state(folder / rank_file(self.rank), own)
-        write_rank_checksum(folder, self.rank, record)
-        written = record["bytes"]
+            files[rank_file(self.rank)] = write_state(folder / rank_file(self.rank), own)
+            if shared:  # only the shard's writer keeps it in its snapshot
+                name = shard_file(self.shard.name)
+                files[name] = write_state(folder / name, shared)
+        write_rank_checksums(folder, self.rank, files)
+        written = sum(record["bytes"] for record in files.values())
         if self.rank == 0:
-            files = {}
-            if shared:
-                with self.policy.background(Resource.DISK):
-                    files[SHARED] = write_state(folder / SHARED, shared)
-                written += files[SHARED]["bytes"]
-            files.update(wait_for_ranks(folder, self.world_size))
+            files = wait_for_ranks(folder, self.world_size)
             entry = {
                 "step": snapshot.step,
                 "time": time.time(),

@@ -4,63 +4,112 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 
 
 class AutoInterval:
-    """Chooses the checkpoint interval k (in steps) so that the overhead stays under ``p``.
+    """Decides when to checkpoint so that the overhead stays under ``max_overhead`` (p).
 
-    It first times ``profile_steps`` steps with no checkpoint (the base step
-    time T, then frozen). Each checkpoint's cost is everything it added to the
-    steps up to the next one: the window's time minus ``steps * T``. That
-    counts the stall and every slow-down beside the snapshot and the persist
-    (on a small machine the slow-down dominates). Then
+    It is fed every step's time. Steps outside any checkpoint's window set the
+    base step time T (the median of the last ``clean_steps``). The first
+    checkpoint comes after ``profile_steps`` such steps and is measured alone:
+    its window closes when its persist is done. Every later window runs from
+    one checkpoint to the next. A window's *cost* is everything the checkpoint
+    added: the window's time minus its steps at the base time (the window's
+    own median once it has 8 steps, so that a machine that slows down as a
+    whole is not blamed on checkpoints). On a small machine the slow-down
+    beside the snapshot and the persist is most of it, the stall a small part.
 
-        k = max(ceil(cost / (p * T)), ceil(persist / T) + 1)
+    From the recent cost c (the mean of the last three windows; the first
+    window only until a second one is measured), CheckFreq's interval
 
-    so that cost / (k T) is at most p and a persist finishes before the next
-    snapshot needs its buffers. k is re-measured after every checkpoint and
-    raised when a window shows more overhead than p (a slower disk, a busier
-    machine); it is never lowered.
+        k = max(ceil(c / (p T)), ceil(persist / T) + 1)
+
+    keeps the steady overhead at p and lets a persist finish before the next
+    snapshot needs its buffers. On top, a budget: the next checkpoint may
+    start only once the time trained so far pays for every cost measured so
+    far, the one in flight and the next one at p. So the first checkpoint's
+    one-time costs (allocating the host buffers, a cold page cache) and any
+    window that cost more than predicted (a slower disk, a busier machine) are
+    paid back by waiting longer, and the overhead of the whole run stays under
+    p, not only that of the steady state.
     """
 
-    def __init__(self, max_overhead: float, profile_steps: int = 5) -> None:
+    def __init__(self, max_overhead: float, profile_steps: int = 5, clean_steps: int = 50):
         self.max_overhead = max_overhead
         self.profile_steps = profile_steps
-        self.interval: int | None = None
-        self._profile: list[float] = []
+        self.interval: int | None = None  # CheckFreq's k, once the first checkpoint is measured
         self.history: list[dict[str, float]] = []
+        self._clean: deque[float] = deque(maxlen=clean_steps)
+        self._window: list[float] | None = None  # step times since a checkpoint started
+        self._started = 0
+        self._elapsed = 0.0
+        self._cost = 0.0
+        self._costs: deque[float] = deque(maxlen=3)
+        self._first_cost: float | None = None
+        self._persist_s = 0.0
+        self._due_at = 0.0  # elapsed seconds before which no checkpoint starts
 
     @property
     def base_step_s(self) -> float | None:
-        return statistics.median(self._profile) if self.ready else None
+        return statistics.median(self._clean) if self._clean else None
 
     @property
-    def ready(self) -> bool:
-        return len(self._profile) >= self.profile_steps
+    def overhead(self) -> float:
+        """Measured cost of all closed windows over the time trained so far."""
+        return self._cost / self._elapsed if self._elapsed else 0.0
 
-    def record_profile_step(self, seconds: float) -> None:
-        """A step before any checkpoint: sets the base step time."""
-        if not self.ready:
-            self._profile.append(seconds)
+    def record_step(self, seconds: float) -> None:
+        self._elapsed += seconds
+        (self._window if self._window is not None else self._clean).append(seconds)
 
-    def after_window(self, window_s: float, steps: int, persist_s: float) -> int:
-        """Account for one checkpoint: ``steps`` steps took ``window_s`` from its start."""
-        base = self.base_step_s or 1e-3
-        cost = max(0.0, window_s - steps * base)
-        needed = max(
-            math.ceil(cost / (self.max_overhead * base)), math.ceil(persist_s / base) + 1, 1
+    def due(self, steps_since_last: int) -> bool:
+        if self._started == 0:
+            return len(self._clean) >= self.profile_steps
+        if self.interval is None:
+            return False  # the first checkpoint is still being measured
+        return steps_since_last >= self.interval and self._elapsed >= self._due_at
+
+    def checkpoint_started(self) -> None:
+        if self._window is not None:
+            self._close_window(in_flight=1)
+        self._window = []
+        self._started += 1
+
+    def persist_finished(self, persist_s: float) -> None:
+        self._persist_s = persist_s
+        if self.interval is None and self._window is not None:
+            self._close_window(in_flight=0)  # the first checkpoint, measured alone
+
+    def _close_window(self, in_flight: int) -> None:
+        steps, self._window = self._window or [], None
+        if not steps:
+            return
+        base = statistics.median(steps) if len(steps) >= 8 else self.base_step_s
+        base = base or sum(steps) / len(steps)
+        cost = max(0.0, sum(steps) - len(steps) * base)
+        self._cost += cost
+        if self.interval is not None and self._first_cost is not None:
+            self._costs.clear()  # the first one paid the one-time costs: budget them only
+            self._first_cost = None
+        self._costs.append(cost)
+        if self.interval is None:
+            self._first_cost = cost
+        p = self.max_overhead
+        recent = sum(self._costs) / len(self._costs)
+        self.interval = max(
+            math.ceil(recent / (p * base)), math.ceil(self._persist_s / base) + 1, 1
         )
-        if self.interval is None or needed > self.interval:
-            self.interval = needed
+        self._due_at = (self._cost + recent * (in_flight + 1)) / p
         self.history.append(
             {
-                "window_s": window_s,
-                "steps": float(steps),
+                "window_s": sum(steps),
+                "steps": float(len(steps)),
                 "cost_s": cost,
-                "overhead": cost / (steps * base) if steps else 0.0,
-                "persist_s": persist_s,
+                "overhead": cost / (len(steps) * base),
+                "persist_s": self._persist_s,
                 "base_step_s": base,
                 "interval": float(self.interval),
+                "run_overhead": self.overhead,
             }
         )
-        return self.interval

@@ -7,14 +7,15 @@ from pathlib import Path
 from typing import Any
 
 from ...runtime.distributed import World, all_gather_objects
-from .store import SHARED, Manifest, load_state, rank_file, step_dir, verify
+from ...runtime.state import Shard
+from .store import Manifest, load_state, rank_file, shard_file, verify
 
 
 class CheckpointCorruptWarning(UserWarning):
     """The newest checkpoint failed its checksum; an older one is used."""
 
 
-def valid_steps(root: Path, rank: int, world_size: int) -> list[int]:
+def valid_steps(root: Path, rank: int, world_size: int, shard: Shard) -> list[int]:
     """Steps whose files this rank needs are present and match their checksums, newest first."""
     steps = []
     for entry in reversed(Manifest(root).read()):
@@ -23,8 +24,7 @@ def valid_steps(root: Path, rank: int, world_size: int) -> list[int]:
                 f"the checkpoint at step {entry['step']} in {root} was written by "
                 f"{entry['world_size']} ranks; this run has {world_size}"
             )
-        needed = [rank_file(rank)] + ([SHARED] if SHARED in entry["files"] else [])
-        problem = verify(root, entry, needed)
+        problem = verify(root, entry, [rank_file(rank), shard_file(shard.name)])
         if problem is None:
             steps.append(entry["step"])
         else:
@@ -36,16 +36,15 @@ def valid_steps(root: Path, rank: int, world_size: int) -> list[int]:
     return steps
 
 
-def newest_common_step(root: Path, world: World) -> int | None:
+def newest_common_step(root: Path, world: World, shard: Shard) -> int | None:
     """The newest step that every rank holds intact (ranks must agree on one)."""
-    mine = valid_steps(root, world.rank, world.world_size)
+    mine = valid_steps(root, world.rank, world.world_size, shard)
     everyone = all_gather_objects(mine, world)
     common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
     return max(common) if common else None
 
 
-def load(root: Path, step: int, rank: int) -> dict[str, Any]:
+def load(root: Path, step: int, rank: int, shard: Shard) -> dict[str, Any]:
     state = load_state(root, step, rank_file(rank))
-    if (step_dir(root, step) / SHARED).exists():
-        state.update(load_state(root, step, SHARED))
+    state.update(load_state(root, step, shard_file(shard.name)))
     return state

@@ -5,8 +5,9 @@ Layout under the checkpoint folder::
     manifest.json                the checkpoints that are complete, with checksums
     step-00000120/
         shared.ckpt              replicated state (model, optimizer, ...), written by rank 0
+                                 (pipeline stages: stage000.ckpt, ... one per stage)
         rank00000.ckpt, ...      each rank's own state (RNG, loader position, ...)
-        rank00000.json, ...      each rank's checksum, once its file is durable
+        rank00000.json, ...      the checksums of the files each rank wrote, once durable
 
 A file is written to a temporary name, fsynced, renamed and its folder
 fsynced; the manifest is replaced the same way, and only after it names a
@@ -28,7 +29,6 @@ from ...runtime.persist import atomic_write
 from . import fileformat
 
 MANIFEST = "manifest.json"
-SHARED = "shared.ckpt"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -39,9 +39,14 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.ckpt"
 
 
+def shard_file(name: str) -> str:
+    """The file of a replicated shard (see `overlapkit.runtime.state.Shard`)."""
+    return f"{name}.ckpt"
+
+
 def write_state(path: Path, tree: Any) -> dict[str, Any]:
     """Durably write ``tree`` (see `fileformat`); return its checksum and size."""
-    return atomic_write(path, lambda fd: fileformat.write(fd, tree))
+    return atomic_write(path, lambda fd: fileformat.write(fd, tree), direct=True)
 
 
 def _write_json(path: Path, document: Any) -> None:
@@ -55,24 +60,25 @@ def _write_json(path: Path, document: Any) -> None:
     atomic_write(path, write)
 
 
-def write_rank_checksum(folder: Path, rank: int, record: dict[str, Any]) -> None:
-    _write_json(folder / f"rank{rank:05d}.json", record)
+def write_rank_checksums(folder: Path, rank: int, files: dict[str, Any]) -> None:
+    """Record that this rank's ``files`` (name: checksum and size) are durable."""
+    _write_json(folder / f"rank{rank:05d}.json", files)
 
 
 def wait_for_ranks(folder: Path, world_size: int, timeout_s: float = 600) -> dict[str, Any]:
-    """Rank 0 waits until every rank's file is durable; returns their checksums."""
+    """Rank 0 waits until every rank's files are durable; returns all their checksums."""
     deadline = time.monotonic() + timeout_s
-    records: dict[str, Any] = {}
-    while len(records) < world_size:
+    done: dict[int, dict[str, Any]] = {}
+    while len(done) < world_size:
         for rank in range(world_size):
             name = f"rank{rank:05d}.json"
-            if rank_file(rank) not in records and (folder / name).exists():
-                records[rank_file(rank)] = json.loads((folder / name).read_text())
-        if len(records) < world_size:
+            if rank not in done and (folder / name).exists():
+                done[rank] = json.loads((folder / name).read_text())
+        if len(done) < world_size:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ranks did not finish writing {folder} within {timeout_s} s")
             time.sleep(0.005)
-    return records
+    return {name: record for files in done.values() for name, record in files.items()}
 
 
 @dataclass
@@ -125,11 +131,11 @@ def verify(root: Path, entry: dict[str, Any], files: list[str]) -> str | None:
         path = folder / name
         if not path.exists():
             return f"{path} is missing"
-        crc = fileformat.Crc32()
+        crc = fileformat.Crc32c()
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 crc.update(chunk)
-        if crc.hexdigest() != expected["crc32"] or path.stat().st_size != expected["bytes"]:
+        if crc.hexdigest() != expected.get(crc.name) or path.stat().st_size != expected["bytes"]:
             return f"{path} does not match its checksum (truncated or corrupted)"
     return None
 
