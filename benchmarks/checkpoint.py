@@ -11,8 +11,9 @@ measured too, since a two-phase snapshot cannot beat it.
 This machine's run-to-run noise (a whole 200-step run 5-10 % slower now and
 then) is larger than the 3.5 % being measured, so: a discarded warm-up run
 first (the first run in a process pays its page faults), then several
-repeats in rotating order; the table shows medians, and each repeat's
-overhead against the run without checkpoints of the same repeat as a range.
+repeats in rotating order. The overhead is the median over repeats of each
+repeat's run against the run without checkpoints of the same repeat (pairs
+cancel the machine's slow spells); the range shows every repeat.
 
     python benchmarks/checkpoint.py [--steps 200] [--every 10] [--repeats 5]
 """
@@ -209,7 +210,8 @@ def main() -> None:
         measured = [r["measured"] for r in runs if r["measured"] is not None]
         numbers[name] = {
             "runtime_s": runtime,
-            "overhead": runtime / base - 1,
+            "overhead": statistics.median(paired),
+            "overhead_of_medians": runtime / base - 1,
             "stall_s": stall,
             "checkpoints": count,
             "interval": interval,
@@ -222,7 +224,7 @@ def main() -> None:
             str(interval),
             f"{stall * 1e3:.1f}" if count else "",
             f"{stall / copy_s:.2f}" if count else "",
-            f"{runtime / base - 1:+.1%}",
+            f"{statistics.median(paired):+.1%}",
             f"{min(paired):+.1%} .. {max(paired):+.1%}" if name != "none" else "",
             f"{statistics.median(measured):.1%}" if measured else "",
         )

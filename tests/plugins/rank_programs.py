@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from overlapkit import Session, get_optimization
+from overlapkit import Optimization, Session, get_optimization
 from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
 from overlapkit.runtime.distributed import init_world
 from overlapkit.runtime.rng import seed_everything
@@ -75,6 +75,13 @@ def ddp_configs(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
         torch.distributed.destroy_process_group()
 
 
+class IndependentRanks(Optimization):
+    """Stands in for pipeline stages: each rank trains its own model, no gradient sync."""
+
+    name = "independent_ranks"
+    provides = frozenset({"grad_sync"})
+
+
 def stage_shards(root: str, steps: int) -> dict[str, Any]:
     """Each rank holds a different model, as a pipeline stage does, checkpointed as its own
     shard (``stage000``, ``stage001``); returns the parameters and where training began."""
@@ -87,7 +94,7 @@ def stage_shards(root: str, steps: int) -> dict[str, Any]:
         dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=world.rank)
         loader = ResumableLoader(dataset, 8, ShardedSampler(len(dataset), seed=world.rank))
         checkpoint = get_optimization("checkpoint")(every=2, keep=2, final=True)
-        session = Session([checkpoint], device="cpu", run_dir=root)
+        session = Session([IndependentRanks(), checkpoint], device="cpu", run_dir=root)
         session.state.shard = Shard(f"stage{world.rank:03d}", writer=True)
         model, optimizer, _ = session.prepare(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loader
