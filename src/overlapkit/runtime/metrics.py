@@ -182,6 +182,7 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
         phase: statistics.fmean(r["phases_s"][phase] for r in measured) if measured else 0.0
         for phase in PHASES
     }
+    mean_step = statistics.fmean(r["step_time_s"] for r in measured) if measured else 0.0
     useful = [sum(r["phases_s"][p] for r in rs for p in USEFUL_PHASES) for rs in by_rank.values()]
     losses = [r["loss"] for r in by_step.get(max(by_step, default=-1), [])]
     per_rank = [
@@ -207,6 +208,7 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
             "p90": _percentile(step_times, 0.9),
         },
         "phases_s": phases,
+        "phase_shares": {p: t / mean_step if mean_step else 0.0 for p, t in phases.items()},
         "pop": pop_metrics(useful, runtime),
         "final_loss": statistics.fmean(losses) if losses else None,
         "per_rank": per_rank,

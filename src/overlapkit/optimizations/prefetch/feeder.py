@@ -1,0 +1,97 @@
+"""Hands batches to the training thread ahead of time, from a background thread.
+
+On a GPU the thread copies each batch to the device on a side CUDA stream
+(from pinned memory, so the copy is asynchronous) and records an event; the
+training thread's stream waits on that event, not the whole device. On a CPU
+the thread does the loading and collating that would otherwise happen on the
+training thread, and hands over finished batches.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ...runtime.batch import to_device
+
+_DONE = object()
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (list, tuple)):
+        for item in batch:
+            yield from _tensors(item)
+    elif isinstance(batch, dict):
+        for item in batch.values():
+            yield from _tensors(item)
+
+
+class Feeder:
+    """Iterates ``source`` in a thread, keeping up to ``depth`` batches ready."""
+
+    def __init__(self, source: Iterator[Any], device: torch.device, depth: int) -> None:
+        self.device = device
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._thread = threading.Thread(
+            target=self._run, args=(source,), name="overlapkit-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, source: Iterator[Any]) -> None:
+        try:
+            for batch in source:
+                event = None
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        batch = to_device(batch, self.device)
+                        event = torch.cuda.Event()
+                        event.record(self._stream)
+                if not self._put((batch, event)):
+                    return
+            self._put(_DONE)
+        except BaseException as error:  # raised again on the training thread
+            self._put(error)
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                batch, event = item
+                if event is not None:
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(event)
+                    for tensor in _tensors(batch):
+                        tensor.record_stream(current)  # freed only after compute used it
+                yield batch
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:  # unblock a producer waiting on a full queue
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=5)

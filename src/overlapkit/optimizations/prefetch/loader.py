@@ -1,0 +1,64 @@
+"""A resumable loader whose position counts the batches training has consumed,
+however many the back end and the feeder have loaded ahead."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+from ...data import ResumableLoader
+from .feeder import Feeder
+
+
+class Backend(Protocol):
+    """An input pipeline over a `ResumableLoader`'s dataset, sampler and batch size."""
+
+    name: str
+
+    def iterate(self, epoch: int, start: int) -> Iterator[Any]:
+        """The batches of ``epoch`` from batch ``start`` on, in the sampler's order."""
+        ...
+
+
+class PrefetchLoader:
+    """Wraps a back end (and, with ``feeder_depth``, a `Feeder`) as a resumable loader.
+
+    ``state_dict()`` is ``{"epoch", "position"}`` like `ResumableLoader`'s, with
+    ``position`` the batches handed to training: batches loaded ahead but not
+    consumed when a checkpoint is taken are loaded again after a resume.
+    """
+
+    def __init__(
+        self, inner: ResumableLoader, backend: Backend, device: torch.device, feeder_depth: int
+    ) -> None:
+        self.inner, self.backend = inner, backend
+        self.device, self.feeder_depth = device, feeder_depth
+        self.dataset, self.batch_size, self.sampler = inner.dataset, inner.batch_size, inner.sampler
+        self.epoch, self.position = inner.epoch, inner.position
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = self.backend.iterate(self.epoch, self.position)
+        if self.feeder_depth:
+            batches = iter(Feeder(batches, self.device, self.feeder_depth))
+        try:
+            for batch in batches:
+                self.position += 1
+                yield batch
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+        self.epoch += 1
+        self.position = 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])

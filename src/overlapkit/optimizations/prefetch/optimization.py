@@ -1,0 +1,121 @@
+"""``prefetch``: the input pipeline overlapped with compute.
+
+The back end (``torch``: DataLoader workers; ``tfdata``: a tf.data pipeline;
+``dali``: an NVIDIA DALI pipeline) loads ``depth`` batches ahead with
+``workers`` workers; a feeder thread keeps ``device_depth`` of them already
+handed over (on a GPU: copied to the device on a side stream). At intensity
+0 every batch is loaded on the training thread, when it is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ...data import ResumableLoader
+from ...runtime import Knob, Optimization, Resource, State, register_optimization
+from .loader import PrefetchLoader
+
+BACKENDS = ("torch", "tfdata", "dali")
+
+
+class PrefetchError(TypeError):
+    """The loader cannot be prefetched (it is not a `ResumableLoader`)."""
+
+
+@register_optimization
+class Prefetch(Optimization):
+    """Input loading and host-to-device copies overlapped with compute."""
+
+    name = "prefetch"
+    knobs = (
+        Knob(name="backend", type=str, default="torch", choices=BACKENDS),
+        Knob(
+            name="workers",
+            type=int,
+            default=2,
+            low=0,
+            high=64,
+            intensity=(0, 4),
+            help="loader worker processes (tf.data: parallel calls; DALI: Python workers)",
+        ),
+        Knob(
+            name="depth",
+            type=int,
+            default=4,
+            low=0,
+            high=256,
+            intensity=(1, 8),
+            at_zero=0,
+            help="batches loaded ahead by the back end",
+        ),
+        Knob(
+            name="device_depth",
+            type=int,
+            default=1,
+            low=0,
+            high=16,
+            intensity=(0, 2),
+            help="batches handed over ahead by a feeder thread (on a GPU: already on the device)",
+        ),
+        Knob(name="pin_memory", type=bool, default=True, help="page-locked batches (GPU only)"),
+        Knob(name="persistent_workers", type=bool, default=True),
+    )
+    resources = frozenset({Resource.HOST_CPU, Resource.H2D})
+    off_at_zero = False  # intensity 0 is a mode: synchronous loading, any back end
+
+    def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
+        super().__init__(intensity, **explicit)
+        self.loader: PrefetchLoader | None = None
+        self.cores = 0
+        self.compute_threads = 0
+
+    def wrap_loader(self, loader: Any, state: State) -> Any:
+        if not isinstance(loader, ResumableLoader):
+            raise PrefetchError(
+                f"prefetch needs an overlapkit.data.ResumableLoader, got {type(loader).__name__}: "
+                "ResumableLoader(dataset, batch_size, ShardedSampler(len(dataset), rank, "
+                "world_size)) keeps the position that exact resume needs"
+            )
+        import torch
+
+        s = self.settings
+        device = state.world.device
+        pin = s["pin_memory"] and device.type == "cuda"
+        backend = _build_backend(s, loader, pin)
+        # DataLoader cannot load ahead without workers: the feeder thread does it then.
+        feeder_depth = s["device_depth"]
+        if s["backend"] == "torch" and s["workers"] == 0:
+            feeder_depth = max(feeder_depth, s["depth"])
+        self.loader = PrefetchLoader(loader, backend, device, feeder_depth)
+        self.cores = max(1, (os.cpu_count() or 1) // max(1, state.world.local_world_size))
+        self.compute_threads = torch.get_num_threads()
+        return self.loader
+
+    def summary(self) -> dict[str, Any]:
+        out = {
+            **super().summary(),
+            "cores_per_rank": self.cores,
+            "compute_threads": self.compute_threads,
+            "feeder_depth": self.loader.feeder_depth if self.loader else 0,
+            "notes": [],
+        }
+        busy = self.compute_threads + self.settings["workers"] + (1 if out["feeder_depth"] else 0)
+        if self.cores and busy > self.cores:
+            out["notes"].append(
+                f"{self.settings['workers']} workers + {self.compute_threads} compute threads"
+                f"{' + a feeder thread' if out['feeder_depth'] else ''} share {self.cores} "
+                "cores: loading takes cores from compute"
+            )
+        return out
+
+
+def _build_backend(settings: dict[str, Any], loader: ResumableLoader, pin: bool) -> Any:
+    name = settings["backend"]
+    if name == "torch":
+        from .torch_backend import TorchBackend
+
+        return TorchBackend(
+            loader, settings["workers"], settings["depth"], pin, settings["persistent_workers"]
+        )
+    raise NotImplementedError(f"the {name} back end is not built yet")
