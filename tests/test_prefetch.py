@@ -186,3 +186,13 @@ def test_a_run_with_prefetch_resumes_bitwise_from_a_checkpoint(tiny_scenario, tm
     resumed = losses("b")
     assert set(resumed) == set(range(4, 10))
     assert all(losses("a")[step] == loss for step, loss in resumed.items())
+
+
+def test_a_back_end_not_built_yet_is_refused_before_any_rank_starts(tiny_scenario, tmp_path):
+    from conftest import run_cli
+
+    result = run_cli(
+        "check", tiny_scenario(), "--set", "optimizations.prefetch={backend: dali}", timeout=60
+    )
+    assert result.returncode != 0
+    assert "prefetch backend 'dali' is not built yet" in result.stderr + result.stdout

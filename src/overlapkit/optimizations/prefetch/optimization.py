@@ -14,9 +14,11 @@ from typing import Any
 
 from ...data import ResumableLoader
 from ...runtime import Knob, Optimization, Resource, State, register_optimization
+from ...runtime.optimization import CombinationError
 from .loader import PrefetchLoader
 
 BACKENDS = ("torch", "tfdata", "dali")
+BUILT = ("torch",)
 
 
 class PrefetchError(TypeError):
@@ -69,6 +71,14 @@ class Prefetch(Optimization):
         self.loader: PrefetchLoader | None = None
         self.cores = 0
         self.compute_threads = 0
+
+    def check(self, world_size: int, device: str, backend: str) -> None:
+        super().check(world_size, device, backend)
+        if self.settings["backend"] not in BUILT:
+            raise CombinationError(
+                f"prefetch backend {self.settings['backend']!r} is not built yet; "
+                f"available: {', '.join(BUILT)}"
+            )
 
     def wrap_loader(self, loader: Any, state: State) -> Any:
         if not isinstance(loader, ResumableLoader):
