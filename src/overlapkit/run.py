@@ -65,7 +65,12 @@ def rank_main(
             name=scenario.name,
             trace=scenario.scheduler.trace,
         )
-        return train(cfg, session, model, train_loader, eval_loader)
+        result = train(cfg, session, model, train_loader, eval_loader)
+        if world.world_size > 1:
+            # No rank tears its connections down while a peer still talks to it: gloo
+            # aborted a finished rank now and then (2 of 16 runs under torchrun).
+            dist.barrier()
+        return result
     finally:
         if world.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
