@@ -28,6 +28,16 @@ def mlp() -> nn.Module:
     )
 
 
+def fit(session: Session, model: nn.Module, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps on cross-entropy; return the session's summary."""
+    for inputs, targets in session.steps(steps):
+        with session.forward():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        session.backward(loss)
+        session.optimizer_step()
+    return session.finish()
+
+
 def train_mlp(
     world_size: int,
     rank: int,
@@ -52,12 +62,7 @@ def train_mlp(
     model, optimizer, _ = session.prepare(
         model, torch.optim.SGD(model.parameters(), lr=0.1), loader
     )
-    for inputs, targets in session.steps(steps):
-        with session.forward():
-            loss = nn.functional.cross_entropy(model(inputs), targets)
-        session.backward(loss)
-        session.optimizer_step()
-    summary = session.finish()
+    summary = fit(session, model, steps)
     raw = model.module if hasattr(model, "module") else model
     params = torch.cat([p.detach().reshape(-1) for p in raw.parameters()])
     return {"params": params, "summary": summary}
@@ -99,12 +104,7 @@ def stage_shards(root: str, steps: int) -> dict[str, Any]:
         model, optimizer, _ = session.prepare(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loader
         )
-        for inputs, targets in session.steps(steps):
-            with session.forward():
-                loss = nn.functional.cross_entropy(model(inputs), targets)
-            session.backward(loss)
-            session.optimizer_step()
-        summary = session.finish()
+        summary = fit(session, model, steps)
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         return {"params": params, "resumed_from": summary["optimizations"]["checkpoint"]}
     finally:
