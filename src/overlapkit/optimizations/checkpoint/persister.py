@@ -44,11 +44,11 @@ class Persister:
         world_size: int,
         keep: int,
         policy: ArbitrationPolicy,
-        shard: Shard | None = None,
+        shard: Shard,
         nice: int = 10,
     ) -> None:
         self.root, self.rank, self.world_size, self.keep = root, rank, world_size, keep
-        self.shard = shard or Shard(writer=rank == 0)
+        self.shard = shard
         self.nice = nice
         self.manifest = Manifest(root)
         self.policy = policy

@@ -16,20 +16,9 @@ from typing import Any
 
 import torch
 
-from ...runtime.batch import to_device
+from ...runtime.batch import tensors_in, to_device
 
 _DONE = object()
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, (list, tuple)):
-        for item in batch:
-            yield from _tensors(item)
-    elif isinstance(batch, dict):
-        for item in batch.values():
-            yield from _tensors(item)
 
 
 class Feeder:
@@ -81,7 +70,7 @@ class Feeder:
                 if event is not None:
                     current = torch.cuda.current_stream(self.device)
                     current.wait_event(event)
-                    for tensor in _tensors(batch):
+                    for tensor in tensors_in(batch):
                         tensor.record_stream(current)  # freed only after compute used it
                 yield batch
         finally:

@@ -13,8 +13,14 @@ import os
 from typing import Any
 
 from ...data import ResumableLoader
-from ...runtime import Knob, Optimization, Resource, State, register_optimization
-from ...runtime.optimization import CombinationError
+from ...runtime import (
+    CombinationError,
+    Knob,
+    Optimization,
+    Resource,
+    State,
+    register_optimization,
+)
 from .loader import PrefetchLoader
 
 BACKENDS = ("torch", "tfdata", "dali")
