@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .data import build_loaders
 from .launch.local import launch_local, under_torchrun
 from .runtime import Session
-from .runtime.distributed import init_world
+from .runtime.distributed import close_world, init_world
 from .runtime.loop import train
 from .runtime.rng import seed_everything
 from .scenarios import Scenario, dump_scenario
@@ -66,14 +66,11 @@ def rank_main(
             trace=scenario.scheduler.trace,
         )
         result = train(cfg, session, model, train_loader, eval_loader)
-        if world.world_size > 1:
-            # No rank tears its connections down while a peer still talks to it: gloo
-            # aborted a finished rank now and then (2 of 16 runs under torchrun).
-            dist.barrier()
+        close_world(world)
         return result
     finally:
         if world.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # after a failure: no barrier, a peer may be gone
 
 
 def run_scenario(

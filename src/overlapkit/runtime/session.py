@@ -27,7 +27,7 @@ from torch import nn
 
 from .arbitration import ArbitrationPolicy
 from .batch import batch_size, to_device
-from .distributed import World, all_gather_objects, all_reduce_sum, init_world
+from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
 from .events import Event
 from .gradsync import FlatAllReduce, broadcast_model
 from .metrics import PhaseClock, step_record, summarize
@@ -69,6 +69,8 @@ class Session:
         name: str = "session",
         trace: bool = False,
     ) -> None:
+        # A process group this session starts, it also closes (in `finish`).
+        self._owns_world = world is None and not torch.distributed.is_initialized()
         self.world = world or init_world(device)
         self.scheduler = Scheduler(optimizations, policy)
         self.scheduler.check(self.world.world_size, self.world.device.type, self.world.backend)
@@ -342,7 +344,8 @@ class Session:
     # ---------------------------------------------------------------- finish
     def finish(self) -> dict[str, Any]:
         """Drain background work (FIT_END), gather metrics from all ranks, write
-        ``steps.jsonl`` and ``summary.json`` to the run folder; return the summary."""
+        ``steps.jsonl`` and ``summary.json`` to the run folder; return the summary.
+        A process group the session started itself is closed: call it last."""
         self.scheduler.fire(Event.FIT_END, self.state)
         if self._progress is not None:
             self._progress.close()
@@ -382,4 +385,6 @@ class Session:
             write_run_files(run_dir, records, summary, trace)
         if self._print_summary:
             print_summary(summary)
+        if self._owns_world:
+            close_world(self.world)
         return summary
