@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -36,18 +37,25 @@ class Feeder:
 
     def _run(self, source: Iterator[Any]) -> None:
         try:
-            for batch in source:
-                event = None
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
+            # On a GPU the back end's own copies (DALI's) and ours run on the side stream.
+            with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+                for batch in source:
+                    event = None
+                    if self._stream is not None:
                         batch = to_device(batch, self.device)
                         event = torch.cuda.Event()
                         event.record(self._stream)
-                if not self._put((batch, event)):
-                    return
+                    if not self._put((batch, event)):
+                        return
             self._put(_DONE)
         except BaseException as error:  # raised again on the training thread
             self._put(error)
+        finally:
+            # Close the source here, on its own thread: a DataLoader iterator left to
+            # the garbage collector can lose its shutdown message and wait 5 s a worker.
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():

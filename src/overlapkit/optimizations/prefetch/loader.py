@@ -21,6 +21,10 @@ class Backend(Protocol):
         """The batches of ``epoch`` from batch ``start`` on, in the sampler's order."""
         ...
 
+    def close(self) -> None:
+        """Stop worker processes and threads the back end keeps between epochs."""
+        ...
+
 
 class PrefetchLoader:
     """Wraps a back end (and, with ``feeder_depth``, a `Feeder`) as a resumable loader.
@@ -55,6 +59,9 @@ class PrefetchLoader:
 
     def __len__(self) -> int:
         return len(self.inner)
+
+    def close(self) -> None:
+        self.backend.close()
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from ...data import ResumableLoader
 from ...runtime import (
     CombinationError,
@@ -21,10 +23,10 @@ from ...runtime import (
     State,
     register_optimization,
 )
+from .extras import missing
 from .loader import PrefetchLoader
 
 BACKENDS = ("torch", "tfdata", "dali")
-BUILT = ("torch",)
 
 
 class PrefetchError(TypeError):
@@ -68,6 +70,12 @@ class Prefetch(Optimization):
         ),
         Knob(name="pin_memory", type=bool, default=True, help="page-locked batches (GPU only)"),
         Knob(name="persistent_workers", type=bool, default=True),
+        Knob(
+            name="autotune",
+            type=bool,
+            default=False,
+            help="tfdata: tf.data picks parallel calls and prefetch depth (AUTOTUNE)",
+        ),
     )
     resources = frozenset({Resource.HOST_CPU, Resource.H2D})
     off_at_zero = False  # intensity 0 is a mode: synchronous loading, any back end
@@ -80,11 +88,9 @@ class Prefetch(Optimization):
 
     def check(self, world_size: int, device: str, backend: str) -> None:
         super().check(world_size, device, backend)
-        if self.settings["backend"] not in BUILT:
-            raise CombinationError(
-                f"prefetch backend {self.settings['backend']!r} is not built yet; "
-                f"available: {', '.join(BUILT)}"
-            )
+        reason = missing(self.settings["backend"])
+        if reason:
+            raise CombinationError(reason)
 
     def wrap_loader(self, loader: Any, state: State) -> Any:
         if not isinstance(loader, ResumableLoader):
@@ -93,20 +99,23 @@ class Prefetch(Optimization):
                 "ResumableLoader(dataset, batch_size, ShardedSampler(len(dataset), rank, "
                 "world_size)) keeps the position that exact resume needs"
             )
-        import torch
-
         s = self.settings
         device = state.world.device
         pin = s["pin_memory"] and device.type == "cuda"
-        backend = _build_backend(s, loader, pin)
-        # DataLoader cannot load ahead without workers: the feeder thread does it then.
+        backend = _build_backend(s, loader, device, pin)
+        # DataLoader and DALI's external source load on the calling thread without
+        # workers: the feeder thread loads ahead then. tf.data has threads of its own.
         feeder_depth = s["device_depth"]
-        if s["backend"] == "torch" and s["workers"] == 0:
+        if s["backend"] in ("torch", "dali") and s["workers"] == 0:
             feeder_depth = max(feeder_depth, s["depth"])
         self.loader = PrefetchLoader(loader, backend, device, feeder_depth)
         self.cores = max(1, (os.cpu_count() or 1) // max(1, state.world.local_world_size))
         self.compute_threads = torch.get_num_threads()
         return self.loader
+
+    def on_fit_end(self, state: State) -> None:
+        if self.loader is not None:
+            self.loader.close()
 
     def summary(self) -> dict[str, Any]:
         out = {
@@ -126,12 +135,18 @@ class Prefetch(Optimization):
         return out
 
 
-def _build_backend(settings: dict[str, Any], loader: ResumableLoader, pin: bool) -> Any:
-    name = settings["backend"]
-    if name == "torch":
-        from .torch_backend import TorchBackend
+def _build_backend(
+    settings: dict[str, Any], loader: ResumableLoader, device: torch.device, pin: bool
+) -> Any:
+    name, workers, depth = settings["backend"], settings["workers"], settings["depth"]
+    if name == "tfdata":
+        from .tfdata_backend import TfDataBackend
 
-        return TorchBackend(
-            loader, settings["workers"], settings["depth"], pin, settings["persistent_workers"]
-        )
-    raise NotImplementedError(f"the {name} back end is not built yet")
+        return TfDataBackend(loader, workers, depth, settings["autotune"], device)
+    if name == "dali":
+        from .dali_backend import DaliBackend
+
+        return DaliBackend(loader, workers, depth, device)
+    from .torch_backend import TorchBackend
+
+    return TorchBackend(loader, workers, depth, pin, settings["persistent_workers"])

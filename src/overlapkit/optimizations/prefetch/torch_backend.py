@@ -26,3 +26,6 @@ class TorchBackend:
     def iterate(self, epoch: int, start: int) -> Iterator[Any]:
         self.inner.epoch, self.inner.position = epoch, start
         return iter(self.inner)
+
+    def close(self) -> None:
+        self.inner.close()

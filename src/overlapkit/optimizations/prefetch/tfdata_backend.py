@@ -1,0 +1,98 @@
+"""The ``tfdata`` back end: a tf.data pipeline over the same dataset.
+
+The sampler's indices for the epoch are the pipeline's source; a parallel map
+loads each sample with the dataset's own ``__getitem__`` (through
+``tf.numpy_function``, so a Python dataset holds the GIL while it runs: loading
+that releases it, like file reads, runs in parallel, pure-Python decoding does
+not); ``batch`` collates; ``prefetch`` keeps ``depth`` batches ahead (or
+AUTOTUNE) and, on a GPU TensorFlow can see, ``prefetch_to_device`` puts them
+on it. Batches reach torch through DLPack, without a copy.
+
+Unless ``autotune`` is set, tf.data's own rewrites (injected prefetch,
+automatic map parallelism) are off and its thread pool is ``workers + 1``
+threads, so the knobs mean what they say and intensity 0 loads nothing ahead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...data import ResumableLoader
+from .extras import require
+from .samples import SampleLayout, epoch_indices
+
+
+def import_tensorflow() -> Any:
+    require("tfdata")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
+    import tensorflow as tf
+
+    return tf
+
+
+class TfDataBackend:
+    name = "tfdata"
+
+    def __init__(
+        self,
+        inner: ResumableLoader,
+        workers: int,
+        depth: int,
+        autotune: bool,
+        device: torch.device,
+    ) -> None:
+        self.tf = import_tensorflow()
+        self.inner, self.workers, self.depth, self.autotune = inner, workers, depth, autotune
+        self.layout = SampleLayout.probe(inner)
+        gpus = self.tf.config.list_physical_devices("GPU") if device.type == "cuda" else []
+        self.target = f"/gpu:{device.index or 0}" if gpus else None
+
+    def _load(self, index: np.ndarray) -> list[np.ndarray]:
+        return self.layout.flatten(self.inner.dataset[int(index)])
+
+    def _map(self, index: Any) -> tuple[Any, ...]:
+        tf = self.tf
+        dtypes = [tf.as_dtype(d) for d in self.layout.dtypes]
+        leaves = tf.numpy_function(self._load, [index], dtypes, stateful=False)
+        for leaf, shape in zip(leaves, self.layout.shapes, strict=True):
+            leaf.set_shape(shape)
+        return tuple(leaves)
+
+    def pipeline(self, epoch: int, start: int) -> Any:
+        tf = self.tf
+        batch_size = self.inner.batch_size
+        indices = epoch_indices(self.inner.sampler, batch_size, epoch)[start * batch_size :]
+        dataset = tf.data.Dataset.from_tensor_slices(np.asarray(indices, dtype=np.int64))
+        load = tf.autograph.experimental.do_not_convert(self._map)
+        if self.autotune:
+            dataset = dataset.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        elif self.workers:
+            dataset = dataset.map(load, num_parallel_calls=self.workers, deterministic=True)
+        else:
+            dataset = dataset.map(load)
+        dataset = dataset.batch(self.inner.batch_size, drop_remainder=self.inner.sampler.drop_last)
+        if self.autotune or self.depth:
+            dataset = dataset.prefetch(tf.data.AUTOTUNE if self.autotune else self.depth)
+        if self.target is not None:
+            dataset = dataset.apply(
+                tf.data.experimental.prefetch_to_device(self.target, buffer_size=max(1, self.depth))
+            )
+        options = tf.data.Options()
+        options.deterministic = True
+        options.autotune.enabled = self.autotune
+        if not self.autotune:
+            options.experimental_optimization.apply_default_optimizations = False
+            options.threading.private_threadpool_size = self.workers + 1
+        return dataset.with_options(options)
+
+    def iterate(self, epoch: int, start: int) -> Iterator[Any]:
+        for leaves in self.pipeline(epoch, start):
+            yield self.layout.batch([torch.from_dlpack(leaf) for leaf in leaves])
+
+    def close(self) -> None:
+        """Each epoch's pipeline ends with its iteration: nothing is kept."""
