@@ -1,32 +1,43 @@
-"""prefetch: the same batches with every setting, loading off the training thread,
-measured data-wait reduction, exact resume position."""
+"""prefetch: the same batches with every setting and every back end (torch,
+tf.data, DALI), synchronous loading at intensity 0, measured data-wait
+reduction, exact resume position, missing extras."""
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 
 import pytest
 import torch
 from torch import nn
 
 from overlapkit import Session, get_optimization
-from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
-from overlapkit.optimizations.prefetch import Feeder, PrefetchError
+from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages, SyntheticTokens
+from overlapkit.optimizations.prefetch import (
+    BACKENDS,
+    Feeder,
+    MissingDependencyError,
+    PrefetchError,
+)
+from overlapkit.runtime import CombinationError
 
 Prefetch = get_optimization("prefetch")
 SHAPE = (3, 8, 8)
 
 
-class ThreadRecordingImages(SyntheticImages):
-    """Remembers which thread loaded each sample (workers are other processes)."""
+class LoadRecordingImages(SyntheticImages):
+    """Remembers when each sample was loaded (in this process: no worker processes)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.threads: set[int] = set()
+        self.loads: list[tuple[float, float]] = []
 
     def __getitem__(self, index):
-        self.threads.add(threading.get_ident())
-        return super().__getitem__(index)
+        start = time.perf_counter()
+        sample = super().__getitem__(index)
+        self.loads.append((start, time.perf_counter()))
+        return sample
 
 
 def make_loader(dataset=None, batch=8):
@@ -57,55 +68,105 @@ def assert_same_batches(a, b):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "knobs",
     [
+        {"intensity": 0.0},
         {"intensity": 0.5},
         {"intensity": 1.0},
         {"workers": 0, "depth": 3, "device_depth": 0},
         {"workers": 2, "depth": 1, "device_depth": 2, "persistent_workers": False},
     ],
 )
-def test_every_setting_delivers_the_same_batches_as_plain_loading(knobs):
+def test_every_setting_of_every_back_end_delivers_the_batches_of_plain_loading(backend, knobs):
     plain = batches(make_loader(), 20)  # 8 batches an epoch: crosses two epoch ends
     knobs = dict(knobs)
-    prefetching, _ = wrapped(knobs.pop("intensity", 1.0), **knobs)
+    prefetching, _ = wrapped(knobs.pop("intensity", 1.0), backend=backend, **knobs)
     assert_same_batches(plain, batches(prefetching, 20))
 
 
-def test_intensity_zero_loads_on_the_training_thread_and_a_feeder_does_not():
+@pytest.mark.parametrize("backend", ["tfdata", "dali"])
+def test_token_batches_are_identical_across_back_ends(backend):
+    tokens = SyntheticTokens(seq_len=16, vocab_size=256, num_samples=48, seed=5)
+    plain = batches(make_loader(tokens), 9)
+    prefetching, _ = wrapped(1.0, make_loader(tokens), backend=backend, workers=2)
+    got = batches(prefetching, 9)
+    assert got[0][0].dtype == torch.int64 and got[0][0].shape == (8, 16)
+    assert_same_batches(plain, got)
+
+
+def overlaps(loads, computes):
+    return sum(1 for a, b in loads for c, d in computes if a < d and c < b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_intensity_zero_loads_only_while_training_waits_and_a_feeder_loads_during_compute(
+    backend,
+):
+    """Intensity 0 is synchronous: no sample is loaded while the training thread
+    computes. With the feeder (workers 0, so loading stays in this process), they are."""
+
+    def loads_during_compute(intensity, **knobs):
+        dataset = LoadRecordingImages(SHAPE, num_classes=4, num_samples=64, seed=3, cost_ms=1)
+        prefetching, opt = wrapped(intensity, make_loader(dataset), backend=backend, **knobs)
+        iterator, computes = iter(prefetching), []
+        for _ in range(6):
+            next(iterator)
+            start = time.perf_counter()
+            threading.Event().wait(0.02)  # compute
+            computes.append((start, time.perf_counter()))
+        iterator.close()
+        return overlaps(dataset.loads, computes), opt
+
+    during, opt = loads_during_compute(0.0)
+    assert opt.settings["workers"] == 0 and opt.settings["depth"] == 0
+    assert during == 0
+    during, _ = loads_during_compute(1.0, workers=0)
+    assert during >= 8  # at least a batch loaded while computing
+
+
+def test_intensity_zero_runs_the_dataset_on_the_training_thread():
+    class ThreadRecordingImages(SyntheticImages):
+        threads: set[int] = set()
+
+        def __getitem__(self, index):
+            self.threads.add(threading.get_ident())
+            return super().__getitem__(index)
+
     dataset = ThreadRecordingImages(SHAPE, num_classes=4, num_samples=64, seed=3)
-    prefetching, opt = wrapped(0.0, make_loader(dataset))
-    assert opt.settings["workers"] == 0 and prefetching.feeder_depth == 0
+    prefetching, _ = wrapped(0.0, make_loader(dataset))
+    assert prefetching.feeder_depth == 0
     batches(prefetching, 4)
     assert dataset.threads == {threading.get_ident()}
-    dataset.threads.clear()
-    prefetching, _ = wrapped(1.0, make_loader(dataset), workers=0)
-    batches(prefetching, 4)
-    assert dataset.threads and threading.get_ident() not in dataset.threads
 
 
-def test_resume_mid_epoch_continues_with_the_next_batch():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_mid_epoch_continues_with_the_next_batch(backend):
     uninterrupted = batches(make_loader(), 14)
-    first, _ = wrapped(1.0)
+    first, _ = wrapped(1.0, backend=backend)
     iterator = iter(first)
     seen = [next(iterator) for _ in range(5)]  # the back end has loaded more than 5
     saved = first.state_dict()
     assert saved == {"epoch": 0, "position": 5}
     iterator.close()
-    resumed, _ = wrapped(1.0)
+    resumed, _ = wrapped(1.0, backend=backend)
     resumed.load_state_dict(saved)
     assert_same_batches(uninterrupted, seen + batches(resumed, 9))
 
 
-def test_prefetching_takes_the_loading_time_off_the_step():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefetching_takes_the_loading_time_off_the_step(backend):
     """A source that sleeps 4 ms per sample (32 ms a batch) beside 30 ms of compute:
     loading on the training thread waits for every batch, two workers hide it."""
     data = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=0, cost_ms=4.0)
 
     def data_wait(intensity, **knobs):
         session = Session(
-            [Prefetch(intensity, **knobs)], device="cpu", warmup_steps=3, progress=False
+            [Prefetch(intensity, backend=backend, **knobs)],
+            device="cpu",
+            warmup_steps=3,
+            progress=False,
         )
         model = nn.Sequential(nn.Flatten(), nn.Linear(192, 4))
         model, optimizer, _ = session.prepare(
@@ -142,9 +203,11 @@ def test_a_failing_source_raises_on_the_training_thread():
 
 
 @pytest.mark.slow
-def test_a_run_with_prefetch_resumes_bitwise_from_a_checkpoint(tiny_scenario, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_run_with_prefetch_resumes_bitwise_from_a_checkpoint(backend, tiny_scenario, tmp_path):
     """Through `overlapkit run`: workers load ahead, a checkpoint at step 4 of an
-    8-batch epoch, a stop at step 5, a resume: the losses are those of one run."""
+    8-batch epoch, a stop at step 5, a resume: the losses are those of one run.
+    The resumed run prints its summary as JSON: stdout holds nothing else."""
     import json
 
     from conftest import run_cli
@@ -156,7 +219,7 @@ def test_a_run_with_prefetch_resumes_bitwise_from_a_checkpoint(tiny_scenario, tm
         "--set",
         "data.num_samples=64",
         "--set",
-        "optimizations.prefetch={intensity: 1, workers: 2}",
+        f"optimizations.prefetch={{intensity: 1, workers: 2, backend: {backend}}}",
         "--set",
         "optimizations.checkpoint={every: 4, final: false}",
     ]
@@ -173,11 +236,14 @@ def test_a_run_with_prefetch_resumes_bitwise_from_a_checkpoint(tiny_scenario, tm
             *common,
             "--set",
             f"train.steps={steps}",
+            "--json",
         )
         assert part.returncode == 0, part.stderr[-2000:]
-    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    summary = json.loads(part.stdout)  # nothing but the summary on stdout
+    assert summary == json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["optimizations"]["checkpoint"]["resumed_from_step"] == 4
     assert summary["optimizations"]["prefetch"]["workers"] == 2
+    assert summary["optimizations"]["prefetch"]["backend"] == backend
 
     def losses(name):
         lines = (tmp_path / name / "steps.jsonl").read_text().splitlines()
@@ -188,11 +254,46 @@ def test_a_run_with_prefetch_resumes_bitwise_from_a_checkpoint(tiny_scenario, tm
     assert all(losses("a")[step] == loss for step, loss in resumed.items())
 
 
-def test_a_back_end_not_built_yet_is_refused_before_any_rank_starts(tiny_scenario, tmp_path):
-    from conftest import run_cli
+@pytest.mark.parametrize(
+    ("backend", "module", "extra"),
+    [("tfdata", "tensorflow", "tensorflow"), ("dali", "nvidia.dali", "dali")],
+)
+def test_a_missing_optional_dependency_names_the_extra_to_install(
+    backend, module, extra, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    install = f"pip install 'overlapkit[{extra}]'"
+    with pytest.raises(CombinationError) as refused:
+        Session([Prefetch(1.0, backend=backend)], device="cpu", progress=False)
+    assert install in str(refused.value)
+    from overlapkit.optimizations.prefetch.optimization import _build_backend
 
-    result = run_cli(
-        "check", tiny_scenario(), "--set", "optimizations.prefetch={backend: dali}", timeout=60
+    opt = Prefetch(1.0, backend=backend)
+    with pytest.raises(MissingDependencyError) as missing:
+        _build_backend(opt.settings, make_loader(), torch.device("cpu"), pin=False)
+    assert install in str(missing.value)
+
+
+def test_overlapkit_check_refuses_a_back_end_whose_extra_is_missing(tiny_scenario):
+    import subprocess
+
+    blocked = (
+        "import sys; sys.modules['tensorflow'] = None; "
+        "from overlapkit.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            blocked,
+            "check",
+            str(tiny_scenario()),
+            "--set",
+            "optimizations.prefetch={backend: tfdata}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
-    assert "prefetch backend 'dali' is not built yet" in result.stderr + result.stdout
+    assert "pip install 'overlapkit[tensorflow]'" in result.stderr + result.stdout
