@@ -10,15 +10,16 @@ from torch.utils.data import Dataset
 
 
 def spend(milliseconds: float, kind: str) -> None:
-    """Take ``milliseconds``: asleep (like waiting on storage) or busy on a core (like decoding)."""
+    """Take ``milliseconds``: asleep (like waiting on storage) or of this thread's own
+    CPU time (like decoding: a fixed amount of work, however many threads share the core)."""
     if milliseconds <= 0:
         return
     if kind == "sleep":
         time.sleep(milliseconds / 1000)
         return
-    deadline = time.perf_counter() + milliseconds / 1000
+    deadline = time.thread_time() + milliseconds / 1000
     x = 1.0
-    while time.perf_counter() < deadline:
+    while time.thread_time() < deadline:
         for _ in range(200):
             x = x * 1.0000001 + 1e-9
 

@@ -1,12 +1,14 @@
 """The ``tfdata`` back end: a tf.data pipeline over the same dataset.
 
-The sampler's indices for the epoch are the pipeline's source; a parallel map
-loads each sample with the dataset's own ``__getitem__`` (through
+The sampler's indices for the epoch, batched, are the pipeline's source; a
+parallel map loads each batch with the dataset's own ``__getitem__`` and
+stacks it, ``workers`` batches at a time, like DataLoader workers (through
 ``tf.numpy_function``, so a Python dataset holds the GIL while it runs: loading
 that releases it, like file reads, runs in parallel, pure-Python decoding does
-not); ``batch`` collates; ``prefetch`` keeps ``depth`` batches ahead (or
-AUTOTUNE) and, on a GPU TensorFlow can see, ``prefetch_to_device`` puts them
-on it. Batches reach torch through DLPack, without a copy.
+not; one call per batch rather than per sample saves ~6 ms a batch of 32);
+``prefetch`` keeps ``depth`` batches ahead (or AUTOTUNE) and, on a GPU
+TensorFlow can see, ``prefetch_to_device`` puts them on it. Batches reach
+torch through DLPack, without a copy.
 
 Unless ``autotune`` is set, tf.data's own rewrites (injected prefetch,
 automatic map parallelism) are off and its thread pool is ``workers + 1``
@@ -52,15 +54,16 @@ class TfDataBackend:
         gpus = self.tf.config.list_physical_devices("GPU") if device.type == "cuda" else []
         self.target = f"/gpu:{device.index or 0}" if gpus else None
 
-    def _load(self, index: np.ndarray) -> list[np.ndarray]:
-        return self.layout.flatten(self.inner.dataset[int(index)])
+    def _load(self, indices: np.ndarray) -> list[np.ndarray]:
+        samples = [self.layout.flatten(self.inner.dataset[int(i)]) for i in indices]
+        return [np.stack(leaves) for leaves in zip(*samples, strict=True)]
 
-    def _map(self, index: Any) -> tuple[Any, ...]:
+    def _map(self, indices: Any) -> tuple[Any, ...]:
         tf = self.tf
         dtypes = [tf.as_dtype(d) for d in self.layout.dtypes]
-        leaves = tf.numpy_function(self._load, [index], dtypes, stateful=False)
+        leaves = tf.numpy_function(self._load, [indices], dtypes, stateful=False)
         for leaf, shape in zip(leaves, self.layout.shapes, strict=True):
-            leaf.set_shape(shape)
+            leaf.set_shape((None, *shape))
         return tuple(leaves)
 
     def pipeline(self, epoch: int, start: int) -> Any:
@@ -68,6 +71,7 @@ class TfDataBackend:
         batch_size = self.inner.batch_size
         indices = epoch_indices(self.inner.sampler, batch_size, epoch)[start * batch_size :]
         dataset = tf.data.Dataset.from_tensor_slices(np.asarray(indices, dtype=np.int64))
+        dataset = dataset.batch(batch_size, drop_remainder=self.inner.sampler.drop_last)
         load = tf.autograph.experimental.do_not_convert(self._map)
         if self.autotune:
             dataset = dataset.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -75,7 +79,6 @@ class TfDataBackend:
             dataset = dataset.map(load, num_parallel_calls=self.workers, deterministic=True)
         else:
             dataset = dataset.map(load)
-        dataset = dataset.batch(self.inner.batch_size, drop_remainder=self.inner.sampler.drop_last)
         if self.autotune or self.depth:
             dataset = dataset.prefetch(tf.data.AUTOTUNE if self.autotune else self.depth)
         if self.target is not None:

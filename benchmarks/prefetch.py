@@ -1,0 +1,212 @@
+"""prefetch: throughput of each back end at several intensities against intensity 0
+and against the ideal bound, side by side in one run.
+
+A synthetic source costs a known L per batch (``--load-ms``; spread over its
+samples), either asleep (like waiting on storage: it needs no core) or busy on
+a core (like decoding: it does). The model's step costs C (measured here on
+batches already in memory). With ``w`` workers loading in parallel beside the
+step, the ideal step is max(C, L / w); loading on the training thread
+(intensity 0) costs C + L. Target: within 10 % of the bound where cores allow.
+Where loading needs cores, ``w`` workers and the step's compute threads share
+this machine's cores, and throughput falls away from the bound: the table
+shows where.
+
+Each configuration runs ``--repeats`` times, in rotating order after a
+discarded warm-up run; the table shows the median.
+
+    python benchmarks/prefetch.py                 # prints the table
+    python benchmarks/prefetch.py --json out.json # and writes the numbers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from overlapkit import Session, get_optimization
+from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
+from overlapkit.optimizations.prefetch import BACKENDS
+from overlapkit.optimizations.prefetch.extras import missing
+
+Prefetch = get_optimization("prefetch")
+BATCH, SHAPE, HIDDEN = 32, (3, 32, 32), 2048
+INTENSITIES = (0.0, 0.25, 0.5, 1.0)  # workers 0, 1, 2, 4
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(3 * 32 * 32, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, 10),
+    )
+
+
+def make_loader(load_ms: float, kind: str, steps: int) -> ResumableLoader:
+    samples = BATCH * (steps + 8)  # one epoch covers the run: no epoch-end refill
+    dataset = SyntheticImages(
+        SHAPE, 10, samples, seed=0, cost_ms=load_ms / BATCH, cost_kind=kind, signal=0.5
+    )
+    return ResumableLoader(dataset, BATCH, ShardedSampler(samples, seed=0))
+
+
+def train(session: Session, loader, steps: int) -> dict:
+    model = make_model()
+    model, optimizer, loader = session.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), loader
+    )
+    for inputs, targets in session.steps(steps + 5, loader):  # 5 warm-up steps first
+        with session.forward():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        session.backward(loss)
+        session.optimizer_step()
+    return session.finish()
+
+
+def measure_compute(steps: int) -> float:
+    """C: the step on batches already in memory, through the same runtime."""
+    batches = [(torch.randn(BATCH, *SHAPE), torch.randint(10, (BATCH,))) for _ in range(steps + 5)]
+    session = Session([], device="cpu", warmup_steps=5, progress=False)
+    return train(session, batches, steps)["step_time_s"]["p50"]
+
+
+def measure_load(load_ms: float, kind: str) -> float:
+    """L: loading and collating one batch on this thread."""
+    loader = make_loader(load_ms, kind, 8)
+    iterator = iter(loader.loader)
+    next(iterator)
+    start = time.perf_counter()
+    for _ in range(6):
+        next(iterator)
+    return (time.perf_counter() - start) / 6
+
+
+@dataclass
+class Config:
+    kind: str
+    backend: str
+    intensity: float
+
+    @property
+    def key(self) -> tuple[str, str, float]:
+        return (self.kind, self.backend, self.intensity)
+
+
+def run_once(config: Config, load_ms: float, steps: int) -> dict:
+    opt = Prefetch(config.intensity, backend=config.backend)
+    session = Session([opt], device="cpu", warmup_steps=5, progress=False)
+    summary = train(session, make_loader(load_ms, config.kind, steps + 5), steps)
+    phases = summary["phase_shares"]
+    return {
+        "step_s": summary["step_time_s"]["p50"],
+        "samples_per_s": summary["samples_per_s"],
+        "data_wait_share": phases.get("data_wait", 0.0),
+        "settings": {k: opt.settings[k] for k in ("workers", "depth", "device_depth")},
+    }
+
+
+def bound_step(compute_s: float, load_s: float, intensity: float, workers: int) -> float:
+    if intensity == 0:
+        return compute_s + load_s
+    return max(compute_s, load_s / max(1, workers))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--load-ms", type=float, default=40.0, help="L, per batch of 32")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kinds", default="sleep,cpu")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--json", type=str, default=None)
+    args = parser.parse_args()
+
+    backends = [b for b in args.backends.split(",") if not missing(b)]
+    kinds = args.kinds.split(",")
+    configs = [Config(k, b, i) for k in kinds for b in backends for i in INTENSITIES]
+    console = Console(stderr=True)
+    console.print(f"{os.cpu_count()} cores, torch {torch.__version__}, {len(configs)} configs")
+
+    compute_s = measure_compute(args.steps)
+    loads = {kind: measure_load(args.load_ms, kind) for kind in kinds}
+    console.print(
+        f"C = {compute_s * 1e3:.1f} ms, "
+        + ", ".join(f"L[{k}] = {v * 1e3:.1f} ms" for k, v in loads.items())
+    )
+    run_once(configs[-1], args.load_ms, 10)  # warm-up: first-run costs land here
+    results: dict[tuple, list[dict]] = {c.key: [] for c in configs}
+    for repeat in range(args.repeats):
+        shift = repeat * len(configs) // args.repeats
+        for config in configs[shift:] + configs[:shift]:
+            results[config.key].append(run_once(config, args.load_ms, args.steps))
+        console.print(f"repeat {repeat + 1}/{args.repeats} done")
+
+    rows = []
+    for config in configs:
+        runs = results[config.key]
+        step = statistics.median(r["step_s"] for r in runs)
+        settings = runs[0]["settings"]
+        bound = bound_step(compute_s, loads[config.kind], config.intensity, settings["workers"])
+        base = statistics.median(r["step_s"] for r in results[(config.kind, config.backend, 0.0)])
+        rows.append(
+            {
+                "source": config.kind,
+                "backend": config.backend,
+                "intensity": config.intensity,
+                **settings,
+                "step_ms": step * 1e3,
+                "bound_ms": bound * 1e3,
+                "of_bound": bound / step,
+                "speedup": base / step,
+                "samples_per_s": BATCH / step,
+                "data_wait_share": statistics.median(r["data_wait_share"] for r in runs),
+                "steps_ms": [r["step_s"] * 1e3 for r in runs],
+            }
+        )
+
+    table = Table(
+        title=f"prefetch: C = {compute_s * 1e3:.1f} ms, L = "
+        + ", ".join(f"{loads[k] * 1e3:.1f} ms ({k})" for k in kinds)
+        + f", batch {BATCH}, {os.cpu_count()} cores, median of {args.repeats}"
+    )
+    for column in (
+        "source", "back end", "intensity", "workers", "depth", "dev depth",
+        "step ms", "bound ms", "of bound", "vs int. 0", "samples/s", "data wait",
+    ):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("source", "back end") else "right")
+    for row in rows:
+        table.add_row(
+            row["source"],
+            row["backend"],
+            f"{row['intensity']:g}",
+            str(row["workers"]),
+            str(row["depth"]),
+            str(row["device_depth"]),
+            f"{row['step_ms']:.1f}",
+            f"{row['bound_ms']:.1f}",
+            f"{row['of_bound']:.0%}",
+            f"{row['speedup']:.2f}x",
+            f"{row['samples_per_s']:.0f}",
+            f"{row['data_wait_share']:.0%}",
+        )
+    Console(width=200).print(table)
+    if args.json:
+        out = {"compute_ms": compute_s * 1e3, "load_ms": {k: v * 1e3 for k, v in loads.items()}}
+        with open(args.json, "w") as file:
+            json.dump({**out, "rows": rows}, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
