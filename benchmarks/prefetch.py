@@ -9,7 +9,8 @@ step, the ideal step is max(C, L / w); loading on the training thread
 (intensity 0) costs C + L. Target: within 10 % of the bound where cores allow.
 Where loading needs cores, ``w`` workers and the step's compute threads share
 this machine's cores, and throughput falls away from the bound: the table
-shows where.
+shows where. The "cores" bound adds what the cores allow: the CPU time a step
+and a batch's loading take together (measured), spread over every core.
 
 Each configuration runs ``--repeats`` times, in rotating order after a
 discarded warm-up run; the table shows the median.
@@ -75,22 +76,25 @@ def train(session: Session, loader, steps: int) -> dict:
     return session.finish()
 
 
-def measure_compute(steps: int) -> float:
-    """C: the step on batches already in memory, through the same runtime."""
+def measure_compute(steps: int) -> tuple[float, float]:
+    """C: the step on batches already in memory, through the same runtime; and
+    the CPU time a step takes (all threads)."""
     batches = [(torch.randn(BATCH, *SHAPE), torch.randint(10, (BATCH,))) for _ in range(steps + 5)]
     session = Session([], device="cpu", warmup_steps=5, progress=False)
-    return train(session, batches, steps)["step_time_s"]["p50"]
+    cpu = time.process_time()
+    summary = train(session, batches, steps)
+    return summary["step_time_s"]["p50"], (time.process_time() - cpu) / (steps + 5)
 
 
-def measure_load(load_ms: float, kind: str) -> float:
-    """L: loading and collating one batch on this thread."""
+def measure_load(load_ms: float, kind: str) -> tuple[float, float]:
+    """L: loading and collating one batch on this thread; and its CPU time."""
     loader = make_loader(load_ms, kind, 8)
     iterator = iter(loader.loader)
     next(iterator)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(6):
         next(iterator)
-    return (time.perf_counter() - start) / 6
+    return (time.perf_counter() - start) / 6, (time.process_time() - cpu) / 6
 
 
 @dataclass
@@ -123,6 +127,10 @@ def bound_step(compute_s: float, load_s: float, intensity: float, workers: int) 
     return max(compute_s, load_s / max(1, workers))
 
 
+def cores_bound_step(ideal_s: float, compute_cpu_s: float, load_cpu_s: float) -> float:
+    return max(ideal_s, (compute_cpu_s + load_cpu_s) / (os.cpu_count() or 1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--load-ms", type=float, default=40.0, help="L, per batch of 32")
@@ -139,11 +147,16 @@ def main() -> None:
     console = Console(stderr=True)
     console.print(f"{os.cpu_count()} cores, torch {torch.__version__}, {len(configs)} configs")
 
-    compute_s = measure_compute(args.steps)
-    loads = {kind: measure_load(args.load_ms, kind) for kind in kinds}
+    measure_compute(args.steps)  # warm-up
+    compute_s, compute_cpu_s = measure_compute(args.steps)
+    measured = {kind: measure_load(args.load_ms, kind) for kind in kinds}
+    loads = {kind: wall for kind, (wall, _) in measured.items()}
+    load_cpus = {kind: cpu for kind, (_, cpu) in measured.items()}
     console.print(
-        f"C = {compute_s * 1e3:.1f} ms, "
-        + ", ".join(f"L[{k}] = {v * 1e3:.1f} ms" for k, v in loads.items())
+        f"C = {compute_s * 1e3:.1f} ms ({compute_cpu_s * 1e3:.1f} ms CPU), "
+        + ", ".join(
+            f"L[{k}] = {loads[k] * 1e3:.1f} ms ({load_cpus[k] * 1e3:.1f} ms CPU)" for k in kinds
+        )
     )
     run_once(configs[-1], args.load_ms, 10)  # warm-up: first-run costs land here
     results: dict[tuple, list[dict]] = {c.key: [] for c in configs}
@@ -159,6 +172,9 @@ def main() -> None:
         step = statistics.median(r["step_s"] for r in runs)
         settings = runs[0]["settings"]
         bound = bound_step(compute_s, loads[config.kind], config.intensity, settings["workers"])
+        cores = bound
+        if config.intensity > 0:
+            cores = cores_bound_step(bound, compute_cpu_s, load_cpus[config.kind])
         base = statistics.median(r["step_s"] for r in results[(config.kind, config.backend, 0.0)])
         rows.append(
             {
@@ -169,6 +185,8 @@ def main() -> None:
                 "step_ms": step * 1e3,
                 "bound_ms": bound * 1e3,
                 "of_bound": bound / step,
+                "cores_bound_ms": cores * 1e3,
+                "of_cores_bound": cores / step,
                 "speedup": base / step,
                 "samples_per_s": BATCH / step,
                 "data_wait_share": statistics.median(r["data_wait_share"] for r in runs),
@@ -183,7 +201,8 @@ def main() -> None:
     )
     for column in (
         "source", "back end", "intensity", "workers", "depth", "dev depth",
-        "step ms", "bound ms", "of bound", "vs int. 0", "samples/s", "data wait",
+        "step ms", "bound ms", "of bound", "cores bound ms", "of cores bound",
+        "vs int. 0", "samples/s", "data wait",
     ):  # fmt: skip
         table.add_column(column, justify="left" if column in ("source", "back end") else "right")
     for row in rows:
@@ -197,13 +216,20 @@ def main() -> None:
             f"{row['step_ms']:.1f}",
             f"{row['bound_ms']:.1f}",
             f"{row['of_bound']:.0%}",
+            f"{row['cores_bound_ms']:.1f}",
+            f"{row['of_cores_bound']:.0%}",
             f"{row['speedup']:.2f}x",
             f"{row['samples_per_s']:.0f}",
             f"{row['data_wait_share']:.0%}",
         )
     Console(width=200).print(table)
     if args.json:
-        out = {"compute_ms": compute_s * 1e3, "load_ms": {k: v * 1e3 for k, v in loads.items()}}
+        out = {
+            "compute_ms": compute_s * 1e3,
+            "compute_cpu_ms": compute_cpu_s * 1e3,
+            "load_ms": {k: v * 1e3 for k, v in loads.items()},
+            "load_cpu_ms": {k: v * 1e3 for k, v in load_cpus.items()},
+        }
         with open(args.json, "w") as file:
             json.dump({**out, "rows": rows}, file, indent=2)
 
