@@ -8,6 +8,7 @@ point runs unchanged under either.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -70,6 +71,11 @@ def close_world(world: World) -> None:
     if world.world_size > 1 and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        # Free the group now, while the interpreter is whole: left to the collector
+        # at exit, a gloo worker thread still releasing the last collective's tensors
+        # needs the GIL during finalization and aborts the process (seen in a core
+        # dump: ~AsyncBarrierWork -> ~AsyncAllgatherWork -> take_gil -> terminate).
+        gc.collect()
 
 
 def all_gather_objects(obj: object, world: World) -> list[object]:
