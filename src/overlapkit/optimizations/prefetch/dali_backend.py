@@ -80,6 +80,7 @@ class DaliBackend:
         self.dali = import_dali()
         self.inner, self.workers, self.depth, self.device = inner, workers, depth, device
         self.layout = SampleLayout.probe(inner)
+        self.names = [f"leaf{i}" for i in range(len(self.layout.dtypes))]
         self._iterator: Any = None
         self._next: tuple[int, int] | None = None  # what the current pipeline yields next
 
@@ -100,12 +101,11 @@ class DaliBackend:
             # forking after CUDA is initialised is unsafe: spawn (and pickle the source) then
             py_start_method="spawn" if on_gpu else "fork",
         )
-        names = [f"leaf{i}" for i in range(len(self.layout.dtypes))]
         parallel = {"parallel": True, "prefetch_queue_depth": max(1, self.depth)}
         with pipe, stdout_to_stderr():
             leaves = dali.fn.external_source(
                 source=_Samples(self.inner, self.layout, epoch, start),
-                num_outputs=len(names),
+                num_outputs=len(self.names),
                 batch=False,
                 dtype=[dali.types.to_dali_type(d) for d in self.layout.dtypes],
                 **(parallel if self.workers else {}),
@@ -115,17 +115,16 @@ class DaliBackend:
             policy = (
                 LastBatchPolicy.DROP if self.inner.sampler.drop_last else LastBatchPolicy.PARTIAL
             )
-            return DALIGenericIterator(pipe, names, last_batch_policy=policy, auto_reset=True)
+            return DALIGenericIterator(pipe, self.names, last_batch_policy=policy, auto_reset=True)
 
     def iterate(self, epoch: int, start: int) -> Iterator[Any]:
         if self._iterator is None or self._next != (epoch, start):
             self.close()
             self._iterator = self._build(epoch, start)
         self._next = None  # left unfinished, the pipeline is mid-epoch: build anew
-        names = [f"leaf{i}" for i in range(len(self.layout.dtypes))]
         for outputs in self._iterator:
             (batch,) = outputs  # one pipeline
-            yield self.layout.batch([batch[name] for name in names])
+            yield self.layout.batch([batch[name] for name in self.names])
         self._next = (epoch + 1, 0)
 
     def close(self) -> None:
