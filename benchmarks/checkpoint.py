@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -144,8 +145,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    checkpoint = get_optimization("checkpoint")
     scratch = Path(tempfile.mkdtemp(prefix="overlapkit-ckpt-bench-"))
+    try:
+        measure_and_print(args, scratch)
+    finally:  # each run writes gigabytes: never leave them behind, even on Ctrl-C
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def measure_and_print(args: argparse.Namespace, scratch: Path) -> None:
+    checkpoint = get_optimization("checkpoint")
     dist.init_process_group("gloo", init_method=f"file://{scratch}/pg", rank=0, world_size=1)
     configs = {
         "none": lambda d: [],
@@ -166,6 +174,7 @@ def main() -> None:
             run_dir.mkdir()
             optimizations = configs[name](run_dir)
             summary = train(optimizations, args.steps, run_dir)
+            shutil.rmtree(run_dir)
             checkpointer = optimizations[0] if optimizations else None
             stalls = getattr(checkpointer, "stalls", None) or getattr(checkpointer, "stalls_s", [])
             section = summary["optimizations"].get("checkpoint", {})
