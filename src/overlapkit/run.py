@@ -40,18 +40,6 @@ def rank_main(
             torch.use_deterministic_algorithms(True)
         seed_everything(cfg.seed)  # the same initial model on every rank
         model = scenario.model.build()
-        train_set, eval_set = scenario.data.build(cfg.seed)
-        wants_eval = bool(cfg.eval.every or cfg.eval.at_end)
-        train_loader, eval_loader = build_loaders(
-            train_set,
-            eval_set if wants_eval else None,
-            cfg.batch_size,
-            world.rank,
-            world.world_size,
-            cfg.seed,
-            cfg.eval.max_samples,
-        )
-        seed_everything(cfg.seed + 1 + world.rank)  # dropout and the like differ per rank
         session = Session(
             scenario.build_optimizations(),
             policy=scenario.scheduler.policy,
@@ -65,6 +53,19 @@ def rank_main(
             name=scenario.name,
             trace=scenario.scheduler.trace,
         )
+        shard, shards = session.data_shard  # the ranks of one pipeline read the same batches
+        train_set, eval_set = scenario.data.build(cfg.seed)
+        wants_eval = bool(cfg.eval.every or cfg.eval.at_end)
+        train_loader, eval_loader = build_loaders(
+            train_set,
+            eval_set if wants_eval else None,
+            cfg.batch_size,
+            shard,
+            shards,
+            cfg.seed,
+            cfg.eval.max_samples,
+        )
+        seed_everything(cfg.seed + 1 + world.rank)  # dropout and the like differ per rank
         result = train(cfg, session, model, train_loader, eval_loader)
         close_world(world)
         return result

@@ -109,3 +109,87 @@ def stage_shards(root: str, steps: int) -> dict[str, Any]:
         return {"params": params, "resumed_from": summary["optimizations"]["checkpoint"]}
     finally:
         torch.distributed.destroy_process_group()
+
+
+def unequal_mlp() -> nn.Module:
+    """Ten layers of very unequal cost: two wide ones up front, small ones after."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(192, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 4),
+    )
+
+
+def first_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch every pipeline test starts from (replica 0's first)."""
+    dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=512, seed=0)
+    indices = ShardedSampler(len(dataset), 0, 1, seed=0).indices()[:batch_size]
+    return torch.utils.data.default_collate([dataset[i] for i in indices])
+
+
+def stage_grads(pipe: Any) -> dict[str, torch.Tensor]:
+    """This rank's gradients under the unsplit model's parameter names."""
+    grads = {}
+    for part in pipe._parts:
+        original = {key.replace(".", "_"): key for key in part.names}
+        for key, param in part.named_parameters():
+            _, layer, rest = key.split(".", 2)
+            grads[f"{original[layer]}.{rest}"] = param.grad.detach().clone()
+    return grads
+
+
+def pipeline_runs(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """In one process group, per config: one step of the unequal MLP under ``pipeline``
+    (its settings in ``config["pipeline"]``, other optimizations beside), then
+    ``config["steps"] - 1`` more; returns the first step's loss and gradients, the final
+    parameters of this rank's stages and the summary."""
+    world = init_world("cpu", "gloo")
+    results = {}
+    try:
+        for name, config in configs.items():
+            seed_everything(0)
+            model = unequal_mlp()
+            pipe = get_optimization("pipeline")(**config["pipeline"])
+            others = [
+                get_optimization(other)(**settings)
+                for other, settings in config.get("others", {}).items()
+            ]
+            session = Session([pipe, *others], world=world, device="cpu", run_dir=config.get("dir"))
+            shard, shards = session.data_shard
+            dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=512, seed=0)
+            batch = config.get("batch_size", 16)
+            loader = ResumableLoader(dataset, batch, ShardedSampler(len(dataset), shard, shards))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            model, optimizer, _ = session.prepare(model, optimizer, loader)
+            first: dict[str, Any] = {}
+            for inputs, targets in session.steps(config.get("steps", 1)):
+                loss = session.forward_backward(inputs, targets, nn.functional.cross_entropy)
+                if not first:
+                    first = {
+                        "loss": None if loss is None else float(loss),
+                        "grads": stage_grads(pipe),
+                    }
+                session.optimizer_step()
+                session.end_step()
+            summary = session.finish()
+            params = {
+                key: value.detach().clone()
+                for part in pipe._parts
+                for key, value in part.state_dict().items()
+            }
+            results[name] = {
+                **first,
+                "params": params,
+                "summary": summary,
+                "data_shard": (shard, shards),
+            }
+        return results
+    finally:
+        torch.distributed.destroy_process_group()

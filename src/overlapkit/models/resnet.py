@@ -102,6 +102,15 @@ class ResNet(nn.Module):
                 last_bn = module.bn3 if isinstance(module, Bottleneck) else module.bn2
                 nn.init.zeros_(last_bn.weight)
 
+    def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
+        """The stem, each residual block, the head: in order, they are `forward`."""
+        blocks = [
+            (f"layer{i}.{j}", block)
+            for i in range(1, 5)
+            for j, block in enumerate(getattr(self, f"layer{i}"))
+        ]
+        return [("stem", self.stem), *blocks, ("head", self.head)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
         for i in range(1, 5):

@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 
 from ..runtime.optimization import REGISTRY, KnobError, Optimization
 
-_BUILTIN_MODULES: tuple[str, ...] = ("checkpoint", "ddp_overlap", "prefetch")
+_BUILTIN_MODULES: tuple[str, ...] = ("checkpoint", "ddp_overlap", "pipeline", "prefetch")
 _loaded = False
 
 

@@ -9,24 +9,27 @@ from .optimization import (
     Knob,
     KnobError,
     Optimization,
+    Plan,
     Resource,
     WrapStage,
     register_optimization,
 )
 from .scheduler import Scheduler, SchedulerConfig, resolve_order
 from .session import Session
-from .state import Shard, State
+from .state import DataParallel, Shard, State
 
 __all__ = [
     "POLICIES",
     "PHASES",
     "ArbitrationPolicy",
     "CombinationError",
+    "DataParallel",
     "Event",
     "Knob",
     "KnobError",
     "Optimization",
     "PhaseClock",
+    "Plan",
     "PriorityPolicy",
     "Resource",
     "Scheduler",

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch import nn
 
 
-def broadcast_model(model: nn.Module, src: int = 0) -> None:
-    """Start every rank from rank ``src``'s parameters and buffers."""
+def broadcast_model(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Start every rank (of ``group``) from global rank ``src``'s parameters and buffers."""
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src)
+            dist.broadcast(tensor.data, src, group=group)
 
 
 class FlatAllReduce:
@@ -29,7 +29,10 @@ class FlatAllReduce:
     ``zero_grad(set_to_none=True)`` copies them back in.
     """
 
-    def __init__(self, model: nn.Module, world_size: int) -> None:
+    def __init__(
+        self, model: nn.Module, world_size: int, group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.group = group
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.world_size = world_size
@@ -60,7 +63,7 @@ class FlatAllReduce:
                 param.grad = view
         for buffer, view in zip(self.buffers, buffer_views, strict=True):
             view.copy_(buffer)
-        dist.all_reduce(self.flat)
+        dist.all_reduce(self.flat, group=self.group)
         self.flat /= self.world_size
         for buffer, view in zip(self.buffers, buffer_views, strict=True):
             buffer.copy_(view)

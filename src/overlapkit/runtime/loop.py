@@ -118,9 +118,7 @@ def train(
         session.load(resume_from)
     evaluate_every = cfg.eval.every if eval_loader is not None else 0
     for inputs, targets in session.steps(cfg.total_steps):
-        with session.forward():
-            loss = F.cross_entropy(model(inputs), targets)
-        session.backward(loss)
+        session.forward_backward(inputs, targets, F.cross_entropy)
         session.optimizer_step()
         if not session.state.is_sync_step:
             continue

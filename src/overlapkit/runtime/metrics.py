@@ -119,7 +119,7 @@ def step_record(
     *,
     step: int,
     rank: int,
-    loss: float,
+    loss: float | None,
     samples: int,
     step_time_s: float,
     phases_s: dict[str, float],
@@ -184,7 +184,8 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
     }
     mean_step = statistics.fmean(r["step_time_s"] for r in measured) if measured else 0.0
     useful = [sum(r["phases_s"][p] for r in rs for p in USEFUL_PHASES) for rs in by_rank.values()]
-    losses = [r["loss"] for r in by_step.get(max(by_step, default=-1), [])]
+    last_step = by_step.get(max(by_step, default=-1), [])
+    losses = [r["loss"] for r in last_step if r["loss"] is not None]
     per_rank = [
         {
             "rank": rank,

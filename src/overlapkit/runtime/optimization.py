@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -50,6 +51,35 @@ class KnobError(ValueError):
 
 class CombinationError(ValueError):
     """A set of optimizations cannot run together, or not on this set-up."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What is known of a run before it starts, for `Optimization.check_plan`.
+
+    ``optimizations`` are all the run's optimizations by name (to check a
+    combination, never to call into another one); ``batch_size`` and
+    ``build_model`` are None where the caller does not know them yet.
+    """
+
+    world_size: int
+    device: str
+    backend: str
+    optimizations: Mapping[str, Optimization] = field(default_factory=dict)
+    batch_size: int | None = None
+    build_model: Callable[[], Any] | None = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks hold each part of the model (all of them, unless it is split)."""
+        for opt in self.optimizations.values():
+            shard = opt.data_shard(0, self.world_size)
+            if shard is not None:
+                return shard[1]
+        return self.world_size
+
+    def provided(self, role: str) -> bool:
+        return any(role in opt.provides for opt in self.optimizations.values())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +239,15 @@ class Optimization:
             raise CombinationError(
                 f"{self.name} needs at least {self.min_world_size} ranks, the run has {world_size}"
             )
+
+    def check_plan(self, plan: Plan) -> None:
+        """Raise `CombinationError` for what only the whole plan shows: the other
+        optimizations, the batch size, the model. Runs after `check`."""
+
+    def data_shard(self, rank: int, world_size: int) -> tuple[int, int] | None:
+        """For an optimization that splits the model across ranks: which data shard
+        ``rank`` reads and how many shards there are. None: one shard per rank."""
+        return None
 
     def wrap_model(self, model: Any, state: State) -> Any:
         return model

@@ -40,12 +40,16 @@ class ProgressBar:
         self._progress.start()
         self._rate = 0.0
 
-    def advance(self, samples_per_s: float, loss: float, warmup: bool) -> None:
+    def advance(self, samples_per_s: float, loss: float | None, warmup: bool) -> None:
         # An exponential average keeps the displayed rate readable.
         self._rate = samples_per_s if self._rate == 0 else 0.8 * self._rate + 0.2 * samples_per_s
         description = "warm-up" if warmup else "training"
         self._progress.update(
-            self._task, advance=1, rate=self._rate, loss=loss, description=description
+            self._task,
+            advance=1,
+            rate=self._rate,
+            loss=float("nan") if loss is None else loss,  # a rank that computes no loss
+            description=description,
         )
 
     def close(self) -> None:

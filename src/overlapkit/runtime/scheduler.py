@@ -16,7 +16,7 @@ from typing import Any, Literal
 from ..config import Config
 from .arbitration import POLICIES, ArbitrationPolicy
 from .events import Event
-from .optimization import CombinationError, Optimization
+from .optimization import CombinationError, Optimization, Plan, WrapStage
 from .state import State
 
 
@@ -144,14 +144,47 @@ class Scheduler:
     def provides(self, role: str) -> bool:
         return any(role in opt.provides for opt in self.optimizations)
 
-    def check(self, world_size: int, device: str, backend: str) -> None:
+    def check(
+        self,
+        world_size: int,
+        device: str,
+        backend: str,
+        *,
+        batch_size: int | None = None,
+        build_model: Callable[[], Any] | None = None,
+    ) -> None:
+        """Each optimization's own checks, then its checks of the whole plan."""
         for opt in self.optimizations:
             opt.check(world_size, device, backend)
+        plan = Plan(
+            world_size=world_size,
+            device=device,
+            backend=backend,
+            optimizations={opt.name: opt for opt in self.optimizations},
+            batch_size=batch_size,
+            build_model=build_model,
+        )
+        for opt in self.optimizations:
+            opt.check_plan(plan)
+
+    def data_shard(self, rank: int, world_size: int) -> tuple[int, int]:
+        """Which data shard ``rank`` reads, of how many: its own unless the model is split."""
+        for opt in self.optimizations:
+            shard = opt.data_shard(rank, world_size)
+            if shard is not None:
+                return shard
+        return rank, world_size
+
+    def provider(self, role: str) -> Optimization | None:
+        return next((opt for opt in self.optimizations if role in opt.provides), None)
 
     def wrap(self, state: State) -> None:
         """Apply every wrapper to the state's model, optimizer and loader, in the fixed order."""
+        state.local_model = state.model
         for opt in sorted(self.optimizations, key=lambda o: o.wrap_stage):
             state.model = opt.wrap_model(state.model, state)
+            if opt.wrap_stage == WrapStage.SPLIT:
+                state.local_model = state.model
         for opt in self.optimizations:
             if state.optimizer is not None:
                 state.optimizer = opt.wrap_optimizer(state.optimizer, state)

@@ -9,13 +9,17 @@
         session.optimizer_step()
     summary = session.finish()
 
+``session.forward_backward(inputs, targets, loss_fn)`` does the three middle
+lines in one call, and is the form that also runs under ``pipeline`` (where
+each rank holds only some layers and the last one computes the loss).
+
 The built-in loop (`overlapkit.runtime.loop`) is written on this same API, so
 the optimizations see identical events in both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from time import perf_counter
@@ -112,16 +116,23 @@ class Session:
     ) -> tuple[Any, Any, Any]:
         """Move the model to the device and apply every optimization's wrappers."""
         model = model.to(self.world.device)
-        self._raw_model = model
-        if self.world.world_size > 1 and not self.scheduler.provides("grad_sync"):
-            broadcast_model(model)
-            self._grad_sync = FlatAllReduce(model, self.world.world_size)
-            self.state.zero_grad_in_place = True
         state = self.state
         state.model, state.optimizer, state.loader = model, optimizer, loader
         state.lr_scheduler = lr_scheduler
         self.scheduler.wrap(state)
+        self._raw_model = state.local_model  # this rank's part of the model, unwrapped
+        dp = state.dp
+        if dp.size > 1 and not self.scheduler.provides("grad_sync"):
+            broadcast_model(state.local_model, dp.src, dp.group)
+            self._grad_sync = FlatAllReduce(state.local_model, dp.size, dp.group)
+            state.zero_grad_in_place = True
         return state.model, state.optimizer, state.loader
+
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """(index, count): the shard of the data this rank reads. Every rank its own,
+        unless the model is split across ranks: then the ranks of one pipeline share one."""
+        return self.scheduler.data_shard(self.world.rank, self.world.world_size)
 
     def register_for_checkpointing(self, name: str, obj: Any) -> None:
         """Save and restore ``obj`` (anything with ``state_dict``/``load_state_dict``)."""
@@ -199,6 +210,34 @@ class Session:
         clock.switch("other")
         self.scheduler.fire(Event.AFTER_FORWARD, self.state)
 
+    def forward_backward(
+        self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """Forward, loss and backward of one batch: ``loss_fn(model(inputs), targets)``.
+
+        Under ``pipeline`` the batch goes through this rank's stages in micro-batches
+        by the pipeline's schedule; the loss (mean over micro-batches) is returned on
+        the rank of the last stage, None on the others.
+        """
+        runner = self.scheduler.provider("forward_backward")
+        if runner is None:
+            with self.forward():
+                loss = loss_fn(self.state.model(inputs), targets)
+            self.backward(loss)
+            return loss
+        state = self.state
+        self.scheduler.fire(Event.BEFORE_FORWARD, state)
+        state.clock.switch("forward")
+        with self.precision.autocast():
+            loss = runner.forward_backward(state, inputs, targets, loss_fn)
+        state.clock.switch("other")
+        state.loss = loss
+        if loss is not None:
+            self._micro_losses.append(loss.detach())
+        for event in (Event.AFTER_FORWARD, Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD):
+            self.scheduler.fire(event, state)
+        return loss
+
     def backward(self, loss: torch.Tensor) -> None:
         state = self.state
         state.loss = loss
@@ -235,24 +274,25 @@ class Session:
         state = self.state
         self.scheduler.fire(Event.STEP_END, state)
         step_time, phases = state.clock.end_step()
-        if loss is None:
-            loss = torch.stack(self._micro_losses).mean() if self._micro_losses else 0.0
-        loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        if loss is None and self._micro_losses:
+            loss = torch.stack(self._micro_losses).mean()
+        # None: this rank computes no loss (a pipeline stage before the last).
+        loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+        if samples is None:
+            samples = self._step_samples if state.counts_samples else 0
         warmup = state.is_warmup
         record = step_record(
             step=state.step,
             rank=self.world.rank,
             loss=loss_value,
-            samples=samples if samples is not None else self._step_samples,
+            samples=samples,
             step_time_s=step_time,
             phases_s=phases,
             warmup=warmup,
         )
         self.records.append(record)
         if self._progress is not None:
-            self._progress.advance(
-                record["samples_per_s"] * self.world.world_size, loss_value, warmup
-            )
+            self._progress.advance(record["samples_per_s"] * state.dp.size, loss_value, warmup)
         state.step += 1
         self._in_step = False
 
@@ -269,11 +309,17 @@ class Session:
         model.eval()
         correct = total = 0
         loss_sum = 0.0
+        runner = self.scheduler.provider("forward_backward")
         with self.precision.autocast():
             for inputs, targets in loader:
                 inputs = to_device(inputs, self.world.device)
                 targets = to_device(targets, self.world.device)
-                outputs = model(inputs)
+                if runner is None:
+                    outputs = model(inputs)
+                else:  # only the last stage has outputs; the counts are summed over ranks
+                    outputs = runner.evaluate_batch(state, inputs, targets)
+                    if outputs is None:
+                        continue
                 loss_sum += float(F.cross_entropy(outputs.float(), targets, reduction="sum"))
                 correct += int((outputs.argmax(-1) == targets).sum())
                 total += int(targets.shape[0])

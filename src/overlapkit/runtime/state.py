@@ -25,6 +25,20 @@ class Shard:
     writer: bool = True
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """The ranks that hold the same part of the model and split the data between them.
+
+    Without a pipeline that is every rank. ``group`` None means the whole world;
+    ``src`` is the global rank of the first of them (where a broadcast starts).
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    src: int = 0
+
+
 @dataclass(eq=False)
 class State:
     """Mutable loop state passed to every hook.
@@ -52,6 +66,10 @@ class State:
     run_dir: Path | None = None
     zero_grad_in_place: bool = False  # gradients are views of a flat buffer: keep them
     shard: Shard | None = None  # None: one shard for all ranks, written by rank 0
+    data_parallel: DataParallel | None = None  # None: every rank (see `dp`)
+    local_model: Any = None  # this rank's part of the model, before data-parallel wrapping
+    feeds_inputs: bool = True  # False on pipeline stages after the first
+    counts_samples: bool = True  # one rank per pipeline counts the samples of a step
     # Everything needed to resume exactly, as the session gathers it, and its inverse.
     capture: Callable[[], dict[str, Any]] | None = None
     restore: Callable[[dict[str, Any]], None] | None = None
@@ -60,6 +78,10 @@ class State:
     @property
     def replicated_shard(self) -> Shard:
         return self.shard or Shard(writer=self.world.is_main)
+
+    @property
+    def dp(self) -> DataParallel:
+        return self.data_parallel or DataParallel(self.world.rank, self.world.world_size)
 
     @property
     def is_warmup(self) -> bool:

@@ -16,7 +16,7 @@ from ..data import DataConfig
 from ..launch.config import WorldConfig
 from ..models import ModelConfig
 from ..optimizations import get_optimization
-from ..runtime import KnobError, Optimization, SchedulerConfig
+from ..runtime import KnobError, Optimization, Scheduler, SchedulerConfig
 from ..runtime.loop import TrainConfig
 from ..tuning import TuneConfig
 
@@ -126,5 +126,10 @@ class Scenario(Config):
     def check_setup(self, world_size: int | None = None) -> None:
         """Let every optimization check this set-up before any process starts
         (``world_size`` when something else, like torchrun, decides it)."""
-        for optimization in self.build_optimizations():
-            optimization.check(world_size or self.world.nprocs, self.device_type, self.backend)
+        Scheduler(self.build_optimizations(), self.scheduler.policy).check(
+            world_size or self.world.nprocs,
+            self.device_type,
+            self.backend,
+            batch_size=self.train.batch_size,
+            build_model=self.model.build,
+        )

@@ -21,6 +21,7 @@ from ...runtime import (
     CombinationError,
     Knob,
     Optimization,
+    Plan,
     Resource,
     State,
     WrapStage,
@@ -124,6 +125,27 @@ class DDPOverlap(Optimization):
         if not self.overlapping and self.settings["comm_hook"] != "none":
             raise CombinationError("ddp_overlap comm_hook applies to mode overlap only")
 
+    def check_plan(self, plan: Plan) -> None:
+        if not plan.provided("stages"):
+            return
+        if plan.data_parallel_size < 2:
+            raise CombinationError(
+                f"ddp_overlap needs at least 2 replicas of each pipeline stage; {plan.world_size} "
+                "ranks make 1 (add ranks, or leave ddp_overlap out)"
+            )
+        # Both checked with torch 2.13 on gloo, where PP x DDP is correct with
+        # find_unused_parameters=True (which wrap_model turns on under a pipeline).
+        if self.settings["static_graph"]:
+            raise CombinationError(
+                "ddp_overlap static_graph=true under a pipeline never all-reduces the last "
+                "stage's gradients (the replicas silently diverge); leave it false"
+            )
+        if self.explicit.get("find_unused_parameters") is False:
+            raise CombinationError(
+                "ddp_overlap find_unused_parameters=false under a pipeline crashes GPipe on its "
+                "second step (DDP reducer assert); leave it unset (a pipeline turns it on)"
+            )
+
     # ----------------------------------------------------------------- set-up
     def wrap_model(self, model: nn.Module, state: State) -> nn.Module:
         self._apply_nccl_settings(state.world.backend)
@@ -132,11 +154,22 @@ class DDPOverlap(Optimization):
                 "comm timings are host clocks of the comm-hook futures: verified on gloo; on nccl "
                 "they mark when the CUDA work was enqueued, not done (not yet verified on a GPU)"
             )
+        dp = state.dp
         if not self.overlapping:
-            broadcast_model(model)
-            self._flat = FlatAllReduce(model, state.world.world_size)
+            broadcast_model(model, dp.src, dp.group)
+            self._flat = FlatAllReduce(model, dp.size, dp.group)
             state.zero_grad_in_place = True
             return model
+        if state.data_parallel is not None and not self.settings["find_unused_parameters"]:
+            self.settings["find_unused_parameters"] = True
+            self.notes.append(
+                "find_unused_parameters turned on: a pipeline stage's DDP needs it (torch 2.13)"
+            )
+        if isinstance(model, nn.ModuleList):  # several pipeline stages on this rank
+            return nn.ModuleList(self._wrap_one(part, state) for part in model)
+        return self._wrap_one(model, state)
+
+    def _wrap_one(self, model: nn.Module, state: State) -> DistributedDataParallel:
         for param in model.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -146,6 +179,7 @@ class DDPOverlap(Optimization):
         device = state.world.device
         self.ddp = DistributedDataParallel(
             model,
+            process_group=state.dp.group,
             device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=s["bucket_cap_mb"],
             gradient_as_bucket_view=s["gradient_as_bucket_view"],
@@ -154,7 +188,8 @@ class DDPOverlap(Optimization):
             **{_SYNC_BUFFERS: s["broadcast_buffers"]},
         )
         hook_state, hook = make_hook(s["comm_hook"], s)
-        self._timer = BucketTimer(hook)
+        if self._timer is None:  # one timer sees the buckets of every part
+            self._timer = BucketTimer(hook)
         self.ddp.register_comm_hook(hook_state, self._timer.hook)
         return self.ddp
 
