@@ -187,7 +187,7 @@ class DDPOverlap(Optimization):
             find_unused_parameters=s["find_unused_parameters"],
             **{_SYNC_BUFFERS: s["broadcast_buffers"]},
         )
-        hook_state, hook = make_hook(s["comm_hook"], s)
+        hook_state, hook = make_hook(s["comm_hook"], s, state.dp.group)
         if self._timer is None:  # one timer sees the buckets of every part
             self._timer = BucketTimer(hook)
         self.ddp.register_comm_hook(hook_state, self._timer.hook)

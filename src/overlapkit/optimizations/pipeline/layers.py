@@ -52,7 +52,7 @@ class StageModule(nn.Module):
 
     Parameter names are the model's own, with dots in a layer's name turned into
     underscores (``layer1.0.conv1.weight`` becomes ``layers.layer1_0.conv1.weight``).
-    Counts the bytes that come in and go out, for the activation traffic.
+    Counts the bytes that come in, for the activation traffic.
     """
 
     def __init__(self, layers: list[tuple[str, nn.Module]]) -> None:
@@ -60,10 +60,7 @@ class StageModule(nn.Module):
         self.names = [name for name, _ in layers]
         self.layers = nn.ModuleDict({name.replace(".", "_"): module for name, module in layers})
         self.bytes_in = 0
-        self.bytes_out = 0
 
     def forward(self, *inputs: Any) -> Any:
         self.bytes_in += tensor_bytes(inputs)
-        out = run_layers(self.layers.values(), inputs if len(inputs) > 1 else inputs[0])
-        self.bytes_out += tensor_bytes(out)
-        return out
+        return run_layers(self.layers.values(), inputs if len(inputs) > 1 else inputs[0])

@@ -311,8 +311,9 @@ class Pipeline(Optimization):
                 state.world.device,
                 group=self._pp_group,
                 meter=self.meter,
+                part=stage_module,
             )
-            for part, stage_id in zip(parts, self.stage_ids, strict=True)
+            for part, stage_module, stage_id in zip(parts, self._parts, self.stage_ids, strict=True)
         ]
         cls = self.kind.cls
         target = stages if self.kind.multi else stages[0]
@@ -333,8 +334,6 @@ class Pipeline(Optimization):
         first, last = 0 in self.stage_ids, self.total_stages - 1 in self.stage_ids
         losses: list[torch.Tensor] = []
         self.meter.reset()
-        for part in self._parts:
-            part.bytes_in = part.bytes_out = 0
         start = perf_counter()
         self._schedule.step(
             *((inputs,) if first else ()),
@@ -355,20 +354,10 @@ class Pipeline(Optimization):
                     "backward_s": meter.backward_s + meter.weight_s,
                     "last_backward_s": meter.last_backward_s,
                     "bubble_s": idle,
-                    "sent_bytes": self._sent_bytes(),
+                    "sent_bytes": meter.sent_bytes,
                 }
             )
         return torch.stack(losses).detach().mean() if last and losses else None
-
-    def _sent_bytes(self) -> int:
-        """Activations sent forward plus their gradients sent back, this step."""
-        total = 0
-        for part, stage_id in zip(self._parts, self.stage_ids, strict=True):
-            if stage_id < self.total_stages - 1:
-                total += part.bytes_out
-            if stage_id > 0:
-                total += part.bytes_in
-        return total
 
     @torch.no_grad()
     def evaluate_batch(self, state: State, inputs: Any, targets: Any) -> Any:

@@ -83,6 +83,7 @@ class Prefetch(Optimization):
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
         super().__init__(intensity, **explicit)
         self.loader: PrefetchLoader | None = None
+        self.fed = True  # False on a pipeline stage that takes no inputs
         self.cores = 0
         self.compute_threads = 0
 
@@ -93,6 +94,11 @@ class Prefetch(Optimization):
             raise CombinationError(reason)
 
     def wrap_loader(self, loader: Any, state: State) -> Any:
+        if not state.feeds_inputs:
+            # A pipeline stage after the first: it reads only the targets (the last
+            # stage) or nothing it uses; prefetch feeds the stage that takes the inputs.
+            self.fed = False
+            return loader
         if not isinstance(loader, ResumableLoader):
             raise PrefetchError(
                 f"prefetch needs an overlapkit.data.ResumableLoader, got {type(loader).__name__}: "
@@ -125,6 +131,8 @@ class Prefetch(Optimization):
             "feeder_depth": self.loader.feeder_depth if self.loader else 0,
             "notes": [],
         }
+        if not self.fed:
+            out["notes"].append("this rank's pipeline stage takes no inputs: not prefetched")
         busy = self.compute_threads + self.settings["workers"] + (1 if out["feeder_depth"] else 0)
         if self.cores and busy > self.cores:
             out["notes"].append(

@@ -1,0 +1,277 @@
+"""pipeline on real gloo ranks: every schedule against the unsplit model, the 2 x 2 mesh
+with DDP, per-stage checkpoints and exact resume, the partitioner, and bad settings."""
+
+import itertools
+
+import pytest
+import torch
+from rank_programs import SHAPE, first_batch, pipeline_runs, unequal_mlp
+
+from overlapkit import get_optimization
+from overlapkit.data import ShardedSampler, SyntheticImages
+from overlapkit.launch.local import launch_local
+from overlapkit.optimizations.pipeline import PipelineError
+from overlapkit.optimizations.pipeline.partition import LayerCost, balanced, equal_count, stage_time
+from overlapkit.optimizations.pipeline.schedules import SCHEDULES
+from overlapkit.runtime import CombinationError, Plan
+from overlapkit.runtime.rng import seed_everything
+
+BATCH = 16
+
+
+def config(steps=1, batch_size=BATCH, others=None, directory=None, **pipeline):
+    return {
+        "pipeline": pipeline,
+        "steps": steps,
+        "batch_size": batch_size,
+        "others": others or {},
+        "dir": directory,
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    configs = {
+        f"schedule {name}": config(schedule=name, microbatches=4, split="equal")
+        for name in SCHEDULES
+    }
+    configs["auto"] = config(steps=8, split="auto", microbatches=4)
+    configs["equal"] = config(steps=8, split="equal", microbatches=4)
+    configs["prefetch"] = config(steps=3, others={"prefetch": {"workers": 0}}, split="equal")
+    configs["plain"] = config(steps=3, split="equal")
+    ckpt = {"checkpoint": {"every": 2, "keep": 3, "final": True}}
+    configs["straight"] = config(6, others=ckpt, directory=str(root / "a"), split="equal")
+    configs["first half"] = config(3, others=ckpt, directory=str(root / "b"), split="equal")
+    configs["resumed"] = config(6, others=ckpt, directory=str(root / "b"), split="equal")
+    results = launch_local(pipeline_runs, 2, configs)
+    return results, root
+
+
+def reference_step(batch):
+    seed_everything(0)
+    model = unequal_mlp()
+    inputs, targets = batch
+    loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+    loss.backward()
+    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_every_schedule_gives_the_unsplit_models_loss_and_gradients(two_ranks, schedule):
+    results, _ = two_ranks
+    loss, grads = reference_step(first_batch(BATCH))
+    got = {}
+    losses = []
+    for rank_result in results.values():
+        run = rank_result[f"schedule {schedule}"]
+        got.update(run["grads"])
+        if run["loss"] is not None:
+            losses.append(run["loss"])
+    assert losses == [pytest.approx(loss, rel=1e-5)]  # the last stage alone computes it
+    assert got.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_auto_partition_balances_unequal_layers_better_than_equal_counts(two_ranks):
+    results, _ = two_ranks
+    auto = results[0]["auto"]["summary"]["optimizations"]["pipeline"]
+    equal = results[0]["equal"]["summary"]["optimizations"]["pipeline"]
+    assert [s["layers"] for s in equal["partition"]] == [list("01234"), list("56789")]
+    predicted = [s["predicted_s"] for s in auto["partition"]]
+    assert len(auto["layer_costs"]) == 10 and auto["link_gbps"] > 0
+    # The partitioner's own prediction: its slowest stage beats the equal split's.
+    costs = [LayerCost(**c) for c in auto["layer_costs"]]
+    rate = auto["link_gbps"] * 1e9 / 8
+    equal_slowest = max(stage_time(costs, a, b, rate) for a, b in ((0, 5), (5, 10)))
+    assert max(predicted) < 0.8 * equal_slowest
+
+    # Measured: the busiest rank's compute over the idlest's.
+    def spread(section):
+        compute = [r["forward_s"] + r["backward_s"] for r in section["measured"]["per_rank"]]
+        return max(compute) / min(compute)
+
+    assert spread(auto) < spread(equal)
+    assert spread(equal) > 2
+
+
+def test_measurements_cover_bubble_balance_and_traffic(two_ranks):
+    results, _ = two_ranks
+    section = results[0]["equal"]["summary"]["optimizations"]["pipeline"]
+    measured = section["measured"]
+    assert measured["ideal_bubble_fraction"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1), p=2 m=4
+    assert 0 < measured["bubble_fraction"] < 1
+    # The equal split cuts after layer 4, 768 wide: 16 samples x 768 floats sent forward
+    # by rank 0, and their gradient sent back by rank 1.
+    assert measured["sent_bytes_per_step"] == 2 * BATCH * 768 * 4
+    assert {tuple(r["stages"]) for r in measured["per_rank"]} == {(0,), (1,)}
+    phases = results[0]["equal"]["summary"]["phases_s"]
+    assert phases["bubble"] > 0 and phases["backward"] > 0
+
+
+def test_prefetch_feeds_the_first_stage_only_and_changes_nothing(two_ranks):
+    results, _ = two_ranks
+    for rank, rank_result in results.items():
+        notes = rank_result["prefetch"]["summary"]["optimizations"]["prefetch"]["notes"]
+        assert (rank == 1) == any("takes no inputs" in n for n in notes)
+        for key, value in rank_result["plain"]["params"].items():
+            assert torch.equal(rank_result["prefetch"]["params"][key], value)
+
+
+def test_checkpoint_saves_one_shard_per_stage_and_resumes_exactly(two_ranks):
+    results, root = two_ranks
+    step_dirs = sorted((root / "b" / "checkpoints").glob("step-*"))
+    assert step_dirs and all(
+        (d / "stage000.ckpt").is_file() and (d / "stage001.ckpt").is_file() for d in step_dirs
+    )
+    for rank_result in results.values():
+        resumed = rank_result["resumed"]["summary"]["optimizations"]["checkpoint"]
+        assert resumed["resumed_from_step"] == 3
+        for key, value in rank_result["straight"]["params"].items():
+            assert torch.equal(rank_result["resumed"]["params"][key], value), key
+
+
+# ------------------------------------------------------------- 2 x 2 mesh
+@pytest.fixture(scope="module")
+def mesh_results():
+    ddp = {"ddp_overlap": {"bucket_cap_mb": 0.5}}
+    configs = {
+        "gpipe ddp": config(4, others=ddp, schedule="gpipe", microbatches=4, split="equal"),
+        "1f1b ddp": config(4, others=ddp, schedule="1f1b", microbatches=4, split="equal"),
+        "1f1b flat": config(4, schedule="1f1b", microbatches=4, split="equal"),
+    }
+    return launch_local(pipeline_runs, 4, configs)
+
+
+def reference_training(steps, replicas=2):
+    """The unsplit model on the union of the replicas' batches, the same optimizer."""
+    seed_everything(0)
+    model = unequal_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=512, seed=0)
+    shards = [ShardedSampler(len(dataset), r, replicas).indices() for r in range(replicas)]
+    for step in range(steps):
+        indices = [i for shard in shards for i in shard[step * BATCH : (step + 1) * BATCH]]
+        inputs, targets = torch.utils.data.default_collate([dataset[i] for i in indices])
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("name", ["gpipe ddp", "1f1b ddp", "1f1b flat"])
+def test_two_by_two_mesh_trains_like_one_model_on_the_global_batch(mesh_results, name):
+    reference = reference_training(4)
+    for rank, rank_result in mesh_results.items():
+        run = rank_result[name]
+        assert run["data_shard"] == (rank % 2, 2)  # ranks 0, 1: stage 0; ranks 2, 3: stage 1
+        for key, value in run["params"].items():
+            _, layer, rest = key.split(".", 2)
+            torch.testing.assert_close(value, reference[f"{layer}.{rest}"], rtol=1e-4, atol=1e-5)
+    for stage_ranks in ((0, 1), (2, 3)):  # the replicas of a stage agree exactly
+        a, b = (mesh_results[r][name]["params"] for r in stage_ranks)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ddp_inside_a_pipeline_overlaps_only_the_last_microbatch(mesh_results):
+    summary = mesh_results[0]["1f1b ddp"]["summary"]
+    ddp = summary["optimizations"]["ddp_overlap"]
+    assert any("find_unused_parameters turned on" in n for n in ddp["notes"])
+    assert ddp["overlap"]["comm_busy_s_per_step"] > 0
+    window = summary["optimizations"]["pipeline"]["measured"]["ddp_window_fraction"]
+    assert 0 < window < 0.6  # 1 of 4 micro-batches' backward (~0.25), measured
+
+
+# ------------------------------------------------------------- bad settings
+def pipeline(**settings):
+    return get_optimization("pipeline")(**settings)
+
+
+def plan(world_size=2, **kwargs):
+    return Plan(world_size=world_size, device="cpu", backend="gloo", **kwargs)
+
+
+def test_one_rank_is_refused():
+    with pytest.raises(CombinationError, match="at least 2 ranks"):
+        pipeline().check(1, "cpu", "gloo")
+
+
+def test_more_stages_than_layers_is_refused():
+    two_layers = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))  # noqa: E731
+    with pytest.raises(PipelineError, match="4 stages but the model has only 2 layers"):
+        pipeline(stages=4).check_plan(plan(4, build_model=two_layers))
+
+
+def test_microbatches_that_do_not_divide_the_batch_are_refused():
+    with pytest.raises(PipelineError, match="microbatches=3 must divide the batch of 16"):
+        pipeline(microbatches=3, schedule="gpipe").check_plan(plan(batch_size=16))
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_is_refused():
+    with pytest.raises(PipelineError, match="microbatches=2 < stages=4"):
+        pipeline(stages=4, microbatches=2, schedule="1f1b").check(4, "cpu", "gloo")
+
+
+def test_a_back_end_without_point_to_point_is_refused():
+    with pytest.raises(PipelineError, match="the mpi back end cannot"):
+        pipeline().check(2, "cpu", "mpi")
+
+
+def test_ddp_settings_that_break_under_a_pipeline_are_refused():
+    from overlapkit.runtime import Scheduler
+
+    for settings, message in (
+        ({"static_graph": True}, "silently diverge"),
+        ({"find_unused_parameters": False}, "crashes GPipe"),
+        ({}, "at least 2 replicas"),
+    ):
+        ddp = get_optimization("ddp_overlap")(**settings)
+        world = 2 if not settings else 4
+        with pytest.raises(CombinationError, match=message):
+            Scheduler([pipeline(), ddp]).check(world, "cpu", "gloo")
+
+
+def test_a_model_without_layers_is_refused():
+    from overlapkit.models import BertClassifier
+
+    with pytest.raises(
+        PipelineError, match="needs an nn.Sequential or a model with pipeline_layers"
+    ):
+        pipeline().check_plan(plan(build_model=lambda: BertClassifier(100, 16, 1, 2)))
+
+
+def test_intensity_maps_onto_a_microbatch_count_that_fits():
+    assert pipeline(intensity=1.0).resolve_microbatches(32) == 16
+    assert pipeline(intensity=0.5).resolve_microbatches(32) == 4
+    # 1F1B needs at least as many as stages; 6 does not divide 16: the nearest that does.
+    assert pipeline(intensity=0.25, stages=4).resolve_microbatches(16) == 4
+    assert pipeline(intensity=0.75, schedule="gpipe").resolve_microbatches(12) in (6, 12)
+
+
+# ------------------------------------------------------------- partitioner
+def slowest(costs, starts, rate):
+    ends = [*starts[1:], len(costs)]
+    return max(stage_time(costs, a, b, rate) for a, b in zip(starts, ends, strict=True))
+
+
+def test_the_dynamic_program_finds_the_best_contiguous_split():
+    costs = [LayerCost(str(i), c, 1000, 0) for i, c in enumerate([4, 4, 1, 1, 1, 1, 4, 4])]
+    assert slowest(costs, balanced(costs, 3, bytes_per_s=1e12), 1e12) == pytest.approx(8)
+    assert equal_count(8, 3) == [0, 3, 6]  # stages of 9, 3, 8
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):  # against every possible split, transfer cost included
+        n, stages = 7, 3
+        values = torch.rand(n, generator=generator).tolist()
+        sizes = torch.randint(1, 4000, (n,), generator=generator).tolist()
+        costs = [
+            LayerCost(str(i), v, b, 0) for i, (v, b) in enumerate(zip(values, sizes, strict=True))
+        ]
+        best = min(
+            slowest(costs, [0, a, b], 1e4)
+            for a, b in itertools.combinations(range(1, n), stages - 1)
+        )
+        assert slowest(costs, balanced(costs, stages, 1e4), 1e4) == pytest.approx(best)
+    # A slow link makes cutting after a big activation costly: the cut moves.
+    costs[1] = LayerCost("1", 4, 10_000_000, 0)
+    assert balanced(costs, 2, bytes_per_s=1e6)[1] != 2
