@@ -2,9 +2,11 @@
 with DDP, per-stage checkpoints and exact resume, the partitioner, and bad settings."""
 
 import itertools
+import json
 
 import pytest
 import torch
+from conftest import run_cli
 from rank_programs import SHAPE, first_batch, pipeline_runs, unequal_mlp
 
 from overlapkit import get_optimization
@@ -275,3 +277,60 @@ def test_the_dynamic_program_finds_the_best_contiguous_split():
     # A slow link makes cutting after a big activation costly: the cut moves.
     costs[1] = LayerCost("1", 4, 10_000_000, 0)
     assert balanced(costs, 2, bytes_per_s=1e6)[1] != 2
+
+
+# ------------------------------------------------------------- scenarios
+SHORT = ("--set", "train.steps=4", "--set", "train.warmup_steps=1", "--quiet")
+
+
+def test_pipedream_checkfreq_scenario_checkpoints_each_stage_and_resumes(tmp_path):
+    first = run_cli("run", "scenarios/pipedream-checkfreq.yaml", "--out", tmp_path, *SHORT)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    section = summary["optimizations"]["pipeline"]
+    layers = [name for stage in section["partition"] for name in stage["layers"]]
+    assert layers[0] == "stem" and layers[-1] == "head" and len(layers) == 10
+    assert (
+        section["measured"]["bubble_fraction"] > 0 and summary["eval"]["runs"][-1]["samples"] == 512
+    )
+    final = sorted((tmp_path / "checkpoints").glob("step-*"))[-1]
+    assert {p.name for p in final.glob("stage*.ckpt")} == {"stage000.ckpt", "stage001.ckpt"}
+    again = run_cli(
+        "run",
+        "scenarios/pipedream-checkfreq.yaml",
+        "--out",
+        tmp_path,
+        *SHORT,
+        "--set",
+        "train.steps=6",
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = json.loads((tmp_path / "summary.json").read_text())
+    assert resumed["optimizations"]["checkpoint"]["resumed_from_step"] == 5
+
+
+def test_pipedream_prefetch_scenario_splits_by_name_and_prefetches(tmp_path):
+    result = run_cli("run", "scenarios/pipedream-prefetch.yaml", "--out", tmp_path, *SHORT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    section = summary["optimizations"]["pipeline"]
+    assert section["partition"][1]["layers"][0] == "layer3.0"
+    assert section["microbatches"] == 8 and section["schedule"] == "gpipe"
+    assert summary["optimizations"]["prefetch"]["feeder_depth"] > 0  # rank 0: the first stage
+
+
+def test_check_refuses_a_bad_pipeline_before_starting_anything(tiny_scenario):
+    path = tiny_scenario(
+        """
+        name: too-deep
+        model: {name: resnet18, width: 8}
+        data: {name: synthetic-images, shape: [3, 8, 8], num_samples: 64}
+        train: {batch_size: 8}
+        world: {nprocs: 12}
+        optimizations:
+          pipeline: {stages: 12, schedule: gpipe}
+        """
+    )
+    result = run_cli("check", path)
+    assert result.returncode != 0
+    assert "12 stages but the model has only 10 layers" in result.stderr

@@ -11,6 +11,8 @@ smaller bubble (p-1)/(m+p-1), smaller kernels.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 from collections.abc import Callable
 from time import perf_counter
@@ -35,11 +37,14 @@ from ...runtime import (
     register_optimization,
 )
 from ...runtime.distributed import all_gather_objects
+from ...runtime.persist import atomic_write
 from . import partition
 from .layers import SplitError, StageModule, sequential_layers
 from .profile import measure_link, profile_layers
 from .schedules import SCHEDULES, ScheduleKind
 from .stage import StepMeter, TimedStage
+
+PARTITION_FILE = "pipeline-partition.json"
 
 
 class PipelineError(CombinationError):
@@ -93,9 +98,13 @@ class Pipeline(Optimization):
     wrap_stage = WrapStage.SPLIT
     min_world_size = 2
 
-    def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
+    @classmethod
+    def resolve(cls, intensity: float, explicit: dict[str, Any]) -> dict[str, Any]:
         if isinstance(explicit.get("split"), (list, tuple)):  # YAML: a list of layer names
-            explicit["split"] = ",".join(str(name) for name in explicit["split"])
+            explicit = {**explicit, "split": ",".join(str(n) for n in explicit["split"])}
+        return super().resolve(intensity, explicit)
+
+    def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
         super().__init__(intensity, **explicit)
         self.kind: ScheduleKind = SCHEDULES[self.settings["schedule"]]
         self.meter = StepMeter()
@@ -267,9 +276,12 @@ class Pipeline(Optimization):
         answer: Any = None
         if state.world.is_main:
             try:  # every rank must hear of a failure here, or the others wait forever
-                if self.settings["split"] == "auto":
-                    costs = profile_layers(layers, self._sample_microbatch(state))
-                answer = (self._starts(names, costs), costs, self.link_bytes_per_s)
+                answer = self._kept_partition(state, names)
+                if answer is None:
+                    if self.settings["split"] == "auto":
+                        costs = profile_layers(layers, self._sample_microbatch(state))
+                    answer = (self._starts(names, costs), costs, self.link_bytes_per_s)
+                    self._keep_partition(state, names, answer)
             except (SplitError, PipelineError) as error:
                 answer = str(error)
         box = [answer]
@@ -287,6 +299,35 @@ class Pipeline(Optimization):
                 for s, (a, b) in enumerate(zip(starts, ends, strict=True))
             ]
         return starts
+
+    # A profile differs from run to run: a run that resumes in the same folder must
+    # split the model as the run that wrote the checkpoints did.
+    def _partition_key(self, names: list[str]) -> dict[str, Any]:
+        return {"split": self.settings["split"], "stages": self.total_stages, "layers": names}
+
+    def _kept_partition(self, state: State, names: list[str]) -> Any:
+        path = state.run_dir / PARTITION_FILE if state.run_dir is not None else None
+        if path is None or not path.is_file():
+            return None
+        kept = json.loads(path.read_text())
+        if kept["key"] != self._partition_key(names):
+            return None
+        costs = kept["costs"] and [partition.LayerCost(**c) for c in kept["costs"]]
+        self.notes.append(f"the partition of the run that started in this folder ({path})")
+        return kept["starts"], costs, kept["link_bytes_per_s"]
+
+    def _keep_partition(self, state: State, names: list[str], answer: Any) -> None:
+        if state.run_dir is None:
+            return
+        starts, costs, rate = answer
+        kept = {
+            "key": self._partition_key(names),
+            "starts": starts,
+            "costs": costs and partition.as_dicts(costs),
+            "link_bytes_per_s": rate,
+        }
+        text = json.dumps(kept, indent=1).encode()
+        atomic_write(state.run_dir / PARTITION_FILE, lambda fd: os.write(fd, text))
 
     def _sample_microbatch(self, state: State) -> Any:
         dataset = getattr(state.loader, "dataset", None)
@@ -364,10 +405,17 @@ class Pipeline(Optimization):
         """The last stage's outputs for ``inputs`` (None on other ranks)."""
         if self._schedule is None:
             raise PipelineError("pipeline evaluates after the first training step")
-        self._check_microbatches(self.microbatches or 1, int(targets.shape[0]))
+        # The schedule splits into a fixed number of micro-batches: pad a short last
+        # batch with copies of its last sample, and drop their outputs.
+        size = int(targets.shape[0])
+        padding = -size % self.microbatches
+        if padding:
+            inputs, targets = (
+                torch.cat([t, t[-1:].expand(padding, *t.shape[1:])]) for t in (inputs, targets)
+            )
         first, last = 0 in self.stage_ids, self.total_stages - 1 in self.stage_ids
         outputs = self._schedule.eval(*((inputs,) if first else ()), target=targets)
-        return outputs if last else None
+        return outputs[:size] if last else None
 
     def on_fit_end(self, state: State) -> None:
         self._all_ranks = all_gather_objects(
