@@ -1,5 +1,7 @@
 """Pipeline schedules side by side: 2 and 4 stages, 1 to 16 micro-batches, every
-schedule, against the same model unsplit on one process with all the cores.
+schedule, against the same model unsplit on one process with all the cores;
+then 2 stages x 2 replicas with DDP, where only the last micro-batch's backward
+can hide the all-reduce.
 
 The model is 16 equal layers (8 x Linear(1024, 1024) + ReLU), so that the
 theoretical bubble (p-1)/(m+p-1) of GPipe and 1F1B, with p stages and m
@@ -104,6 +106,34 @@ def rank_program(configs: list[dict[str, Any]], steps: int, warmup: int) -> list
         dist.destroy_process_group()
 
 
+def mesh_program(microbatches: list[int], steps: int, warmup: int) -> list[dict[str, Any]]:
+    """2 stages x 2 replicas, DDP (1 MB buckets) in each stage's replica group: how much
+    of the all-reduce backward hides, when only the last micro-batch's backward can."""
+    world = init_world("cpu", "gloo")
+    rows = []
+    try:
+        for m in microbatches:
+            pipe = get_optimization("pipeline")(stages=2, microbatches=m, schedule="gpipe")
+            ddp = get_optimization("ddp_overlap")(bucket_cap_mb=1.0)
+            summary = train([pipe, ddp], steps, warmup, world)
+            measured = summary["optimizations"]["pipeline"]["measured"]
+            overlap = summary["optimizations"]["ddp_overlap"]["overlap"]
+            rows.append(
+                {
+                    "microbatches": m,
+                    "samples_per_s": summary["samples_per_s"],
+                    "ddp_window": measured["ddp_window_fraction"],
+                    "hidden": overlap["hidden_fraction"],
+                    "comm_busy_ms": overlap["comm_busy_s_per_step"] * 1e3,
+                    "comm_exposed_ms": overlap["comm_exposed_s_per_step"] * 1e3,
+                    "step_ms": summary["step_time_s"]["p50"] * 1e3,
+                }
+            )
+        return rows
+    finally:
+        dist.destroy_process_group()
+
+
 def baseline(steps: int, warmup: int) -> float:
     torch.set_num_threads(2)
     return train([], steps, warmup)["samples_per_s"]
@@ -115,6 +145,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--skip-mesh", action="store_true", help="no 2 x 2 DDP table")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -123,8 +154,14 @@ def main() -> None:
     for stages in args.stages:
         configs = configurations(stages, args.microbatches)
         results[stages] = launch_local(rank_program, stages, configs, args.steps, args.warmup)[0]
+    mesh = (
+        []
+        if args.skip_mesh
+        else launch_local(mesh_program, 4, [1, 2, 4, 8], args.steps, args.warmup)[0]
+    )
     if args.json:
-        print(json.dumps({"unsplit_samples_per_s": unsplit, "pipelines": results}, indent=1))
+        out = {"unsplit_samples_per_s": unsplit, "pipelines": results, "mesh_ddp": mesh}
+        print(json.dumps(out, indent=1))
         return
     console = Console()
     for stages, rows in results.items():
@@ -144,6 +181,20 @@ def main() -> None:
                 f"{row['bubble']:.0%}",
                 "-" if ideal is None else f"{ideal:.0%}",
                 f"{row['sent_mb']:.2f}",
+            )
+        console.print(table)
+    if mesh:
+        table = Table(title="2 stages x 2 replicas, GPipe, ddp_overlap with 1 MB buckets")
+        for column in ("m", "samples/s", "DDP window", "hidden", "busy ms", "exposed ms"):
+            table.add_column(column, justify="right")
+        for row in mesh:
+            table.add_row(
+                str(row["microbatches"]),
+                f"{row['samples_per_s']:.0f}",
+                f"{row['ddp_window']:.0%}",
+                f"{row['hidden']:.0%}",
+                f"{row['comm_busy_ms']:.1f}",
+                f"{row['comm_exposed_ms']:.1f}",
             )
         console.print(table)
     medians = {

@@ -169,10 +169,12 @@ class Pipeline(Optimization):
             self._check_microbatches(self.settings["microbatches"])
 
     def _check_microbatches(self, m: int, batch: int | None = None) -> None:
-        if self.kind.min_microbatches_per_stage and m < self.pp:
+        needed = {"ranks": self.pp, "stages": self.total_stages}.get(self.kind.min_microbatches, 1)
+        if m < needed:
+            counted = "stages" if self.kind.min_microbatches == "ranks" else "total_stages"
             raise PipelineError(
                 f"pipeline schedule {self.kind.name} needs at least as many micro-batches as "
-                f"stages: microbatches={m} < stages={self.pp}"
+                f"stages: microbatches={m} < {counted}={needed}"
             )
         if self.kind.multi:
             rounds = max(1, m // self.pp)

@@ -14,7 +14,7 @@ class ScheduleKind:
     torch_class: str
     multi: bool  # several stages per rank (a PipelineScheduleMulti)
     stages_per_rank: int | None = None  # fixed by the schedule, when it is
-    min_microbatches_per_stage: bool = False  # needs microbatches >= pipeline ranks
+    min_microbatches: str = ""  # "ranks" or "stages": needs at least that many micro-batches
     help: str = ""
 
     @property
@@ -41,7 +41,7 @@ SCHEDULES: dict[str, ScheduleKind] = {
     for kind in (
         ScheduleKind("gpipe", "ScheduleGPipe", False, 1, help="all forwards, then all backwards"),
         ScheduleKind(
-            "1f1b", "Schedule1F1B", False, 1, True, "one forward, one backward (PipeDream-Flush)"
+            "1f1b", "Schedule1F1B", False, 1, "ranks", "one forward, one backward (PipeDream-Flush)"
         ),
         ScheduleKind(
             "interleaved_1f1b",
@@ -57,6 +57,8 @@ SCHEDULES: dict[str, ScheduleKind] = {
             help="zero bubble: weight gradients fill the bubble",
         ),
         ScheduleKind("zbv", "ScheduleZBVZeroBubble", True, 2, help="zero bubble, V-shaped"),
-        ScheduleKind("dualpipev", "ScheduleDualPipeV", True, 2, True, help="DeepSeek DualPipeV"),
+        ScheduleKind(
+            "dualpipev", "ScheduleDualPipeV", True, 2, "stages", help="DeepSeek DualPipeV"
+        ),
     )
 }
