@@ -215,6 +215,11 @@ def test_1f1b_with_fewer_microbatches_than_stages_is_refused():
         pipeline(stages=4, microbatches=2, schedule="1f1b").check(4, "cpu", "gloo")
 
 
+def test_dualpipev_needs_a_microbatch_per_stage_of_the_v():
+    with pytest.raises(PipelineError, match="microbatches=2 < total_stages=4"):
+        pipeline(microbatches=2, schedule="dualpipev").check(2, "cpu", "gloo")
+
+
 def test_a_back_end_without_point_to_point_is_refused():
     with pytest.raises(PipelineError, match="the mpi back end cannot"):
         pipeline().check(2, "cpu", "mpi")
