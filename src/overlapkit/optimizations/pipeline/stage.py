@@ -51,21 +51,17 @@ class TimedStage(PipelineStage):
         return output
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        start = perf_counter()
-        try:
-            return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            seconds = perf_counter() - start
-            self.meter.backward_s += seconds
-            if kwargs.get("last_backward"):
-                self.meter.last_backward_s += seconds
+        return self._timed_backward("backward_s", super().backward_one_chunk, args, kwargs)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed_backward("weight_s", super().backward_weight_one_chunk, args, kwargs)
+
+    def _timed_backward(self, field: str, run: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         start = perf_counter()
         try:
-            return super().backward_weight_one_chunk(*args, **kwargs)
+            return run(*args, **kwargs)
         finally:
             seconds = perf_counter() - start
-            self.meter.weight_s += seconds
+            setattr(self.meter, field, getattr(self.meter, field) + seconds)
             if kwargs.get("last_backward"):
                 self.meter.last_backward_s += seconds
