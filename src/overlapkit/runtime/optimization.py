@@ -66,17 +66,9 @@ class Plan:
     device: str
     backend: str
     optimizations: Mapping[str, Optimization] = field(default_factory=dict)
+    data_parallel_size: int = 1  # ranks holding each part of the model (all, unless split)
     batch_size: int | None = None
     build_model: Callable[[], Any] | None = None
-
-    @property
-    def data_parallel_size(self) -> int:
-        """How many ranks hold each part of the model (all of them, unless it is split)."""
-        for opt in self.optimizations.values():
-            shard = opt.data_shard(0, self.world_size)
-            if shard is not None:
-                return shard[1]
-        return self.world_size
 
     def provided(self, role: str) -> bool:
         return any(role in opt.provides for opt in self.optimizations.values())

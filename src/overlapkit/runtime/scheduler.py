@@ -161,6 +161,7 @@ class Scheduler:
             device=device,
             backend=backend,
             optimizations={opt.name: opt for opt in self.optimizations},
+            data_parallel_size=self.data_shard(0, world_size)[1],
             batch_size=batch_size,
             build_model=build_model,
         )

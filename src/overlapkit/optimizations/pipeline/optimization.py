@@ -133,6 +133,16 @@ class Pipeline(Optimization):
     def total_stages(self) -> int:
         return self.pp * self.per_rank
 
+    @property
+    def holds_first(self) -> bool:
+        """This rank runs the first stage (it takes the inputs)."""
+        return 0 in self.stage_ids
+
+    @property
+    def holds_last(self) -> bool:
+        """This rank runs the last stage (it takes the targets, computes the loss)."""
+        return self.total_stages - 1 in self.stage_ids
+
     def data_shard(self, rank: int, world_size: int) -> tuple[int, int]:
         replicas = max(1, world_size // self.pp)
         return rank % replicas, replicas
@@ -241,7 +251,7 @@ class Pipeline(Optimization):
             dp_rank, replicas, mesh["dp"].get_group(), src=pp_rank * replicas
         )
         state.shard = Shard(f"stage{pp_rank:03d}", writer=dp_rank == 0)
-        state.feeds_inputs = 0 in self.stage_ids
+        state.feeds_inputs = self.holds_first
         state.counts_samples = state.feeds_inputs
         return self._parts[0] if len(self._parts) == 1 else nn.ModuleList(self._parts)
 
@@ -374,12 +384,12 @@ class Pipeline(Optimization):
             self._build_schedule(state, loss_fn)
         elif batch % self.microbatches:
             self._check_microbatches(self.microbatches, batch)
-        first, last = 0 in self.stage_ids, self.total_stages - 1 in self.stage_ids
+        last = self.holds_last
         losses: list[torch.Tensor] = []
         self.meter.reset()
         start = perf_counter()
         self._schedule.step(
-            *((inputs,) if first else ()),
+            *((inputs,) if self.holds_first else ()),
             target=targets if last else None,
             losses=losses if last else None,
             return_outputs=False,
@@ -415,9 +425,8 @@ class Pipeline(Optimization):
             inputs, targets = (
                 torch.cat([t, t[-1:].expand(padding, *t.shape[1:])]) for t in (inputs, targets)
             )
-        first, last = 0 in self.stage_ids, self.total_stages - 1 in self.stage_ids
-        outputs = self._schedule.eval(*((inputs,) if first else ()), target=targets)
-        return outputs[:size] if last else None
+        outputs = self._schedule.eval(*((inputs,) if self.holds_first else ()), target=targets)
+        return outputs[:size] if self.holds_last else None
 
     def on_fit_end(self, state: State) -> None:
         self._all_ranks = all_gather_objects(
@@ -429,7 +438,7 @@ class Pipeline(Optimization):
         out = {
             **super().summary(),
             "microbatches": self.microbatches,
-            "stages_per_rank": self.per_rank if self.kind.multi else 1,
+            "stages_per_rank": self.per_rank,
             "total_stages": self.total_stages,
             "partition": self.partition,
             "link_gbps": self.link_bytes_per_s * 8 / 1e9,
