@@ -4,8 +4,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 from overlapkit.runtime import PHASES, PhaseClock, PriorityPolicy, Resource
+from overlapkit.runtime.arbitration import ArbitrationPolicy
 from overlapkit.runtime.metrics import pop_metrics, step_record, summarize
 
 
@@ -118,3 +120,34 @@ def test_consecutive_steps_leave_no_time_uncounted_unless_paused():
     clock.start_step()
     third, _ = clock.end_step()
     assert third < 0.01
+
+
+def test_a_persist_write_pauses_between_chunks_while_the_step_waits_on_communication(tmp_path):
+    from overlapkit.optimizations.checkpoint.store import write_state
+
+    policy = PriorityPolicy()
+    chunks = []
+
+    def gate():
+        chunks.append(time.perf_counter())
+        policy.pause(Resource.DISK, Resource.HOST_CPU)
+
+    tree = {"w": torch.arange(3 * 1024 * 1024, dtype=torch.float32)}  # 12 MiB: 3+ chunks
+    done = threading.Event()
+    worker = threading.Thread(
+        target=lambda: (write_state(tmp_path / "a.ckpt", tree, gate), done.set())
+    )
+    with policy.critical(Resource.NETWORK, Resource.HOST_CPU):
+        worker.start()
+        time.sleep(0.2)
+        assert not done.is_set() and len(chunks) == 1  # held before its first chunk
+        released = time.perf_counter()
+    worker.join(10)
+    assert done.is_set() and len(chunks) >= 3
+    assert all(t >= released for t in chunks[1:])
+    assert policy.stats()["background_chunks_yielded"] == 1
+    assert policy.stats()["background_yield_s"] >= 0.2
+    # The free policy never holds anything back.
+    free = ArbitrationPolicy()
+    with free.critical(Resource.HOST_CPU):
+        free.pause(Resource.HOST_CPU)

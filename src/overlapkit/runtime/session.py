@@ -256,7 +256,10 @@ class Session:
         if not state.is_sync_step:
             return
         if self._grad_sync is not None:
-            with state.clock.phase("comm_exposed"), state.policy.critical(Resource.NETWORK):
+            with (
+                state.clock.phase("comm_exposed"),
+                state.policy.critical(Resource.NETWORK, Resource.HOST_CPU),
+            ):
                 self._grad_sync()
         self.scheduler.fire(Event.BEFORE_OPTIMIZER_STEP, state)
         state.clock.switch("optimizer")

@@ -26,6 +26,7 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 
 MAGIC = b"OVLKCKP2"
 BLOCK = 4096  # file offsets, buffer addresses and lengths for O_DIRECT
+CHUNK = 1024 * BLOCK  # 4 MiB: background writes pause between chunks
 
 
 class CheckpointFormatError(ValueError):
@@ -99,8 +101,11 @@ class BlockWriter:
     same calls work on a file opened without O_DIRECT.
     """
 
-    def __init__(self, fd: int, bounce_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self, fd: int, bounce_bytes: int = 1 << 20, gate: Callable[[], None] | None = None
+    ) -> None:
         self.fd = fd
+        self.gate = gate  # called before each chunk: background work may wait there
         self.crc = Crc32c()
         self.size = 0
         self._bounce = mmap.mmap(-1, bounce_bytes)
@@ -108,7 +113,17 @@ class BlockWriter:
         self._fill = 0
 
     def write(self, data: memoryview, address: int | None = None) -> None:
-        """Append ``data``; ``address`` is where it lies in memory, if known."""
+        """Append ``data``; ``address`` is where it lies in memory, if known.
+        Large pieces go in chunks of `CHUNK` bytes, with the gate before each."""
+        while len(data) > CHUNK:
+            self._write_chunk(data[:CHUNK], address)
+            data = data[CHUNK:]
+            address = None if address is None else address + CHUNK
+        self._write_chunk(data, address)
+
+    def _write_chunk(self, data: memoryview, address: int | None) -> None:
+        if self.gate is not None:
+            self.gate()
         self.crc.update(data)
         self.size += len(data)
         if self._fill == 0 and address is not None and address % BLOCK == 0:
@@ -142,8 +157,9 @@ class BlockWriter:
         self._fill = 0
 
 
-def write(fd: int, tree: Any) -> dict[str, Any]:
-    """Write ``tree`` to the open file ``fd``; return its CRC-32C and size."""
+def write(fd: int, tree: Any, gate: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Write ``tree`` to the open file ``fd``; return its CRC-32C and size.
+    ``gate`` is called before each chunk (see `BlockWriter`)."""
     tensors: list[torch.Tensor] = []
     encoded = _encode(tree, tensors)
     entries, offset = [], 0
@@ -160,7 +176,7 @@ def write(fd: int, tree: Any) -> dict[str, Any]:
         offset += -(-nbytes // BLOCK) * BLOCK
     header = json.dumps({"tree": encoded, "tensors": entries}).encode()
     start = len(MAGIC) + 8 + len(header)
-    writer = BlockWriter(fd)
+    writer = BlockWriter(fd, gate=gate)
     try:
         writer.write(memoryview(MAGIC + struct.pack("<Q", len(header)) + header))
         writer.write(memoryview(bytes(-start % BLOCK)))

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,10 @@ def shard_file(name: str) -> str:
     return f"{name}.ckpt"
 
 
-def write_state(path: Path, tree: Any) -> dict[str, Any]:
-    """Durably write ``tree`` (see `fileformat`); return its checksum and size."""
-    return atomic_write(path, lambda fd: fileformat.write(fd, tree), direct=True)
+def write_state(path: Path, tree: Any, gate: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Durably write ``tree`` (see `fileformat`); return its checksum and size.
+    ``gate`` is called between chunks (background work yields there)."""
+    return atomic_write(path, lambda fd: fileformat.write(fd, tree, gate), direct=True)
 
 
 def _write_json(path: Path, document: Any) -> None:

@@ -254,7 +254,10 @@ class DDPOverlap(Optimization):
             return
         self._syncs += 1
         start = perf_counter()
-        with state.clock.phase("comm_exposed"), state.policy.critical(Resource.NETWORK):
+        with (
+            state.clock.phase("comm_exposed"),
+            state.policy.critical(Resource.NETWORK, Resource.HOST_CPU),
+        ):
             self._flat()
         latency = perf_counter() - start
         self._record(state, [(self._flat.bytes_per_call, latency)], latency, busy=latency)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -25,8 +25,15 @@ _DONE = object()
 class Feeder:
     """Iterates ``source`` in a thread, keeping up to ``depth`` batches ready."""
 
-    def __init__(self, source: Iterator[Any], device: torch.device, depth: int) -> None:
+    def __init__(
+        self,
+        source: Iterator[Any],
+        device: torch.device,
+        depth: int,
+        gate: Callable[[], None] | None = None,
+    ) -> None:
         self.device = device
+        self._gate = gate  # called before loading each batch: background work may wait
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -39,7 +46,13 @@ class Feeder:
         try:
             # On a GPU the back end's own copies (DALI's) and ours run on the side stream.
             with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
-                for batch in source:
+                while True:
+                    if self._gate is not None:
+                        self._gate()
+                    try:
+                        batch = next(source)
+                    except StopIteration:
+                        break
                     event = None
                     if self._stream is not None:
                         batch = to_device(batch, self.device)

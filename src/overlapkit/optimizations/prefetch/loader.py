@@ -3,7 +3,7 @@ however many the back end and the feeder have loaded ahead."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -35,17 +35,22 @@ class PrefetchLoader:
     """
 
     def __init__(
-        self, inner: ResumableLoader, backend: Backend, device: torch.device, feeder_depth: int
+        self,
+        inner: ResumableLoader,
+        backend: Backend,
+        device: torch.device,
+        feeder_depth: int,
+        gate: Callable[[], None] | None = None,
     ) -> None:
         self.inner, self.backend = inner, backend
-        self.device, self.feeder_depth = device, feeder_depth
+        self.device, self.feeder_depth, self.gate = device, feeder_depth, gate
         self.dataset, self.batch_size, self.sampler = inner.dataset, inner.batch_size, inner.sampler
         self.epoch, self.position = inner.epoch, inner.position
 
     def __iter__(self) -> Iterator[Any]:
         batches = self.backend.iterate(self.epoch, self.position)
         if self.feeder_depth:
-            batches = iter(Feeder(batches, self.device, self.feeder_depth))
+            batches = iter(Feeder(batches, self.device, self.feeder_depth, self.gate))
         try:
             for batch in batches:
                 self.position += 1

@@ -10,6 +10,7 @@ handed over (on a GPU: copied to the device on a side stream). At intensity
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any
 
 import torch
@@ -114,7 +115,10 @@ class Prefetch(Optimization):
         feeder_depth = s["device_depth"]
         if s["backend"] in ("torch", "dali") and s["workers"] == 0:
             feeder_depth = max(feeder_depth, s["depth"])
-        self.loader = PrefetchLoader(loader, backend, device, feeder_depth)
+        # On a CPU the feeder's loading competes with the step for the cores: under the
+        # "priority" policy it waits while the step waits on communication.
+        gate = partial(state.policy.pause, Resource.HOST_CPU) if device.type == "cpu" else None
+        self.loader = PrefetchLoader(loader, backend, device, feeder_depth, gate)
         self.cores = max(1, (os.cpu_count() or 1) // max(1, state.world.local_world_size))
         self.compute_threads = torch.get_num_threads()
         return self.loader
