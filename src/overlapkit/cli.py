@@ -1,4 +1,4 @@
-"""overlapkit run | check | list.
+"""overlapkit run | tune | report | check | list.
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (scenario, data, usage).
 """
@@ -22,6 +22,7 @@ from .optimizations import registered_optimizations
 from .optimizations.checkpoint import CheckpointError
 from .runtime import POLICIES, CombinationError
 from .scenarios import Scenario, ScenarioError, load_scenario
+from .tuning import StudyNotFoundError
 
 DATA_NAMES = ("synthetic-images", "synthetic-tokens", "cifar10", "imagefolder", "imdb")
 INTENSITY_POINTS = (0.25, 0.5, 0.75, 1.0)
@@ -54,6 +55,28 @@ def _parser() -> argparse.ArgumentParser:
         help="start over instead of resuming from the run folder's newest checkpoint",
     )
     run.add_argument("--json", action="store_true", help="print summary.json to stdout")
+
+    tune = commands.add_parser(
+        "tune", help="search the optimizations' knobs with Optuna and report where overlap pays"
+    )
+    _scenario_arguments(tune)
+    tune.add_argument("--trials", type=int, help="the sampler's trials (default: tune.trials)")
+    tune.add_argument(
+        "--storage",
+        help="an Optuna storage URL shared by workers and machines "
+        "(default: SQLite in the tune folder; journal:PATH for a journal file)",
+    )
+    tune.add_argument("--study", help="the study's name (default: the scenario's name)")
+    tune.add_argument("--workers", type=int, default=1, help="local worker processes (default 1)")
+    tune.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
+    tune.add_argument("--out", type=Path, help="tune folder (default: runs/<name>-tune)")
+    tune.add_argument("--json", action="store_true", help="print report.json to stdout")
+
+    report = commands.add_parser("report", help="the report of a study (written by tune too)")
+    report.add_argument("study", help="a tune folder, or an Optuna storage URL")
+    report.add_argument("--study", dest="study_name", help="the study's name in that storage")
+    report.add_argument("--out", type=Path, help="where to write it (default: the tune folder)")
+    report.add_argument("--json", action="store_true", help="print report.json to stdout")
 
     check = commands.add_parser("check", help="validate a scenario without running it")
     _scenario_arguments(check)
@@ -147,7 +170,15 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 _print_catalogue(console, catalogue)
             return 0
+        if args.command == "report":
+            from .tuning.commands import report_command
+
+            return report_command(args, console)
         scenario = load_scenario(args.scenario, args.overrides)
+        if args.command == "tune":
+            from .tuning.commands import tune_command
+
+            return tune_command(scenario, args, console)
         if args.command == "check":
             scenario.data.check()
             scenario.check_setup()
@@ -171,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         errors.print("[bold red]error in scenario[/]")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
-    except (DataNotFoundError, CombinationError) as error:
+    except (DataNotFoundError, CombinationError, StudyNotFoundError) as error:
         errors.print("[bold red]error:[/] ", end="")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2

@@ -27,6 +27,31 @@ def write_run_files(
         (run_dir / "trace.json").write_text(json.dumps({"traceEvents": trace_events}))
 
 
+LIVE_STEPS = "live-steps.jsonl"
+
+
+class LiveSteps:
+    """Rank 0's steps appended to ``live-steps.jsonl`` as they finish, so that a
+    watcher (the tuner's pruner) can follow a run that is still going."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(run_dir / LIVE_STEPS, "a")  # noqa: SIM115 - open for the whole run
+
+    def write(self, record: dict[str, Any], samples_per_s: float) -> None:
+        line = {
+            "step": record["step"],
+            "warmup": record["warmup"],
+            "step_time_s": record["step_time_s"],
+            "samples_per_s": samples_per_s,  # all data-parallel replicas together
+        }
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def summary_tables(summary: dict[str, Any]) -> list[Table]:
     """Readable tables: throughput and efficiency, where the step time went, extras."""
     step = summary["step_time_s"]

@@ -39,7 +39,7 @@ from .optimization import Optimization, Resource
 from .persist import atomic_torch_save
 from .precision import Precision, PrecisionName
 from .progress import ProgressBar
-from .report import print_summary, write_run_files
+from .report import LiveSteps, print_summary, write_run_files
 from .rng import capture_rng, restore_rng
 from .scheduler import Scheduler
 from .state import State
@@ -97,6 +97,7 @@ class Session:
         self._print_summary = print_summary and self.world.is_main
         self._trace = trace
         self._progress: ProgressBar | None = None
+        self._live: LiveSteps | None = None
         self._stateful: dict[str, Any] = {}
         self._raw_model: nn.Module | None = None
         self._grad_sync: FlatAllReduce | None = None
@@ -191,6 +192,8 @@ class Session:
         self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
         if self._show_progress and ProgressBar.wanted():
             self._progress = ProgressBar(self.name, total_steps, done=self.state.step)
+        if self.world.is_main and self.state.run_dir is not None:
+            self._live = LiveSteps(self.state.run_dir)
 
     def start_step(self) -> None:
         self.state.clock.start_step()
@@ -296,6 +299,8 @@ class Session:
         self.records.append(record)
         if self._progress is not None:
             self._progress.advance(record["samples_per_s"] * state.dp.size, loss_value, warmup)
+        if self._live is not None:
+            self._live.write(record, record["samples_per_s"] * state.dp.size)
         state.step += 1
         self._in_step = False
 
@@ -399,6 +404,9 @@ class Session:
         if self._progress is not None:
             self._progress.close()
             self._progress = None
+        if self._live is not None:
+            self._live.close()
+            self._live = None
         gathered = all_gather_objects(
             (
                 self.records,

@@ -19,6 +19,7 @@ from ..optimizations import get_optimization
 from ..runtime import KnobError, Optimization, Scheduler, SchedulerConfig
 from ..runtime.loop import TrainConfig
 from ..tuning import TuneConfig
+from ..tuning.space import SpaceError, build_space
 
 
 def located(path: str, message: str, allowed: list[str] | None = None) -> PydanticCustomError:
@@ -88,6 +89,11 @@ class Scenario(Config):
             raise located("world.backend", "nccl needs CUDA devices; use gloo (or auto) on CPU")
         if self.train.precision == "fp16" and self.world.device == "cpu":
             raise located("train.precision", "fp16 needs a CUDA device; use bf16 on CPU")
+        if self.tune.search is not None:
+            try:
+                build_space(self.optimizations, self.tune)
+            except SpaceError as error:
+                raise located(error.path, str(error), error.allowed) from None
         return self
 
     def build_optimizations(self) -> list[Optimization]:

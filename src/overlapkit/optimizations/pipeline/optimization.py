@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 
 from ...runtime import (
@@ -42,7 +41,6 @@ from . import partition
 from .layers import SplitError, StageModule, sequential_layers
 from .profile import measure_link, profile_layers
 from .schedules import SCHEDULES, ScheduleKind
-from .stage import StepMeter, TimedStage
 
 PARTITION_FILE = "pipeline-partition.json"
 
@@ -107,6 +105,8 @@ class Pipeline(Optimization):
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
         super().__init__(intensity, **explicit)
         self.kind: ScheduleKind = SCHEDULES[self.settings["schedule"]]
+        from .stage import StepMeter  # torch.distributed.pipelining: slow to import
+
         self.meter = StepMeter()
         self.notes: list[str] = []
         self.microbatches: int | None = None
@@ -240,6 +240,8 @@ class Pipeline(Optimization):
         self.check(world.world_size, world.device.type, world.backend)
         replicas = world.world_size // self.pp
         pp_rank, dp_rank = divmod(world.rank, replicas)
+        from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh(world.device.type, (self.pp, replicas), mesh_dim_names=("pp", "dp"))
         self._pp_group = mesh["pp"].get_group()
         layers = sequential_layers(model)
@@ -355,6 +357,8 @@ class Pipeline(Optimization):
         return inputs.to(state.world.device)
 
     def _build_schedule(self, state: State, loss_fn: Callable[..., torch.Tensor]) -> None:
+        from .stage import TimedStage
+
         parts = state.model if isinstance(state.model, nn.ModuleList) else [state.model]
         stages = [
             TimedStage(

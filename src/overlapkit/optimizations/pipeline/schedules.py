@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.distributed.pipelining import schedules as torch_schedules
-
 
 @dataclass(frozen=True)
 class ScheduleKind:
@@ -19,6 +17,9 @@ class ScheduleKind:
 
     @property
     def cls(self) -> type:
+        # Imported here: torch.distributed.pipelining takes seconds to import.
+        from torch.distributed.pipelining import schedules as torch_schedules
+
         return getattr(torch_schedules, self.torch_class)
 
     def stage_ids(self, pp_rank: int, pp_size: int, per_rank: int) -> list[int]:

@@ -1,0 +1,297 @@
+"""What a study measured, turned into answers: the comparison rows, each
+optimization's contention curve and point, pairwise interactions, knob
+importances, the policy's effect and (with two objectives) the Pareto front.
+
+Measurements are looked up by their parameters, whichever phase ran them, so
+a setting measured once serves every row that needs it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from .space import SearchSpace
+
+FLAT = 0.02  # a curve within 2 % of its peak has stopped paying
+
+
+def _key(params: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted((k, round(v, 9) if isinstance(v, float) else v) for k, v in params.items()))
+
+
+@dataclass
+class Measurement:
+    number: int
+    role: str
+    params: dict[str, Any]
+    throughput: float
+    goodput: float
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def value(self, metric: str) -> float:
+        return self.throughput if metric == "throughput" else self.goodput
+
+
+@dataclass
+class Analysis:
+    space: SearchSpace
+    metric: str  # what "best" means: throughput, or goodput (also with both objectives)
+    objectives: list[str]
+    measured: list[Measurement]
+    failed: list[dict[str, Any]]
+    pruned: int
+    study: optuna.Study
+
+    @classmethod
+    def of(cls, study: optuna.Study, space: SearchSpace) -> Analysis:
+        objectives = study.user_attrs.get("objectives", ["throughput"])
+        measured, failed, pruned = [], [], 0
+        for t in study.get_trials(deepcopy=False):
+            role = t.user_attrs.get("role", "search")
+            if t.state == TrialState.COMPLETE:
+                a = t.user_attrs
+                measured.append(
+                    Measurement(t.number, role, dict(t.params), a["throughput"], a["goodput"], a)
+                )
+            elif t.state == TrialState.FAIL:
+                failed.append(
+                    {
+                        "trial": t.number,
+                        "role": role,
+                        "failure": t.user_attrs.get("failure", "error"),
+                        "reason": t.user_attrs.get("reason", ""),
+                        "params": dict(t.params),
+                    }
+                )
+            elif t.state == TrialState.PRUNED:
+                pruned += 1
+        metric = "throughput" if objectives == ["throughput"] else "goodput"
+        return cls(space, metric, objectives, measured, failed, pruned, study)
+
+    # ---------------------------------------------------------------- lookups
+    def lookup(self, params: dict[str, Any]) -> Measurement | None:
+        """The measurement of ``params`` (the median one when measured more than once)."""
+        wanted = _key(params)
+        same = [m for m in self.measured if _key(m.params) == wanted]
+        if not same:
+            return None
+        same.sort(key=lambda m: m.value(self.metric))
+        return same[len(same) // 2]
+
+    @property
+    def best(self) -> Measurement | None:
+        return max(self.measured, key=lambda m: m.value(self.metric), default=None)
+
+    @property
+    def baseline(self) -> Measurement | None:
+        return self.lookup(self.space.setting({"scheduler.policy": "free"}))
+
+    def alone(self, name: str) -> list[tuple[Any, Measurement | None]]:
+        """``name`` alone (the others off, policy free) at each of its levels."""
+        base = {"scheduler.policy": "free"}
+        return [(v, self.lookup(self.space.setting(base, **{name: v}))) for v in self._levels(name)]
+
+    def alone_best(self) -> dict[str, Any]:
+        out = {}
+        for name in self.space.optimizations:
+            on = [
+                (v, m)
+                for v, m in self.alone(name)
+                if m is not None and not _is_off(self.space, name, v)
+            ]
+            if on:
+                out[name] = max(on, key=lambda vm: vm[1].value(self.metric))[0]
+        return out
+
+    def _levels(self, name: str) -> list[Any]:
+        level = self.space.level(name)
+        values = level.values()
+        return values if level.off_value is not None else ["off", *values]
+
+    # ------------------------------------------------------------ the answers
+    def comparison(self) -> list[dict[str, Any]]:
+        """Baseline, each optimization alone at its best level, all on at full
+        level (the naive combination), and the tuned best."""
+        base = self.baseline
+        rows: list[tuple[str, Measurement | None, str]] = [("baseline (all off)", base, "")]
+        best_alone = self.alone_best()
+        for name in self.space.optimizations:
+            level = best_alone.get(name)
+            m = None
+            if level is not None:
+                m = self.lookup(self.space.setting({"scheduler.policy": "free"}, **{name: level}))
+            rows.append((f"{name} alone", m, f"{self.space.level(name).name}={level}"))
+        every = {name: "max" for name in self.space.optimizations}
+        rows.append(
+            (
+                "all on, full (naive)",
+                self.lookup(self.space.setting({"scheduler.policy": "free"}, **every)),
+                "every level at its maximum, policy free",
+            )
+        )
+        best = self.best
+        rows.append(("tuned best", best, _describe(best.params) if best else ""))
+        out = []
+        for label, m, setting in rows:
+            row = {
+                "row": label,
+                "setting": setting,
+                "trial": None,
+                "throughput": None,
+                "goodput": None,
+                "vs_baseline": None,
+            }
+            if m is not None:
+                row.update(trial=m.number, throughput=m.throughput, goodput=m.goodput)
+                if base is not None and base.value(self.metric) > 0:
+                    row["vs_baseline"] = m.value(self.metric) / base.value(self.metric)
+            out.append(row)
+        return out
+
+    def curves(self) -> dict[str, dict[str, Any]]:
+        """Per optimization: its metric along its level alone and with the others
+        held at the best setting, and the contention point: the lowest level within
+        2 % of the with-others peak (beyond it, more overlap stops paying)."""
+        best = self.best
+        out = {}
+        for name in self.space.optimizations:
+            level = self.space.level(name)
+            alone = [(v, m.value(self.metric)) for v, m in self.alone(name) if m is not None]
+            together: list[tuple[Any, float]] = []
+            if best is not None:
+                for v in self._levels(name):
+                    params = dict(best.params)
+                    if v == "off":
+                        params[f"{name}.on"] = False
+                    else:
+                        params[level.name] = v
+                        if f"{name}.on" in params:
+                            params[f"{name}.on"] = True
+                    m = self.lookup(params)
+                    if m is not None:
+                        together.append((v, m.value(self.metric)))
+            out[name] = {
+                "level": level.name,
+                "alone": alone,
+                "with_others": together,
+                "contention_point": _knee(together),
+                "alone_point": _knee(alone),
+                "drop_at_max": _drop(together),
+            }
+        return out
+
+    def interactions(self) -> list[dict[str, Any]]:
+        """For each pair at their alone-best levels: each one's gain over the
+        baseline alone, their gain together, and the interaction
+        (together / (gain A x gain B) - 1: below 0, turning one on takes from the other)."""
+        base, best_alone, out = self.baseline, self.alone_best(), []
+        if base is None or base.value(self.metric) <= 0:
+            return out
+        b = base.value(self.metric)
+        for first, second in combinations(self.space.optimizations, 2):
+            if first not in best_alone or second not in best_alone:
+                continue
+            free = {"scheduler.policy": "free"}
+            one = self.lookup(self.space.setting(free, **{first: best_alone[first]}))
+            two = self.lookup(self.space.setting(free, **{second: best_alone[second]}))
+            both = self.lookup(
+                self.space.setting(free, **{first: best_alone[first], second: best_alone[second]})
+            )
+            if one is None or two is None or both is None:
+                continue
+            g1, g2, g12 = (
+                one.value(self.metric) / b,
+                two.value(self.metric) / b,
+                both.value(self.metric) / b,
+            )
+            out.append(
+                {
+                    "a": first,
+                    "b": second,
+                    "gain_a": g1,
+                    "gain_b": g2,
+                    "gain_together": g12,
+                    "interaction": g12 / (g1 * g2) - 1,
+                }
+            )
+        return out
+
+    def importances(self) -> dict[str, float]:
+        """Optuna's importance evaluator (PED-ANOVA by default) on the metric (negated:
+        the evaluator ranks what makes its target low)."""
+        index = self.objectives.index(self.metric) if self.metric in self.objectives else 0
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "achieve low target": negated
+                return optuna.importance.get_param_importances(
+                    self.study, target=lambda t: -t.values[index]
+                )
+        except (RuntimeError, ValueError, ZeroDivisionError):
+            return {}  # too few trials, or a parameter that never varied
+
+    def policy_effect(self) -> dict[str, float]:
+        """The best setting's metric under each scheduler policy."""
+        best = self.best
+        if best is None or "scheduler.policy" not in best.params:
+            return {}
+        out = {}
+        for choice in self.space.grid()["scheduler.policy"]:
+            m = self.lookup({**best.params, "scheduler.policy": choice})
+            if m is not None:
+                out[choice] = m.value(self.metric)
+        return out
+
+    def pareto(self) -> list[Measurement]:
+        if len(self.objectives) < 2:
+            return []
+        numbers = {t.number for t in self.study.best_trials}
+        return [m for m in self.measured if m.number in numbers]
+
+
+def _is_off(space: SearchSpace, name: str, value: Any) -> bool:
+    return value == "off" or value == space.level(name).off_value
+
+
+def _numeric(curve: list[tuple[Any, float]]) -> list[tuple[float, float]]:
+    return [
+        (float(v), y) for v, y in curve if isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
+
+
+def _knee(curve: list[tuple[Any, float]]) -> Any:
+    """The lowest level whose metric is within `FLAT` of the curve's peak."""
+    if not curve:
+        return None
+    peak = max(y for _, y in curve)
+    points = _numeric(curve) or curve
+    return next(v for v, y in sorted(points, key=lambda p: _order(p[0])) if y >= (1 - FLAT) * peak)
+
+
+def _order(value: Any) -> Any:
+    return (
+        (0, value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+        else (1, str(value))
+    )
+
+
+def _drop(curve: list[tuple[Any, float]]) -> float | None:
+    """How far the metric at the highest level is below the peak (0.1 = 10 % lower)."""
+    points = _numeric(curve)
+    if not points:
+        return None
+    peak = max(y for _, y in points)
+    last = max(points)[1]
+    return 1 - last / peak if peak > 0 else None
+
+
+def _describe(params: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()
+    )

@@ -1,0 +1,102 @@
+"""The ``tune`` and ``report`` commands (called by `overlapkit.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+from rich.console import Console
+
+from . import StudyNotFoundError
+from .analysis import Analysis
+from .config import TuneConfig
+from .report import print_report, report_document, write_report
+from .runner import tune
+from .space import build_space
+from .study import TUNE_FILE, TuneJob, default_storage, open_storage
+
+
+def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> int:
+    from ..scenarios import dump_scenario
+
+    scenario.data.check()
+    scenario.check_setup()
+    base = yaml.safe_load(dump_scenario(scenario))
+    settings = scenario.tune.model_dump()
+    if args.trials is not None:
+        settings["trials"] = args.trials
+    if args.storage:
+        settings["storage"] = args.storage
+    if args.study:
+        settings["study"] = args.study
+    config = TuneConfig(**settings)
+    folder = args.out or Path("runs") / f"{scenario.name}-tune"
+    job = TuneJob(
+        base,
+        config,
+        folder,
+        config.storage or default_storage(folder),
+        config.study or scenario.name,
+    )
+    if args.workers < 1:
+        raise StudyNotFoundError("--workers must be at least 1")
+    cores = os.cpu_count() or 1
+    if args.workers * scenario.world.nprocs > cores:
+        console.print(
+            f"note: {args.workers} workers x {scenario.world.nprocs} ranks on {cores} cores: "
+            "trials running side by side take cores from each other and measure lower"
+        )
+    space = build_space(base.get("optimizations") or {}, config)
+    console.print(
+        f"tuning {scenario.name}: {len(space.dimensions)} parameters "
+        f"({', '.join(d.name for d in space.dimensions)}), grid of {space.grid_size()}; "
+        f"study {job.study_name} in {job.storage_url}"
+    )
+    analysis = tune(job, workers=args.workers, timeout_s=args.timeout, console=console)
+    return _write(analysis, base, folder, args.json, console)
+
+
+def report_command(args: argparse.Namespace, console: Console) -> int:
+    target = Path(args.study)
+    if (target / TUNE_FILE).exists():
+        job = TuneJob.load(target)
+        study = optuna.load_study(
+            study_name=args.study_name or job.study_name, storage=open_storage(job.storage_url)
+        )
+        folder = args.out or target
+    else:
+        if "://" not in args.study and not args.study.startswith("journal:"):
+            raise StudyNotFoundError(
+                f"{args.study} is neither a tune folder (with {TUNE_FILE}) nor a storage URL"
+            )
+        storage = open_storage(args.study)
+        names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
+        name = args.study_name or (names[0] if len(names) == 1 else None)
+        if name not in names:
+            raise StudyNotFoundError(
+                f"choose a study with --study: {', '.join(names) or 'the storage holds none'}"
+            )
+        study = optuna.load_study(study_name=name, storage=storage)
+        folder = args.out or Path("runs") / f"{name}-report"
+    if "scenario" not in study.user_attrs:
+        raise StudyNotFoundError(f"study {study.study_name} was not made by overlapkit tune")
+    base = study.user_attrs["scenario"]
+    config = TuneConfig(**study.user_attrs["tune"])
+    analysis = Analysis.of(study, build_space(base.get("optimizations") or {}, config))
+    return _write(analysis, base, folder, args.json, console)
+
+
+def _write(
+    analysis: Analysis, base: dict[str, Any], folder: Path, as_json: bool, console: Console
+) -> int:
+    files = write_report(analysis, base, folder)
+    if as_json:
+        print(json.dumps(report_document(analysis), indent=2, default=str))
+    else:
+        print_report(report_document(analysis), files, console)
+    return 0

@@ -1,0 +1,126 @@
+"""``overlapkit tune``: run the study's three phases with K local worker processes,
+printing each trial as it finishes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+from rich.console import Console
+
+from .analysis import Analysis
+from .study import (
+    FINISHED,
+    TuneJob,
+    analysis_settings,
+    enqueue,
+    fail_orphans,
+    open_study,
+    quiet_optuna,
+    reference_settings,
+    search_done,
+    waiting,
+    worker_main,
+)
+
+POLL_S = 1.0
+
+
+def tune(
+    job: TuneJob, workers: int = 1, timeout_s: float | None = None, console: Console | None = None
+) -> Analysis:
+    """Run (or continue) the study of ``job``; return its analysis."""
+    console = console or Console(stderr=True)
+    quiet_optuna()
+    job.save()
+    study = open_study(job)
+    deadline = None if timeout_s is None else time.time() + timeout_s
+    orphans = fail_orphans(study)
+    if orphans:
+        console.print(f"trials {orphans} were interrupted: marked failed and queued again")
+    shown = {t.number for t in study.get_trials(deepcopy=False, states=FINISHED)}
+    if shown:
+        console.print(f"study {job.study_name}: {len(shown)} trials already done, continuing")
+    if job.tune.references:
+        enqueue(study, reference_settings(job.space))
+        _phase("references", job, study, waiting(study), workers, deadline, shown, console)
+    remaining = job.tune.trials - search_done(study)
+    _phase("search", job, study, remaining, workers, deadline, shown, console)
+    if job.tune.references:
+        analysis = Analysis.of(study, job.space)
+        if analysis.best is not None:
+            enqueue(
+                study, analysis_settings(job.space, analysis.best.params, analysis.alone_best())
+            )
+            _phase("analysis", job, study, waiting(study), workers, deadline, shown, console)
+    return Analysis.of(study, job.space)
+
+
+def _phase(
+    name: str,
+    job: TuneJob,
+    study: optuna.Study,
+    trials: int,
+    workers: int,
+    deadline: float | None,
+    shown: set[int],
+    console: Console,
+) -> None:
+    if trials <= 0 or (deadline is not None and time.time() >= deadline):
+        return
+    console.print(f"[bold]{name}[/]: {trials} trials on {min(workers, trials)} worker(s)")
+    if workers == 1:  # in this process: no start-up cost
+
+        def show(study: optuna.Study, trial: FrozenTrial) -> None:
+            _show_new(study, shown, console)
+
+        worker_main(job, trials, deadline, callbacks=[show])
+        return
+    shares = [trials // workers + (i < trials % workers) for i in range(workers)]
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(target=worker_main, args=(job, share, deadline), daemon=False)
+        for share in shares
+        if share
+    ]
+    for process in processes:
+        process.start()
+    try:
+        while any(p.is_alive() for p in processes):
+            time.sleep(POLL_S)
+            _show_new(study, shown, console)
+    finally:
+        for process in processes:
+            process.join()
+    _show_new(study, shown, console)
+    failed = [p.exitcode for p in processes if p.exitcode != 0]
+    if failed:
+        console.print(f"[red]{len(failed)} worker(s) stopped with exit codes {failed}[/]")
+
+
+def _show_new(study: optuna.Study, shown: set[int], console: Console) -> None:
+    for trial in study.get_trials(deepcopy=False, states=FINISHED):
+        if trial.number not in shown:
+            shown.add(trial.number)
+            console.print(_line(trial), highlight=False)
+
+
+def _line(trial: FrozenTrial) -> str:
+    role = trial.user_attrs.get("role", "search")
+    params = " ".join(f"{k}={_short(v)}" for k, v in trial.params.items())
+    if trial.state == TrialState.COMPLETE:
+        attrs = trial.user_attrs
+        result = f"{attrs['throughput']:9.1f} samples/s  goodput {attrs['goodput']:9.1f}"
+    elif trial.state == TrialState.PRUNED:
+        result = "pruned".ljust(36)
+    else:
+        reason = str(trial.user_attrs.get("reason", "")).splitlines()
+        result = f"failed ({trial.user_attrs.get('failure', 'error')}: {reason[-1][:60] if reason else ''})"
+    return f"trial {trial.number:4d} {role:<22} {result}  {params}"
+
+
+def _short(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)

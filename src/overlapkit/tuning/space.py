@@ -1,0 +1,242 @@
+"""The search space, declared by the optimizations themselves.
+
+Each searched optimization contributes its ``intensity`` (0 = off) or, when the
+scenario's ``tune.search`` names raw knobs instead, those knobs plus an
+``on`` switch; the scheduler contributes its policy. A parameter is named
+``<optimization>.<knob>`` (``scheduler.policy``), the name Optuna, the report
+and optuna-dashboard show.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..optimizations import get_optimization
+from ..runtime import POLICIES, KnobError
+from .config import TuneConfig
+
+SWEEP_POINTS = 5  # values of a wide numeric knob that a grid or a curve visits
+
+
+class SpaceError(ValueError):
+    """``tune.search`` names something that cannot be searched."""
+
+    def __init__(self, path: str, message: str, allowed: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.allowed = allowed or []
+
+
+@dataclass(frozen=True)
+class Dimension:
+    owner: str  # an optimization's name, or "scheduler"
+    knob: str  # "intensity", "on", "policy" or a raw knob
+    kind: str  # "float", "int" or "categorical"
+    low: float | None = None
+    high: float | None = None
+    step: float | None = None
+    log: bool = False
+    choices: tuple[Any, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}.{self.knob}"
+
+    def suggest(self, trial: Any) -> Any:
+        if self.kind == "categorical":
+            return trial.suggest_categorical(self.name, list(self.choices))
+        if self.kind == "int":
+            return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log)
+        return trial.suggest_float(self.name, self.low, self.high, step=self.step, log=self.log)
+
+    def values(self) -> list[Any]:
+        """The values a grid (or a contention curve) visits, in order."""
+        if self.kind == "categorical":
+            return list(self.choices)
+        low, high = float(self.low), float(self.high)
+        if self.step:
+            count = int(round((high - low) / self.step))
+            return [round(low + i * self.step, 10) for i in range(count + 1)]
+        if self.kind == "int" and high - low < 2 * SWEEP_POINTS:
+            return list(range(int(low), int(high) + 1))
+        if self.log:
+            points = [math.exp(v) for v in _linspace(math.log(low), math.log(high))]
+        else:
+            points = _linspace(low, high)
+        if self.kind == "int":
+            return sorted({int(round(p)) for p in points})
+        return [float(f"{p:.4g}") for p in points]
+
+    @property
+    def off_value(self) -> Any:
+        """The value that turns the owner off (None: it has none)."""
+        return {"intensity": 0.0, "on": False}.get(self.knob)
+
+
+def _linspace(low: float, high: float) -> list[float]:
+    return [low + (high - low) * i / (SWEEP_POINTS - 1) for i in range(SWEEP_POINTS)]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    dimensions: tuple[Dimension, ...]
+
+    @property
+    def optimizations(self) -> list[str]:
+        return list(dict.fromkeys(d.owner for d in self.dimensions if d.owner != "scheduler"))
+
+    def level(self, optimization: str) -> Dimension:
+        """The dimension that sets how hard ``optimization`` overlaps: its intensity,
+        else its first raw knob (the axis of its contention curve)."""
+        own = [d for d in self.dimensions if d.owner == optimization]
+        return next(
+            (d for d in own if d.knob == "intensity"), next(d for d in own if d.knob != "on")
+        )
+
+    def suggest(self, trial: Any) -> dict[str, Any]:
+        return {d.name: d.suggest(trial) for d in self.dimensions}
+
+    def grid(self) -> dict[str, list[Any]]:
+        return {d.name: d.values() for d in self.dimensions}
+
+    def grid_size(self) -> int:
+        return math.prod(len(v) for v in self.grid().values())
+
+    def grid_points(self) -> list[dict[str, Any]]:
+        grid = self.grid()
+        return [
+            dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())
+        ]
+
+    def is_on(self, params: dict[str, Any], optimization: str) -> bool:
+        for d in self.dimensions:
+            if d.owner == optimization and d.off_value is not None:
+                return params[d.name] != d.off_value
+        return True
+
+    def setting(self, base: dict[str, Any], **levels: Any) -> dict[str, Any]:
+        """A full parameter set: every optimization off (``level=None``) unless given in
+        ``levels`` (optimization -> its level value, or "max"), others from ``base``."""
+        params = {}
+        for d in self.dimensions:
+            if d.owner == "scheduler":
+                params[d.name] = base.get(d.name, d.choices[0])
+            elif d.off_value is not None and d.owner not in levels:
+                params[d.name] = d.off_value
+            elif d.knob == "on":
+                params[d.name] = True
+            elif d is self.level(d.owner) and d.owner in levels:
+                value = levels[d.owner]
+                params[d.name] = d.values()[-1] if value == "max" else value
+            else:
+                params[d.name] = base.get(d.name, d.values()[-1])
+        return params
+
+
+def build_space(optimizations: dict[str, Any], tune: TuneConfig) -> SearchSpace:
+    """The space for a scenario's ``optimizations`` section and its ``tune`` section."""
+    search = tune.search if tune.search is not None else {name: None for name in optimizations}
+    dims: list[Dimension] = []
+    for name, knobs in search.items():
+        try:
+            cls = get_optimization(name)
+        except KnobError as error:
+            raise SpaceError(f"tune.search.{name}", str(error), error.allowed) from None
+        if knobs is None:
+            knobs = ["intensity"]
+        if isinstance(knobs, list):
+            knobs = {k: None for k in knobs}
+        if not knobs:
+            raise SpaceError(f"tune.search.{name}", f"tune.search.{name} names no knob to search")
+        if "intensity" not in knobs:
+            dims.append(Dimension(name, "on", "categorical", choices=(True, False)))
+        for knob, given in knobs.items():
+            dims.append(_dimension(cls, knob, given, tune.intensity_step))
+    if tune.policy:
+        dims.append(Dimension("scheduler", "policy", "categorical", choices=tuple(POLICIES)))
+    if not any(d.owner != "scheduler" for d in dims):
+        raise SpaceError("tune.search", "nothing to search: the scenario lists no optimizations")
+    return SearchSpace(tuple(dims))
+
+
+def _dimension(cls: type, knob_name: str, given: Any, step: float) -> Dimension:
+    path = f"tune.search.{cls.name}.{knob_name}"
+    if knob_name == "intensity":
+        if given is not None:
+            raise SpaceError(path, "intensity is searched over 0..1 in tune.intensity_step steps")
+        return Dimension(cls.name, "intensity", "float", 0.0, 1.0, step=step)
+    by_name = {k.name: k for k in cls.knobs}
+    if knob_name not in by_name:
+        allowed = ["intensity", *by_name]
+        raise SpaceError(path, f"{cls.name} has no knob {knob_name!r}", allowed)
+    knob = by_name[knob_name]
+    try:
+        if isinstance(given, list):
+            values = tuple(dict.fromkeys(knob.coerce(v) for v in given))
+            return Dimension(cls.name, knob_name, "categorical", choices=values)
+        if isinstance(given, dict):
+            if knob.type not in (int, float):
+                raise SpaceError(path, f"{knob_name} is not a number: give a list of values")
+            unknown = set(given) - {"low", "high", "log"}
+            if unknown or not {"low", "high"} <= set(given):
+                raise SpaceError(path, "a range is {low: .., high: .., log: true|false}")
+            low, high = knob.coerce(given["low"]), knob.coerce(given["high"])
+            return _numeric(cls.name, knob, low, high, bool(given.get("log", knob.log)), path)
+    except KnobError as error:
+        raise SpaceError(path, str(error), error.allowed) from None
+    if given is not None:
+        raise SpaceError(path, "give a list of values or a {low, high} range")
+    if knob.type is bool:
+        return Dimension(cls.name, knob_name, "categorical", choices=(False, True))
+    if knob.choices is not None:
+        return Dimension(cls.name, knob_name, "categorical", choices=tuple(knob.choices))
+    if knob.type in (int, float) and knob.low is not None and knob.high is not None:
+        return _numeric(cls.name, knob, knob.low, knob.high, knob.log, path)
+    raise SpaceError(
+        path,
+        f"{cls.name}.{knob_name} declares no range or choices: give them, e.g. "
+        f"{{{knob_name}: [a, b, c]}} or {{{knob_name}: {{low: a, high: b}}}}",
+    )
+
+
+def _numeric(owner: str, knob: Any, low: float, high: float, log: bool, path: str) -> Dimension:
+    if low >= high:
+        raise SpaceError(path, f"the range of {knob.name} is empty: {low} to {high}")
+    if log and low <= 0:
+        raise SpaceError(path, f"a log range of {knob.name} must start above 0")
+    kind = "int" if knob.type is int else "float"
+    return Dimension(owner, knob.name, kind, low, high, log=log)
+
+
+def apply_params(
+    base: dict[str, Any], space: SearchSpace, params: dict[str, Any]
+) -> dict[str, Any]:
+    """The scenario data of one trial: ``base`` (a scenario as plain data) with ``params``.
+
+    Where the intensity is searched, the base's values of the knobs it maps are
+    dropped, so that the intensity takes effect; its other knobs (a checkpoint's
+    folder, a pipeline's stages) stay."""
+    data = copy.deepcopy(base)
+    optimizations = dict(data.get("optimizations") or {})
+    for name in space.optimizations:
+        cls = get_optimization(name)
+        intensity = params.get(f"{name}.intensity")
+        if params.get(f"{name}.on") is False or (intensity == 0 and cls.off_at_zero):
+            optimizations.pop(name, None)
+            continue
+        entry = dict(optimizations.get(name) or {})
+        if intensity is not None:
+            mapped = {k.name for k in cls.knobs if k.intensity or k.at_zero is not None}
+            entry = {k: v for k, v in entry.items() if k not in mapped}
+        for d in space.dimensions:
+            if d.owner == name and d.knob != "on":
+                entry[d.knob] = params[d.name]
+        optimizations[name] = entry
+    data["optimizations"] = optimizations
+    if "scheduler.policy" in params:
+        data["scheduler"] = {**(data.get("scheduler") or {}), "policy": params["scheduler.policy"]}
+    return data

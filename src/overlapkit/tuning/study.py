@@ -1,0 +1,306 @@
+"""The Optuna study behind ``overlapkit tune``: storage, objective, workers, phases.
+
+A tune folder holds ``tune.json`` (where the study lives), ``study.db`` (the
+default SQLite storage), ``trials/NNNNN/`` (each trial's scenario, run folder
+and stderr) and the report. The study runs in three phases, each by K worker
+processes sharing the study through its storage:
+
+1. references: every optimization off, each alone along its level, all on at
+   full intensity (the naive combination) — the report's comparison rows;
+2. search: ``tune.trials`` trials chosen by the sampler (TPE, random or grid);
+3. analysis: around the best setting, each optimization's level swept with the
+   others held (its contention curve), each pair on together, and the best
+   setting under the other scheduler policy.
+
+Trials already in the study are never run twice: an interrupted ``tune`` run
+again on the same folder (or storage) continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from .config import TuneConfig
+from .goodput import checkpoint_figures, goodput, lost_per_failure_s
+from .space import SearchSpace, apply_params, build_space
+from .trial import TrialFailed, TrialStopped, run_trial, trial_scenario
+
+TUNE_FILE = "tune.json"
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+METRICS = ("throughput", "goodput")
+
+
+@dataclass
+class TuneJob:
+    """Everything a worker needs, as plain data (it crosses process boundaries)."""
+
+    base: dict[str, Any]  # the scenario, as plain data
+    tune: TuneConfig
+    folder: Path
+    storage_url: str
+    study_name: str
+
+    @property
+    def space(self) -> SearchSpace:
+        return build_space(self.base.get("optimizations") or {}, self.tune)
+
+    @property
+    def objectives(self) -> list[str]:
+        return list(METRICS) if self.tune.objective == "both" else [self.tune.objective]
+
+    def save(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        document = {
+            "storage": self.storage_url,
+            "study": self.study_name,
+            "scenario": self.base,
+            "tune": self.tune.model_dump(mode="json"),
+        }
+        (self.folder / TUNE_FILE).write_text(json.dumps(document, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: Path) -> TuneJob:
+        document = json.loads((folder / TUNE_FILE).read_text())
+        return cls(
+            document["scenario"],
+            TuneConfig(**document["tune"]),
+            folder,
+            document["storage"],
+            document["study"],
+        )
+
+
+def default_storage(folder: Path) -> str:
+    return f"sqlite:///{folder.resolve() / 'study.db'}"
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    """An Optuna storage for ``url``: ``journal:PATH`` for a journal file, else a
+    database URL (sqlite:///..., postgresql+psycopg2://...). Database storages
+    keep a heartbeat, so a trial whose worker died is failed and run again."""
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        return JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
+    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    return optuna.storages.RDBStorage(
+        url,
+        engine_kwargs=engine_kwargs,
+        heartbeat_interval=15,
+        grace_period=60,
+        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+            max_retry=1
+        ),
+    )
+
+
+def open_study(job: TuneJob) -> optuna.Study:
+    tune, space = job.tune, job.space
+    sampler: optuna.samplers.BaseSampler
+    if tune.sampler == "grid":
+        sampler = optuna.samplers.GridSampler(space.grid())
+    elif tune.sampler == "random":
+        sampler = optuna.samplers.RandomSampler()
+    else:
+        sampler = optuna.samplers.TPESampler(multivariate=True, n_startup_trials=5)
+    prunes = tune.prune and len(job.objectives) == 1
+    pruner = (
+        optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=max(2, tune.steps // 3))
+        if prunes
+        else optuna.pruners.NopPruner()
+    )
+    study = optuna.create_study(
+        storage=open_storage(job.storage_url),
+        study_name=job.study_name,
+        directions=["maximize"] * len(job.objectives),
+        sampler=sampler,
+        pruner=pruner,
+        load_if_exists=True,
+    )
+    if len(study.directions) != len(job.objectives):
+        raise ValueError(
+            f"study {job.study_name!r} exists with {len(study.directions)} objective(s); "
+            f"this tune asks for {job.tune.objective}: use another --study"
+        )
+    if "objectives" not in study.user_attrs:
+        study.set_metric_names(job.objectives)
+        study.set_user_attr("objectives", job.objectives)
+        study.set_user_attr("scenario", job.base)
+        study.set_user_attr("tune", job.tune.model_dump(mode="json"))
+    return study
+
+
+# ------------------------------------------------------------------ one trial
+def trial_metrics(summary: dict[str, Any], tune: TuneConfig) -> dict[str, Any]:
+    """The numbers a trial records: both objectives and where the step's time went."""
+    interval_s, persist_s = checkpoint_figures(summary)
+    lost = lost_per_failure_s(interval_s, persist_s, tune.restart_s, tune.job_hours * 3600)
+    throughput = summary["samples_per_s"]
+    return {
+        "throughput": throughput,
+        "goodput": goodput(throughput, lost, tune.mtbf_hours * 3600),
+        "checkpoint_interval_s": interval_s,
+        "persist_s": persist_s,
+        "lost_per_failure_s": lost,
+        "step_time_s": summary["step_time_s"]["mean"],
+        "phase_shares": summary["phase_shares"],
+        "background_chunks_yielded": summary["scheduler"].get("background_chunks_yielded", 0),
+    }
+
+
+class Objective:
+    def __init__(self, job: TuneJob) -> None:
+        self.job, self.space = job, job.space
+
+    def __call__(self, trial: optuna.Trial) -> float | tuple[float, ...]:
+        job = self.job
+        params = self.space.suggest(trial)
+        trial.set_user_attr("host", socket.gethostname())
+        trial.set_user_attr("pid", os.getpid())
+        trial.set_user_attr("role", trial.user_attrs.get("role", "search"))
+        folder = job.folder / "trials" / f"{trial.number:05d}"
+        trial.set_user_attr("folder", str(folder))
+        data = trial_scenario(
+            apply_params(job.base, self.space, params), job.tune.steps, job.tune.warmup_steps
+        )
+        watch = None
+        # Only the sampler's trials are pruned: the others are the report's reference rows.
+        prunable = trial.user_attrs["role"] == "search"
+        if prunable and isinstance(trial.study.pruner, optuna.pruners.MedianPruner):
+
+            def watch(step: int, value: float) -> bool:
+                trial.report(value, step)
+                return trial.should_prune()
+
+        try:
+            summary = run_trial(data, folder, job.tune.trial_timeout_s, watch)
+        except TrialStopped:
+            raise optuna.TrialPruned() from None
+        except TrialFailed as failure:
+            trial.set_user_attr("failure", failure.kind)
+            trial.set_user_attr("reason", failure.reason)
+            raise
+        metrics = trial_metrics(summary, job.tune)
+        for key, value in metrics.items():
+            trial.set_user_attr(key, value)
+        values = tuple(metrics[name] for name in job.objectives)
+        return values[0] if len(values) == 1 else values
+
+
+def quiet_optuna() -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def worker_main(
+    job: TuneJob,
+    n_trials: int,
+    deadline: float | None,
+    callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] | None = None,
+) -> None:
+    """One worker: run up to ``n_trials`` trials of the study (queued ones first)."""
+    quiet_optuna()
+    study = open_study(job)
+    timeout = None if deadline is None else max(1.0, deadline - time.time())
+    study.optimize(
+        Objective(job),
+        n_trials=n_trials,
+        timeout=timeout,
+        catch=(TrialFailed,),
+        callbacks=callbacks,
+    )
+
+
+# --------------------------------------------------------------------- phases
+def fail_orphans(study: optuna.Study) -> list[int]:
+    """Trials left running by a worker of this machine that is gone (an interrupted
+    tune): mark them failed and queue their settings again. Returns their numbers."""
+    host, orphans = socket.gethostname(), []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        pid = trial.user_attrs.get("pid")
+        if trial.user_attrs.get("host") != host or pid is None or _alive(pid):
+            continue
+        storage = study._storage
+        storage.set_trial_user_attr(trial._trial_id, "failure", "interrupted")
+        storage.set_trial_user_attr(trial._trial_id, "reason", f"its worker (pid {pid}) is gone")
+        storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        study.enqueue_trial(trial.params, user_attrs={"role": trial.user_attrs.get("role")})
+        orphans.append(trial.number)
+    return orphans
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def waiting(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+
+def search_done(study: optuna.Study) -> int:
+    return sum(
+        1
+        for t in study.get_trials(deepcopy=False, states=FINISHED)
+        if t.user_attrs.get("role") == "search"
+    )
+
+
+def reference_settings(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
+    """Baseline, each optimization alone along its level, and all on at full level."""
+    base = {"scheduler.policy": "free"}
+    out = [("baseline", space.setting(base))]
+    for name in space.optimizations:
+        for value in space.level(name).values():
+            params = space.setting(base, **{name: value})
+            if space.is_on(params, name):
+                out.append((f"alone:{name}", params))
+    every = {name: "max" for name in space.optimizations}
+    out.append(("all_on", space.setting(base, **every)))
+    return out
+
+
+def analysis_settings(
+    space: SearchSpace, best: dict[str, Any], alone_best: dict[str, Any]
+) -> list[tuple[str, dict[str, Any]]]:
+    """Around the best setting: each level swept with the others held; each pair at
+    its alone-best levels; the best setting under every other policy."""
+    out = []
+    for name in space.optimizations:
+        level = space.level(name)
+        for value in level.values():
+            out.append((f"sweep:{name}", {**best, level.name: value}))
+            if level.off_value is None and f"{name}.on" in best:
+                out.append((f"sweep:{name}", {**best, f"{name}.on": False}))
+    for a, b in combinations(space.optimizations, 2):
+        if a in alone_best and b in alone_best:
+            levels = {a: alone_best[a], b: alone_best[b]}
+            out.append((f"pair:{a}+{b}", space.setting({"scheduler.policy": "free"}, **levels)))
+    policy = next((d for d in space.dimensions if d.name == "scheduler.policy"), None)
+    if policy is not None:
+        for choice in policy.choices:
+            if choice != best["scheduler.policy"]:
+                out.append(("policy", {**best, "scheduler.policy": choice}))
+    return out
+
+
+def enqueue(study: optuna.Study, settings: list[tuple[str, dict[str, Any]]]) -> None:
+    for role, params in settings:
+        study.enqueue_trial(params, user_attrs={"role": role}, skip_if_exists=True)

@@ -1,0 +1,150 @@
+"""One trial: the scenario with one setting, run as ``overlapkit run`` in processes
+of its own (its own process group, its own port), watched step by step.
+
+A crash, an out-of-memory kill or a hang ends that trial only; its reason is
+kept. The live step log lets the caller stop a clearly bad trial early.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..runtime.report import LIVE_STEPS
+
+POLL_S = 0.2
+REASON_CHARS = 1500
+
+
+class TrialFailed(RuntimeError):
+    """The trial's run failed; ``kind`` is invalid, crashed, killed or timeout."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"{kind}: {reason}")
+        self.kind, self.reason = kind, reason
+
+
+class TrialStopped(RuntimeError):
+    """The watcher asked to stop the trial (it is being pruned)."""
+
+
+def trial_scenario(data: dict[str, Any], steps: int, warmup_steps: int) -> dict[str, Any]:
+    """A trial's scenario: the measured window of the tuner, no evaluation, a fresh
+    start, and checkpoints (if any) inside the trial's own folder."""
+    data = json.loads(json.dumps(data))
+    train = data.setdefault("train", {})
+    train.update(steps=steps, warmup_steps=warmup_steps, eval={"every": 0, "at_end": False})
+    checkpoint = (data.get("optimizations") or {}).get("checkpoint")
+    if checkpoint is not None:
+        checkpoint.update(dir="checkpoints", resume=False, final=False)
+    data.pop("tune", None)
+    return data
+
+
+def run_trial(
+    data: dict[str, Any],
+    folder: Path,
+    timeout_s: float,
+    on_step: Callable[[int, float], bool] | None = None,
+) -> dict[str, Any]:
+    """Run the trial scenario ``data`` in ``folder``; return its summary.
+
+    ``on_step(measured_steps, samples_per_s_so_far)`` is called as measured steps
+    finish; returning True stops the run and raises `TrialStopped`.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    scenario_file = folder / "scenario.yaml"
+    scenario_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    run_dir = folder / "run"
+    command = [sys.executable, "-m", "overlapkit", "run", str(scenario_file)]
+    command += ["--out", str(run_dir), "--quiet", "--fresh"]
+    stderr_path = folder / "stderr.txt"
+    with open(folder / "stdout.txt", "wb") as out, open(stderr_path, "wb") as err:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=err, start_new_session=True, env=_child_env()
+        )
+        try:
+            _watch(process, run_dir / LIVE_STEPS, timeout_s, on_step)
+        finally:
+            _kill_group(process)
+    _remove_checkpoints(run_dir)
+    if process.returncode != 0:
+        raise _failure(process.returncode, stderr_path.read_text(errors="replace"))
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("TORCHELASTIC_RUN_ID", None)  # a trial is a run of its own, never part of ours
+    return env
+
+
+def _watch(
+    process: subprocess.Popen[bytes],
+    live: Path,
+    timeout_s: float,
+    on_step: Callable[[int, float], bool] | None,
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    seen, samples, seconds, offset = 0, 0.0, 0.0, 0
+    while process.poll() is None:
+        if time.monotonic() > deadline:
+            _kill_group(process)
+            raise TrialFailed("timeout", f"no result within {timeout_s:g} s")
+        time.sleep(POLL_S)
+        if on_step is None or not live.exists():
+            continue
+        with open(live) as f:
+            f.seek(offset)
+            lines = f.readlines()
+            if lines and not lines[-1].endswith("\n"):
+                lines.pop()  # half written: read it next time
+            offset += sum(len(line) for line in lines)
+        for line in lines:
+            record = json.loads(line)
+            if record["warmup"]:
+                continue
+            seen += 1
+            samples += record["samples_per_s"] * record["step_time_s"]
+            seconds += record["step_time_s"]
+            if seconds > 0 and on_step(seen, samples / seconds):
+                _kill_group(process)
+                raise TrialStopped
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """Stop the run and every process it started (its ranks, their loader workers)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
+def _remove_checkpoints(run_dir: Path) -> None:
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
+def _failure(returncode: int, stderr: str) -> TrialFailed:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    tail = "\n".join(lines[-12:])[-REASON_CHARS:] or "(nothing on stderr)"
+    if returncode == 2:
+        return TrialFailed("invalid", tail)
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        hint = " (out of memory?)" if -returncode == signal.SIGKILL else ""
+        return TrialFailed("killed", f"killed by {name}{hint}\n{tail}")
+    if "out of memory" in stderr.lower() or "MemoryError" in stderr:
+        return TrialFailed("out_of_memory", tail)
+    return TrialFailed("crashed", f"exit status {returncode}\n{tail}")
