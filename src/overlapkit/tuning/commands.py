@@ -47,17 +47,18 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
         raise StudyNotFoundError("--workers must be at least 1")
     cores = os.cpu_count() or 1
     if args.workers * scenario.world.nprocs > cores:
-        console.print(
+        Console(stderr=True).print(
             f"note: {args.workers} workers x {scenario.world.nprocs} ranks on {cores} cores: "
             "trials running side by side take cores from each other and measure lower"
         )
     space = build_space(base.get("optimizations") or {}, config)
-    console.print(
+    Console(stderr=True).print(
         f"tuning {scenario.name}: {len(space.dimensions)} parameters "
         f"({', '.join(d.name for d in space.dimensions)}), grid of {space.grid_size()}; "
         f"study {job.study_name} in {job.storage_url}"
     )
-    analysis = tune(job, workers=args.workers, timeout_s=args.timeout, console=console)
+    progress = Console(stderr=True)  # trial lines: stdout keeps the table (or the JSON)
+    analysis = tune(job, workers=args.workers, timeout_s=args.timeout, console=progress)
     return _write(analysis, base, folder, args.json, console)
 
 

@@ -95,15 +95,17 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
 
         return JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    return optuna.storages.RDBStorage(
-        url,
-        engine_kwargs=engine_kwargs,
-        heartbeat_interval=15,
-        grace_period=60,
-        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-            max_retry=1
-        ),
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(
+            url,
+            engine_kwargs=engine_kwargs,
+            heartbeat_interval=15,
+            grace_period=60,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                max_retry=1
+            ),
+        )
 
 
 def open_study(job: TuneJob) -> optuna.Study:
@@ -256,10 +258,12 @@ def waiting(study: optuna.Study) -> int:
 
 
 def search_done(study: optuna.Study) -> int:
+    """The sampler's trials that count against its budget (an interrupted one does
+    not: it is queued again)."""
     return sum(
         1
         for t in study.get_trials(deepcopy=False, states=FINISHED)
-        if t.user_attrs.get("role") == "search"
+        if t.user_attrs.get("role") == "search" and t.user_attrs.get("failure") != "interrupted"
     )
 
 

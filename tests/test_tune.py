@@ -1,0 +1,299 @@
+"""overlapkit tune and report: the search space, goodput, a study end to end,
+workers sharing a study, failed trials, an interrupted study, the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+import sqlalchemy
+import yaml
+from conftest import ROOT, TINY_SCENARIO, run_cli
+from optuna.trial import TrialState
+
+from overlapkit.tuning import TuneConfig
+from overlapkit.tuning.goodput import goodput, lost_per_failure_s
+from overlapkit.tuning.space import SpaceError, apply_params, build_space
+from overlapkit.tuning.study import open_storage, trial_metrics
+
+
+def scenario_with(tiny_scenario, optimizations: str, tune: str):
+    return tiny_scenario(TINY_SCENARIO + f"optimizations: {optimizations}\ntune: {tune}\n")
+
+
+def load(folder, name="tiny"):
+    return optuna.load_study(
+        study_name=name, storage=open_storage(f"sqlite:///{folder / 'study.db'}")
+    )
+
+
+# --------------------------------------------------------------------- goodput
+def test_goodput_on_known_inputs():
+    # Every 10 s with a 2 s persist and a 60 s restart: a failure costs 5 + 2 + 60 s.
+    assert lost_per_failure_s(10.0, 2.0, 60.0, job_s=86400) == 67.0
+    assert goodput(1000.0, 67.0, mtbf_s=3600) == pytest.approx(1000 * (1 - 67 / 3600))
+    # No checkpoints: half the job is lost on average.
+    assert lost_per_failure_s(None, 0.0, 60.0, job_s=7200) == 3660.0
+    assert goodput(1000.0, 3660.0, mtbf_s=3600) == 0.0  # more lost than gained: nothing
+    # From a run's summary: every 10 steps of 0.5 s, a 2 s persist, MTBF 1 h.
+    summary = {
+        "samples_per_s": 800.0,
+        "step_time_s": {"mean": 0.5},
+        "phase_shares": {"forward": 0.5},
+        "scheduler": {"policy": "free"},
+        "optimizations": {"checkpoint": {"every": 10, "persist_s_mean": 2.0}},
+    }
+    tune = TuneConfig(mtbf_hours=1.0, restart_s=30.0)
+    metrics = trial_metrics(summary, tune)
+    assert metrics["checkpoint_interval_s"] == 5.0
+    assert metrics["lost_per_failure_s"] == 2.5 + 2.0 + 30.0
+    assert metrics["goodput"] == pytest.approx(800 * (1 - 34.5 / 3600))
+    # The same throughput without checkpoints, over a 24 h job, is worth nothing at this MTBF;
+    # frequent checkpoints win even at a lower throughput.
+    del summary["optimizations"]["checkpoint"]
+    assert trial_metrics(summary, tune)["goodput"] == 0.0
+
+
+# ------------------------------------------------------------------------ space
+def test_the_space_comes_from_the_knob_declarations():
+    tune = TuneConfig(
+        search={
+            "checkpoint": {"every": [1, 5, 20]},
+            "ddp_overlap": ["intensity", "comm_hook"],
+            "toy_probe": {"depth": {"low": 2, "high": 16, "log": True}},
+        },
+        intensity_step=0.5,
+    )
+    space = build_space({}, tune)
+    dims = {d.name: d for d in space.dimensions}
+    assert list(dims) == [
+        "checkpoint.on",
+        "checkpoint.every",
+        "ddp_overlap.intensity",
+        "ddp_overlap.comm_hook",
+        "toy_probe.on",
+        "toy_probe.depth",
+        "scheduler.policy",
+    ]
+    assert dims["checkpoint.every"].values() == [1, 5, 20]
+    assert dims["ddp_overlap.intensity"].values() == [0.0, 0.5, 1.0]
+    assert "fp16" in dims["ddp_overlap.comm_hook"].values()  # the declared choices
+    assert dims["toy_probe.depth"].values() == [2, 3, 6, 10, 16]  # log-spaced
+    assert dims["scheduler.policy"].values() == ["free", "priority"]
+    assert space.level("checkpoint").name == "checkpoint.every"
+    # By default: each optimization of the scenario by its intensity.
+    default = build_space({"checkpoint": {"every": 3}, "prefetch": None}, TuneConfig(policy=False))
+    assert [d.name for d in default.dimensions] == ["checkpoint.intensity", "prefetch.intensity"]
+
+
+def test_a_trials_scenario_applies_the_setting():
+    base = {
+        "name": "s",
+        "optimizations": {"checkpoint": {"every": 3, "dir": "ck"}, "prefetch": {"workers": 2}},
+    }
+    space = build_space(base["optimizations"], TuneConfig())
+    params = {
+        "checkpoint.intensity": 0.5,
+        "prefetch.intensity": 0.0,
+        "scheduler.policy": "priority",
+    }
+    data = apply_params(base, space, params)
+    # The intensity replaces the knobs it maps (every), the others stay (dir).
+    assert data["optimizations"]["checkpoint"] == {"dir": "ck", "intensity": 0.5}
+    # prefetch at 0 is a mode of its own (synchronous loading), not removed.
+    assert data["optimizations"]["prefetch"] == {"intensity": 0.0}
+    assert data["scheduler"]["policy"] == "priority"
+    off = apply_params(base, space, {**params, "checkpoint.intensity": 0.0})
+    assert "checkpoint" not in off["optimizations"]
+    assert base["optimizations"]["checkpoint"] == {"every": 3, "dir": "ck"}  # untouched
+
+
+@pytest.mark.parametrize(
+    ("tune", "expected"),
+    [
+        (
+            "{search: {checkpoint: [evry]}}",
+            "tune.search.checkpoint.evry: checkpoint has no knob 'evry'",
+        ),
+        ("{search: {checkpoint: [dir]}}", "declares no range or choices"),
+        ("{search: {nope: [intensity]}}", "tune.search.nope"),
+        ("{search: {checkpoint: {every: {low: 5, high: 2}}}}", "the range of every is empty"),
+    ],
+)
+def test_a_bad_search_names_the_line_and_what_is_allowed(tiny_scenario, tune, expected):
+    path = scenario_with(tiny_scenario, "{checkpoint: {every: 2}}", tune)
+    result = run_cli("check", path)
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert f"{path}:13" in result.stderr.replace("\n", "")  # the tune line
+    with pytest.raises(SpaceError):
+        build_space({}, TuneConfig(**yaml.safe_load(tune)))
+
+
+# -------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
+    path = scenario_with(
+        tiny_scenario,
+        "{toy_sleep: {intensity: 1}, checkpoint: {every: 2}}",
+        "{trials: 2, intensity_step: 1, steps: 4, warmup_steps: 1, objective: both, mtbf_hours: 2, job_hours: 1}",
+    )
+    out = tmp_path / "tune"
+    result = run_cli("tune", path, "--out", out, timeout=600)
+    assert result.returncode == 0, result.stderr
+    for name in (
+        "report.md",
+        "report.html",
+        "report.json",
+        "best.yaml",
+        "contention.png",
+        "history.png",
+        "pareto.png",
+        "study.db",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    document = json.loads((out / "report.json").read_text())
+    rows = {row["row"]: row for row in document["comparison"]}
+    assert list(rows) == [
+        "baseline (all off)",
+        "toy_sleep alone",
+        "checkpoint alone",
+        "all on, full (naive)",
+        "tuned best",
+    ]
+    for row in rows.values():
+        assert row["throughput"] > 0 and row["goodput"] >= 0 and row["vs_baseline"] > 0, row
+    # 40 ms of sleep per step is never worth it: the tuned best has it off.
+    assert document["best"]["params"]["toy_sleep.intensity"] == 0.0
+    assert rows["toy_sleep alone"]["throughput"] < 0.8 * rows["baseline (all off)"]["throughput"]
+    # Two objectives: a Pareto front. At a 2 h MTBF a 1 h job without checkpoints loses
+    # a quarter of its time (plus restarts); checkpoints every step lose almost nothing.
+    assert document["pareto"]
+    baseline = rows["baseline (all off)"]
+    assert baseline["goodput"] == pytest.approx(baseline["throughput"] * (1 - 1860 / 7200))
+    assert document["curves"]["toy_sleep"]["contention_point"] == 0.0
+    assert set(document["policy"]) == {"free", "priority"}
+    markdown = (out / "report.md").read_text()
+    assert "| tuned best |" in markdown and "contention.png" in markdown
+    # Every trial kept its numbers, and the best setting is a runnable scenario.
+    study = load(out)
+    complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(complete) >= 6
+    assert all("forward" in t.user_attrs["phase_shares"] for t in complete)
+    assert run_cli("check", out / "best.yaml").returncode == 0
+    # The report command gives the same table from the folder or from the storage URL.
+    again = run_cli("report", out, "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["comparison"] == document["comparison"]
+    by_url = run_cli("report", f"sqlite:///{out / 'study.db'}", "--out", tmp_path / "r2")
+    assert by_url.returncode == 0 and (tmp_path / "r2" / "report.md").exists()
+
+
+@pytest.mark.slow
+def test_two_workers_share_one_study_without_losing_or_repeating_trials(tiny_scenario, tmp_path):
+    path = scenario_with(
+        tiny_scenario,
+        "{toy_sleep: {intensity: 1}}",
+        "{trials: 6, references: false, sampler: random, prune: false, steps: 2, warmup_steps: 1}",
+    )
+    journal = tmp_path / "shared.log"
+    result = run_cli(
+        "tune",
+        path,
+        "--out",
+        tmp_path / "tune",
+        "--workers",
+        "2",
+        "--storage",
+        f"journal:{journal}",
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    study = optuna.load_study(study_name="tiny", storage=open_storage(f"journal:{journal}"))
+    assert sorted(t.number for t in study.trials) == list(range(6))
+    assert all(t.state == TrialState.COMPLETE for t in study.trials)
+    assert len({t.user_attrs["pid"] for t in study.trials}) == 2  # both workers ran trials
+    for trial in study.trials:
+        assert (
+            tmp_path / "tune" / "trials" / f"{trial.number:05d}" / "run" / "summary.json"
+        ).exists()
+
+
+@pytest.mark.slow
+def test_failed_trials_are_recorded_with_their_reason_and_the_study_goes_on(
+    tiny_scenario, tmp_path
+):
+    path = scenario_with(
+        tiny_scenario,
+        "{toy_fail: {rank: 0, step: 0}}",
+        "{trials: 1, policy: false, steps: 2, warmup_steps: 1, search: {toy_fail: {how: [raise, sigkill]}}}",
+    )
+    out = tmp_path / "tune"
+    result = run_cli("tune", path, "--out", out, timeout=600)
+    assert result.returncode == 0, result.stderr
+    study = load(out)
+    failed = {t.user_attrs["failure"]: t for t in study.trials if t.state == TrialState.FAIL}
+    assert set(failed) == {"crashed", "killed"}
+    assert "toy failure on rank 0" in failed["crashed"].user_attrs["reason"]
+    assert "SIGKILL" in failed["killed"].user_attrs["reason"]
+    assert any(t.state == TrialState.COMPLETE for t in study.trials)  # the baseline ran after
+    assert "## Failed trials" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
+    path = scenario_with(
+        tiny_scenario,
+        "{toy_sleep: {intensity: 1}}",
+        "{trials: 4, references: false, sampler: random, prune: false, steps: 3, warmup_steps: 1}",
+    )
+    out = tmp_path / "tune"
+    command = [sys.executable, "-m", "overlapkit", "tune", str(path), "--out", str(out)]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                states = [t.state for t in load(out).trials]
+            except (KeyError, OSError, sqlalchemy.exc.SQLAlchemyError):
+                continue  # the study is not there yet
+            if states.count(TrialState.COMPLETE) >= 1 and TrialState.RUNNING in states:
+                break
+        else:
+            pytest.fail("the first tune never got one trial done")
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the tuner and the trial it is running
+        process.wait()
+    before = {t.number: t.state for t in load(out).trials}
+    done_before = [n for n, s in before.items() if s == TrialState.COMPLETE]
+    result = run_cli("tune", path, "--out", out, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "already done, continuing" in result.stderr
+    study = load(out)
+    interrupted = [t for t in study.trials if t.user_attrs.get("failure") == "interrupted"]
+    assert len(interrupted) == 1 and interrupted[0].number not in done_before
+    complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    # The finished trials were kept, not run again; the budget of 4 was filled up.
+    assert {t.number for t in complete} >= set(done_before)
+    assert (
+        sum(
+            1
+            for t in study.trials
+            if t.user_attrs.get("role") == "search" and t.state != TrialState.FAIL
+        )
+        == 4
+    )
+    assert not [t for t in study.trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
