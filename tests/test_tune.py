@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from conftest import ROOT, TINY_SCENARIO, run_cli
 from optuna.trial import TrialState
 
 from overlapkit.tuning import TuneConfig
-from overlapkit.tuning.goodput import goodput, lost_per_failure_s
+from overlapkit.tuning.goodput import efficiency, goodput
 from overlapkit.tuning.space import SpaceError, apply_params, build_space
 from overlapkit.tuning.study import open_storage, trial_metrics
 
@@ -56,12 +57,18 @@ def dashboard_get(folder, path):
 
 # --------------------------------------------------------------------- goodput
 def test_goodput_on_known_inputs():
-    # Every 10 s with a 2 s persist and a 60 s restart: a failure costs 5 + 2 + 60 s.
-    assert lost_per_failure_s(10.0, 2.0, 60.0, job_s=86400) == 67.0
-    assert goodput(1000.0, 67.0, mtbf_s=3600) == pytest.approx(1000 * (1 - 67 / 3600))
-    # No checkpoints: half the job is lost on average.
-    assert lost_per_failure_s(None, 0.0, 60.0, job_s=7200) == 3660.0
-    assert goodput(1000.0, 3660.0, mtbf_s=3600) == 0.0  # more lost than gained: nothing
+    # Every 10 s, a 2 s persist, a 60 s restart, MTBF 1 h: Daly's expected time per segment.
+    share = efficiency(10.0, 2.0, 60.0, mtbf_s=3600, job_s=86400)
+    assert share == pytest.approx(10 / ((3600 + 62) * math.expm1(10 / 3600)))
+    # ... which is, to first order, 1 - (interval/2 + persist + restart) / MTBF.
+    assert share == pytest.approx(1 - (5 + 2 + 60) / 3600, abs=1e-3)
+    assert goodput(1000.0, share) == pytest.approx(1000 * share)
+    # No checkpoints: the 2 h job is one segment, 30 % of the throughput survives.
+    none = efficiency(None, 0.0, 60.0, mtbf_s=3600, job_s=7200)
+    assert none == pytest.approx(7200 / (3660 * math.expm1(2)))
+    assert 0.30 < none < 0.31
+    assert efficiency(None, 0.0, 0.0, mtbf_s=60, job_s=10**6) == 0.0  # overflow: nothing
+    assert efficiency(10.0, 0.0, 0.0, mtbf_s=1e12, job_s=1) == pytest.approx(1.0)  # no failures
     # From a run's summary: every 10 steps of 0.5 s, a 2 s persist, MTBF 1 h.
     summary = {
         "samples_per_s": 800.0,
@@ -70,15 +77,18 @@ def test_goodput_on_known_inputs():
         "scheduler": {"policy": "free"},
         "optimizations": {"checkpoint": {"every": 10, "persist_s_mean": 2.0}},
     }
-    tune = TuneConfig(mtbf_hours=1.0, restart_s=30.0)
+    tune = TuneConfig(mtbf_hours=1.0, restart_s=30.0, job_hours=4.0)
     metrics = trial_metrics(summary, tune)
     assert metrics["checkpoint_interval_s"] == 5.0
-    assert metrics["lost_per_failure_s"] == 2.5 + 2.0 + 30.0
-    assert metrics["goodput"] == pytest.approx(800 * (1 - 34.5 / 3600))
-    # The same throughput without checkpoints, over a 24 h job, is worth nothing at this MTBF;
-    # frequent checkpoints win even at a lower throughput.
+    assert metrics["efficiency"] == pytest.approx(efficiency(5.0, 2.0, 30.0, 3600, 4 * 3600))
+    assert metrics["goodput"] == pytest.approx(800 * metrics["efficiency"])
+    # The same throughput without checkpoints keeps 7 % over a 4 h job at this MTBF:
+    # frequent checkpoints win even at a much lower throughput.
     del summary["optimizations"]["checkpoint"]
-    assert trial_metrics(summary, tune)["goodput"] == 0.0
+    assert trial_metrics(summary, tune)["goodput"] == pytest.approx(
+        800 * 4 / ((1 + 30 / 3600) * math.expm1(4))
+    )
+    assert trial_metrics(summary, tune)["goodput"] < 0.1 * metrics["goodput"]
 
 
 # ------------------------------------------------------------------------ space
@@ -193,11 +203,12 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     # 40 ms of sleep per step is never worth it: the tuned best has it off.
     assert document["best"]["params"]["toy_sleep.intensity"] == 0.0
     assert rows["toy_sleep alone"]["throughput"] < 0.8 * rows["baseline (all off)"]["throughput"]
-    # Two objectives: a Pareto front. At a 2 h MTBF a 1 h job without checkpoints loses
-    # a quarter of its time (plus restarts); checkpoints every step lose almost nothing.
+    # Two objectives: a Pareto front. At a 2 h MTBF a 1 h job without checkpoints keeps
+    # 76 % of its throughput; checkpoints every step lose almost nothing.
     assert document["pareto"]
     baseline = rows["baseline (all off)"]
-    assert baseline["goodput"] == pytest.approx(baseline["throughput"] * (1 - 1860 / 7200))
+    kept = 3600 / ((7200 + 60) * math.expm1(0.5))
+    assert baseline["goodput"] == pytest.approx(baseline["throughput"] * kept)
     assert document["curves"]["toy_sleep"]["contention_point"] == 0.0
     assert set(document["policy"]) == {"free", "priority"}
     markdown = (out / "report.md").read_text()

@@ -269,8 +269,8 @@ def _knee(curve: list[tuple[Any, float]]) -> Any:
     if not curve:
         return None
     peak = max(y for _, y in curve)
-    points = _numeric(curve) or curve
-    return next(v for v, y in sorted(points, key=lambda p: _order(p[0])) if y >= (1 - FLAT) * peak)
+    ordered = sorted(curve, key=lambda p: _order(p[0]))
+    return next(v for v, y in ordered if y >= (1 - FLAT) * peak)
 
 
 def _order(value: Any) -> Any:

@@ -1,14 +1,17 @@
 """Goodput: throughput discounted by the work that failures throw away.
 
-A first-order model in the style of Young and Daly. Failures arrive at rate
-1 / MTBF. Each one costs the time to notice it, restart and restore
-(``restart_s``) plus the work done since the last *durable* checkpoint: on
-average half an interval, plus the persist latency (a checkpoint counts only
-once it is on disk). Without checkpoints that work is, on average, half the
-job. The useful fraction of time is what is left:
+Failures arrive at rate λ = 1 / MTBF. Work is made safe in segments: one
+checkpoint interval τ (without checkpoints, the whole job). A failure costs
+the work done since the segment began, plus the time to notice it, restart
+and restore (``restart_s``), plus the persist latency p (a checkpoint counts
+only once it is durable). The expected time to get one segment done is then
+(Daly's model, first order in R + p)
 
-    lost per failure   L = interval / 2 + persist + restart
-    goodput            = throughput * max(0, 1 - L / MTBF)
+    E[T] = (1/λ + restart + p) · (exp(λ·τ) − 1)
+
+and goodput = throughput · τ / E[T]. For τ ≪ MTBF this is the familiar
+throughput · (1 − (τ/2 + p + restart) / MTBF); without checkpoints a long job
+gets almost nothing done (a 4 h job at a 1 h MTBF: 7 % of the throughput).
 
 The measured throughput already carries the checkpoints' own cost (stalls and
 contention), so frequent checkpoints cost throughput and save rework: the
@@ -17,20 +20,27 @@ trade-off that makes "checkpointing off" lose when failures are frequent.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
-def lost_per_failure_s(
-    interval_s: float | None, persist_s: float, restart_s: float, job_s: float
+def efficiency(
+    interval_s: float | None, persist_s: float, restart_s: float, mtbf_s: float, job_s: float
 ) -> float:
-    """Seconds a failure costs; ``interval_s`` None: no checkpoints (half the job)."""
-    if interval_s is None:
-        return job_s / 2 + restart_s
-    return interval_s / 2 + persist_s + restart_s
+    """The share of the throughput that survives failures; ``interval_s`` None: no
+    checkpoints (the whole job is one segment)."""
+    segment = job_s if interval_s is None else interval_s
+    extra = restart_s + (0.0 if interval_s is None else persist_s)
+    rate = 1.0 / mtbf_s
+    try:
+        expected = (mtbf_s + extra) * math.expm1(rate * segment)
+    except OverflowError:
+        return 0.0
+    return segment / expected if expected > 0 else 1.0
 
 
-def goodput(throughput: float, lost_s: float, mtbf_s: float) -> float:
-    return throughput * max(0.0, 1.0 - lost_s / mtbf_s)
+def goodput(throughput: float, efficiency_: float) -> float:
+    return throughput * efficiency_
 
 
 def checkpoint_figures(summary: dict[str, Any]) -> tuple[float | None, float]:

@@ -106,11 +106,13 @@ def print_report(document: dict[str, Any], files: dict[str, Path], console: Cons
     console.print(comparison_table(document))
     for name, curve in document["curves"].items():
         point = curve["contention_point"]
-        if point is not None:
-            console.print(
-                f"{name}: more overlap stops paying beyond {curve['level']}={point}"
-                + _drop_text(curve)
-            )
+        if point is None:
+            continue
+        if curve["level"].endswith(".intensity"):
+            text = f"{name}: more overlap stops paying beyond {curve['level']}={point}"
+        else:
+            text = f"{name}: within 2 % of its best from {curve['level']}={point}"
+        console.print(text + _drop_text(curve))
     console.print(f"report: {files['markdown']}  (also {files['html'].name}, report.json, plots)")
     if "best" in files:
         console.print(f"best setting: overlapkit run {files['best']}")

@@ -33,7 +33,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from .config import TuneConfig
-from .goodput import checkpoint_figures, goodput, lost_per_failure_s
+from .goodput import checkpoint_figures, efficiency, goodput
 from .space import SearchSpace, apply_params, build_space
 from .trial import TrialFailed, TrialStopped, run_trial, trial_scenario
 
@@ -148,14 +148,16 @@ def open_study(job: TuneJob) -> optuna.Study:
 def trial_metrics(summary: dict[str, Any], tune: TuneConfig) -> dict[str, Any]:
     """The numbers a trial records: both objectives and where the step's time went."""
     interval_s, persist_s = checkpoint_figures(summary)
-    lost = lost_per_failure_s(interval_s, persist_s, tune.restart_s, tune.job_hours * 3600)
+    share = efficiency(
+        interval_s, persist_s, tune.restart_s, tune.mtbf_hours * 3600, tune.job_hours * 3600
+    )
     throughput = summary["samples_per_s"]
     return {
         "throughput": throughput,
-        "goodput": goodput(throughput, lost, tune.mtbf_hours * 3600),
+        "goodput": goodput(throughput, share),
         "checkpoint_interval_s": interval_s,
         "persist_s": persist_s,
-        "lost_per_failure_s": lost,
+        "efficiency": share,
         "step_time_s": summary["step_time_s"]["mean"],
         "phase_shares": summary["phase_shares"],
         "background_chunks_yielded": summary["scheduler"].get("background_chunks_yielded", 0),
