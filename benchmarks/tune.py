@@ -93,8 +93,9 @@ def main() -> None:
         grid_job, grid = study(
             root / "grid", "grid", sampler="grid", references=False, prune=False, trials=10_000
         )
-        files = write_report(tuned, SCENARIO, root / "tuned")
-        print_report(report_document(tuned), files, console)
+        document = report_document(tuned)
+        files = write_report(tuned, document, SCENARIO, root / "tuned")
+        print_report(document, files, console)
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(files["contention_plot"], args.plot)
 

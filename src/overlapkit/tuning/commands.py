@@ -51,7 +51,7 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
             f"note: {args.workers} workers x {scenario.world.nprocs} ranks on {cores} cores: "
             "trials running side by side take cores from each other and measure lower"
         )
-    space = build_space(base.get("optimizations") or {}, config)
+    space = job.space
     Console(stderr=True).print(
         f"tuning {scenario.name}: {len(space.dimensions)} parameters "
         f"({', '.join(d.name for d in space.dimensions)}), grid of {space.grid_size()}; "
@@ -95,9 +95,10 @@ def report_command(args: argparse.Namespace, console: Console) -> int:
 def _write(
     analysis: Analysis, base: dict[str, Any], folder: Path, as_json: bool, console: Console
 ) -> int:
-    files = write_report(analysis, base, folder)
+    document = report_document(analysis)  # importances and lookups: compute once
+    files = write_report(analysis, document, base, folder)
     if as_json:
-        print(json.dumps(report_document(analysis), indent=2, default=str))
+        print(json.dumps(document, indent=2, default=str))
     else:
-        print_report(report_document(analysis), files, console)
+        print_report(document, files, console)
     return 0

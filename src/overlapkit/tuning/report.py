@@ -21,11 +21,13 @@ from .analysis import Analysis  # noqa: E402
 from .space import apply_params  # noqa: E402
 
 
-def write_report(analysis: Analysis, base: dict[str, Any], folder: Path) -> dict[str, Path]:
-    """Write every report file into ``folder``; return them by kind."""
+def write_report(
+    analysis: Analysis, document: dict[str, Any], base: dict[str, Any], folder: Path
+) -> dict[str, Path]:
+    """Write every report file into ``folder`` (``document`` is `report_document`'s
+    answer for ``analysis``); return them by kind."""
     folder.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
-    document = report_document(analysis)
     files["json"] = folder / "report.json"
     files["json"].write_text(json.dumps(document, indent=2, default=str) + "\n")
     if analysis.best is not None:

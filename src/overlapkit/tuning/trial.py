@@ -23,6 +23,7 @@ import yaml
 from ..runtime.report import LIVE_STEPS
 
 POLL_S = 0.2
+CHECKPOINTS = "checkpoints"  # a trial's checkpoint folder, inside its run folder
 REASON_CHARS = 1500
 
 
@@ -46,7 +47,7 @@ def trial_scenario(data: dict[str, Any], steps: int, warmup_steps: int) -> dict[
     train.update(steps=steps, warmup_steps=warmup_steps, eval={"every": 0, "at_end": False})
     checkpoint = (data.get("optimizations") or {}).get("checkpoint")
     if checkpoint is not None:
-        checkpoint.update(dir="checkpoints", resume=False, final=False)
+        checkpoint.update(dir=CHECKPOINTS, resume=False, final=False)
     data.pop("tune", None)
     return data
 
@@ -133,7 +134,7 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
 
 
 def _remove_checkpoints(run_dir: Path) -> None:
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
 
 
 def _failure(returncode: int, stderr: str) -> TrialFailed:
