@@ -22,7 +22,7 @@ from .optimizations import registered_optimizations
 from .optimizations.checkpoint import CheckpointError
 from .runtime import POLICIES, CombinationError
 from .scenarios import Scenario, ScenarioError, load_scenario
-from .tuning import StudyNotFoundError
+from .tuning import TuneError
 
 DATA_NAMES = ("synthetic-images", "synthetic-tokens", "cifar10", "imagefolder", "imdb")
 INTENSITY_POINTS = (0.25, 0.5, 0.75, 1.0)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         errors.print("[bold red]error in scenario[/]")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
-    except (DataNotFoundError, CombinationError, StudyNotFoundError) as error:
+    except (DataNotFoundError, CombinationError, TuneError) as error:
         errors.print("[bold red]error:[/] ", end="")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2

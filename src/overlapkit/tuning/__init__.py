@@ -4,8 +4,9 @@ analysis and the report (``overlapkit tune`` and ``overlapkit report``)."""
 from .config import TuneConfig
 
 
-class StudyNotFoundError(LookupError):
-    """``overlapkit report`` was pointed at something that holds no study."""
+class TuneError(ValueError):
+    """``overlapkit tune`` or ``report`` was given something it cannot use (no study
+    there, a study of another kind, a bad worker count)."""
 
 
-__all__ = ["StudyNotFoundError", "TuneConfig"]
+__all__ = ["TuneError", "TuneConfig"]

@@ -12,7 +12,7 @@ import optuna
 import yaml
 from rich.console import Console
 
-from . import StudyNotFoundError
+from . import TuneError
 from .analysis import Analysis
 from .config import TuneConfig
 from .report import print_report, report_document, write_report
@@ -44,7 +44,7 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
         config.study or scenario.name,
     )
     if args.workers < 1:
-        raise StudyNotFoundError("--workers must be at least 1")
+        raise TuneError("--workers must be at least 1")
     cores = os.cpu_count() or 1
     if args.workers * scenario.world.nprocs > cores:
         Console(stderr=True).print(
@@ -72,20 +72,20 @@ def report_command(args: argparse.Namespace, console: Console) -> int:
         folder = args.out or target
     else:
         if "://" not in args.study and not args.study.startswith("journal:"):
-            raise StudyNotFoundError(
+            raise TuneError(
                 f"{args.study} is neither a tune folder (with {TUNE_FILE}) nor a storage URL"
             )
         storage = open_storage(args.study)
         names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
         name = args.study_name or (names[0] if len(names) == 1 else None)
         if name not in names:
-            raise StudyNotFoundError(
+            raise TuneError(
                 f"choose a study with --study: {', '.join(names) or 'the storage holds none'}"
             )
         study = optuna.load_study(study_name=name, storage=storage)
         folder = args.out or Path("runs") / f"{name}-report"
     if "scenario" not in study.user_attrs:
-        raise StudyNotFoundError(f"study {study.study_name} was not made by overlapkit tune")
+        raise TuneError(f"study {study.study_name} was not made by overlapkit tune")
     base = study.user_attrs["scenario"]
     config = TuneConfig(**study.user_attrs["tune"])
     analysis = Analysis.of(study, build_space(base.get("optimizations") or {}, config))
