@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -20,9 +21,10 @@ from conftest import ROOT, TINY_SCENARIO, run_cli
 from optuna.trial import TrialState
 
 from overlapkit.tuning import TuneConfig
+from overlapkit.tuning.analysis import Analysis
 from overlapkit.tuning.goodput import efficiency, goodput
 from overlapkit.tuning.space import SpaceError, apply_params, build_space
-from overlapkit.tuning.study import open_storage, trial_metrics
+from overlapkit.tuning.study import confirm_settings, enqueue, open_storage, trial_metrics
 
 
 def scenario_with(tiny_scenario, optimizations: str, tune: str):
@@ -169,11 +171,85 @@ def test_a_bad_search_names_the_line_and_what_is_allowed(tiny_scenario, tune, ex
 
 # -------------------------------------------------------------------- end to end
 @pytest.mark.slow
+def test_the_best_is_chosen_by_median_among_settings_measured_again():
+    """One lucky measurement does not win: the finalists and the reference rows are
+    queued again, in rounds, until each has `repeats` results, and the best is the
+    best median among them."""
+    tune = TuneConfig(intensity_step=1, finalists=2, repeats=3, policy=False)
+    space = build_space({"ddp_overlap": {}, "prefetch": {}}, tune)
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr("objectives", ["throughput"])
+    study.set_user_attr("tune", tune.model_dump(mode="json"))
+    distributions = {
+        d.name: optuna.distributions.FloatDistribution(d.low, d.high, step=d.step)
+        for d in space.dimensions
+    }
+
+    def measure(role, value, ddp, prefetch):
+        params = {"ddp_overlap.intensity": ddp, "prefetch.intensity": prefetch}
+        attrs = {"role": role, "throughput": value, "goodput": value}
+        study.add_trial(
+            optuna.trial.create_trial(
+                params=params, distributions=distributions, value=value, user_attrs=attrs
+            )
+        )
+
+    measure("baseline", 100, 0.0, 0.0)
+    measure("alone:ddp_overlap", 120, 1.0, 0.0)
+    measure("alone:prefetch", 90, 0.0, 1.0)
+    measure("all_on", 110, 1.0, 1.0)
+    measure("search", 150, 1.0, 0.0)  # ddp alone again, a lucky 150: median of (120, 150) = 120
+    analysis = Analysis.of(study, space)
+    assert (
+        analysis.lookup({"ddp_overlap.intensity": 1.0, "prefetch.intensity": 0.0}).throughput == 120
+    )
+    assert analysis.best.throughput == 120  # nothing confirmed yet: the best median
+    repeats = confirm_settings(study, analysis, tune)
+    # Finalists: ddp alone (2 results) and all on (1); then the reference rows baseline
+    # and prefetch alone (1 each). Round 2 is those with one result, round 3 all four,
+    # each round starting one further along.
+    order = [(p["ddp_overlap.intensity"], p["prefetch.intensity"]) for _, p in repeats]
+    assert order == [
+        (1.0, 1.0), (0.0, 0.0), (0.0, 1.0),
+        (0.0, 0.0), (0.0, 1.0), (1.0, 0.0), (1.0, 1.0),
+    ]  # fmt: skip
+    assert {role for role, _ in repeats} == {"repeat"}
+    enqueue(study, repeats, again=True)
+    assert confirm_settings(study, analysis, tune) == []  # queued ones count
+    results = iter([112, 95, 88, 101, 91, 118, 108])
+    study.optimize(lambda t: _fake(t, space, results), n_trials=7)
+    analysis = Analysis.of(study, space)
+    # all_on: 110, 112, 108 -> 110; ddp alone: 120, 150, 118 -> 120; the best is ddp alone.
+    assert analysis.best.params == {"ddp_overlap.intensity": 1.0, "prefetch.intensity": 0.0}
+    assert analysis.best.throughput == 120
+    rows = {row["row"]: row for row in analysis.comparison()}
+    assert rows["tuned best"]["measured"] == 3
+    assert (rows["tuned best"]["low"], rows["tuned best"]["high"]) == (118, 150)
+    assert rows["all on, full (naive)"]["throughput"] == 110
+    # A lucky single measurement above every median is not chosen over confirmed ones.
+    measure("search", 400, 0.0, 0.0)  # baseline: 100, 95, 101, 400 -> 100 (lower median)
+    analysis = Analysis.of(study, space)
+    assert analysis.best.throughput == 120
+    # Noise: median over repeated settings of half their range relative to the median.
+    spreads = [32 / 2 / 120, 4 / 2 / 110, 305 / 2 / 100, 3 / 2 / 90]
+    assert analysis.noise == pytest.approx(statistics.median(spreads))
+    assert analysis.tolerance == max(0.02, analysis.noise)
+
+
+def _fake(trial, space, results):
+    """An objective that records the next of ``results`` as the trial's measurement."""
+    space.suggest(trial)
+    value = next(results)
+    trial.set_user_attr("throughput", value)
+    trial.set_user_attr("goodput", value)
+    return value
+
+
 def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     path = scenario_with(
         tiny_scenario,
         "{toy_sleep: {intensity: 1}, checkpoint: {every: 2}}",
-        "{trials: 2, intensity_step: 1, steps: 4, warmup_steps: 1, objective: both, mtbf_hours: 2, job_hours: 1}",
+        "{trials: 2, intensity_step: 1, steps: 4, warmup_steps: 1, objective: both, mtbf_hours: 2, job_hours: 1, finalists: 1, repeats: 2}",
     )
     out = tmp_path / "tune"
     result = run_cli("tune", path, "--out", out, timeout=600)
@@ -200,6 +276,9 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     ]
     for row in rows.values():
         assert row["throughput"] > 0 and row["goodput"] >= 0 and row["vs_baseline"] > 0, row
+        # Every row was measured twice (the confirm phase); it shows the median and range.
+        assert row["measured"] >= 2 and row["low"] <= row["goodput"] <= row["high"], row
+    assert document["best"]["measured"] >= 2 and document["noise"] is not None
     # 40 ms of sleep per step is never worth it: the tuned best has it off.
     assert document["best"]["params"]["toy_sleep.intensity"] == 0.0
     assert rows["toy_sleep alone"]["throughput"] < 0.8 * rows["baseline (all off)"]["throughput"]
@@ -237,7 +316,7 @@ def test_two_workers_share_one_study_without_losing_or_repeating_trials(tiny_sce
     path = scenario_with(
         tiny_scenario,
         "{toy_sleep: {intensity: 1}}",
-        "{trials: 6, references: false, sampler: random, prune: false, steps: 2, warmup_steps: 1}",
+        "{trials: 6, references: false, sampler: random, prune: false, steps: 2, warmup_steps: 1, repeats: 1}",
     )
     journal = tmp_path / "shared.log"
     result = run_cli(
@@ -269,7 +348,7 @@ def test_failed_trials_are_recorded_with_their_reason_and_the_study_goes_on(
     path = scenario_with(
         tiny_scenario,
         "{toy_fail: {rank: 0, step: 0}}",
-        "{trials: 1, policy: false, steps: 2, warmup_steps: 1, search: {toy_fail: {how: [raise, sigkill]}}}",
+        "{trials: 1, policy: false, steps: 2, warmup_steps: 1, repeats: 1, search: {toy_fail: {how: [raise, sigkill]}}}",
     )
     out = tmp_path / "tune"
     result = run_cli("tune", path, "--out", out, timeout=600)
@@ -288,7 +367,7 @@ def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
     path = scenario_with(
         tiny_scenario,
         "{toy_sleep: {intensity: 1}}",
-        "{trials: 4, references: false, sampler: random, prune: false, steps: 3, warmup_steps: 1}",
+        "{trials: 4, references: false, sampler: random, prune: false, steps: 3, warmup_steps: 1, repeats: 1}",
     )
     out = tmp_path / "tune"
     command = [sys.executable, "-m", "overlapkit", "tune", str(path), "--out", str(out)]

@@ -3,13 +3,18 @@ optimization's contention curve and point, pairwise interactions, knob
 importances, the policy's effect and (with two objectives) the Pareto front.
 
 Measurements are looked up by their parameters, whichever phase ran them, so
-a setting measured once serves every row that needs it.
+a setting measured once serves every row that needs it. A setting measured
+more than once counts by its median; the best setting is chosen among those
+measured `repeats` times (the confirmed ones), so that one lucky measurement
+cannot win.
 """
 
 from __future__ import annotations
 
+import statistics
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import combinations
 from typing import Any
 
@@ -18,10 +23,10 @@ from optuna.trial import TrialState
 
 from .space import SearchSpace
 
-FLAT = 0.02  # a curve within 2 % of its peak has stopped paying
+FLAT = 0.02  # a curve within 2 % of its peak (or within the noise) has stopped paying
 
 
-def _key(params: dict[str, Any]) -> tuple[Any, ...]:
+def setting_key(params: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(sorted((k, round(v, 9) if isinstance(v, float) else v) for k, v in params.items()))
 
 
@@ -47,6 +52,7 @@ class Analysis:
     failed: list[dict[str, Any]]
     pruned: int
     study: optuna.Study
+    repeats: int = 1  # how many measurements make a setting confirmed
 
     @classmethod
     def of(cls, study: optuna.Study, space: SearchSpace) -> Analysis:
@@ -72,21 +78,57 @@ class Analysis:
             elif t.state == TrialState.PRUNED:
                 pruned += 1
         metric = "throughput" if objectives == ["throughput"] else "goodput"
-        return cls(space, metric, objectives, measured, failed, pruned, study)
+        repeats = study.user_attrs.get("tune", {}).get("repeats", 1)
+        return cls(space, metric, objectives, measured, failed, pruned, study, repeats)
 
     # ---------------------------------------------------------------- lookups
+    @cached_property
+    def groups(self) -> dict[tuple[Any, ...], list[Measurement]]:
+        """The measurements of each setting, sorted by the metric."""
+        out: dict[tuple[Any, ...], list[Measurement]] = {}
+        for m in self.measured:
+            out.setdefault(setting_key(m.params), []).append(m)
+        for same in out.values():
+            same.sort(key=lambda m: m.value(self.metric))
+        return out
+
+    def measurements(self, params: dict[str, Any]) -> list[Measurement]:
+        return self.groups.get(setting_key(params), [])
+
     def lookup(self, params: dict[str, Any]) -> Measurement | None:
         """The measurement of ``params`` (the median one when measured more than once)."""
-        wanted = _key(params)
-        same = [m for m in self.measured if _key(m.params) == wanted]
-        if not same:
-            return None
-        same.sort(key=lambda m: m.value(self.metric))
-        return same[len(same) // 2]
+        same = self.measurements(params)
+        return _median(same) if same else None
+
+    def ranked(self) -> list[Measurement]:
+        """Each setting's median measurement, best first."""
+        medians = [_median(same) for same in self.groups.values()]
+        return sorted(medians, key=lambda m: m.value(self.metric), reverse=True)
+
+    @cached_property
+    def best(self) -> Measurement | None:
+        """The setting with the best median among those measured `repeats` times
+        (all settings when none is, or when one measurement is enough)."""
+        confirmed = [m for m in self.ranked() if len(self.measurements(m.params)) >= self.repeats]
+        return (confirmed or self.ranked() or [None])[0]
+
+    @cached_property
+    def noise(self) -> float | None:
+        """How much one setting's measurements vary: the median over repeated
+        settings of half their range relative to their median (0.05 = +-5 %)."""
+        spreads = [
+            (same[-1].value(self.metric) - same[0].value(self.metric))
+            / 2
+            / _median(same).value(self.metric)
+            for same in self.groups.values()
+            if len(same) > 1 and _median(same).value(self.metric) > 0
+        ]
+        return statistics.median(spreads) if spreads else None
 
     @property
-    def best(self) -> Measurement | None:
-        return max(self.measured, key=lambda m: m.value(self.metric), default=None)
+    def tolerance(self) -> float:
+        """Levels this close to a curve's peak count as equal to it."""
+        return max(FLAT, self.noise or 0.0)
 
     @property
     def baseline(self) -> Measurement | None:
@@ -115,27 +157,34 @@ class Analysis:
         return values if level.off_value is not None else ["off", *values]
 
     # ------------------------------------------------------------ the answers
-    def comparison(self) -> list[dict[str, Any]]:
-        """Baseline, each optimization alone at its best level, all on at full
-        level (the naive combination), and the tuned best."""
-        base = self.baseline
-        rows: list[tuple[str, Measurement | None, str]] = [("baseline (all off)", base, "")]
+    def reference_rows(self) -> list[tuple[str, dict[str, Any] | None, str]]:
+        """(row, setting, description): baseline, each optimization alone at its
+        best level, all on at full level (the naive combination)."""
+        free = {"scheduler.policy": "free"}
+        rows: list[tuple[str, dict[str, Any] | None, str]] = [
+            ("baseline (all off)", self.space.setting(free), "")
+        ]
         best_alone = self.alone_best()
         for name in self.space.optimizations:
             level = best_alone.get(name)
-            m = None
-            if level is not None:
-                m = self.lookup(self.space.setting({"scheduler.policy": "free"}, **{name: level}))
-            rows.append((f"{name} alone", m, f"{self.space.level(name).name}={level}"))
+            setting = None if level is None else self.space.setting(free, **{name: level})
+            rows.append((f"{name} alone", setting, f"{self.space.level(name).name}={level}"))
         every = {name: "max" for name in self.space.optimizations}
         rows.append(
             (
                 "all on, full (naive)",
-                self.lookup(self.space.setting({"scheduler.policy": "free"}, **every)),
+                self.space.setting(free, **every),
                 "every level at its maximum, policy free",
             )
         )
+        return rows
+
+    def comparison(self) -> list[dict[str, Any]]:
+        """The reference rows and the tuned best, each with its median, how many
+        times it was measured and the range of those measurements."""
+        base = self.baseline
         best = self.best
+        rows = [(label, self.lookup(s) if s else None, d) for label, s, d in self.reference_rows()]
         rows.append(("tuned best", best, _describe(best.params) if best else ""))
         out = []
         for label, m, setting in rows:
@@ -146,9 +195,20 @@ class Analysis:
                 "throughput": None,
                 "goodput": None,
                 "vs_baseline": None,
+                "measured": 0,
+                "low": None,
+                "high": None,
             }
             if m is not None:
-                row.update(trial=m.number, throughput=m.throughput, goodput=m.goodput)
+                same = self.measurements(m.params)
+                row.update(
+                    trial=m.number,
+                    throughput=m.throughput,
+                    goodput=m.goodput,
+                    measured=len(same),
+                    low=same[0].value(self.metric),
+                    high=same[-1].value(self.metric),
+                )
                 if base is not None and base.value(self.metric) > 0:
                     row["vs_baseline"] = m.value(self.metric) / base.value(self.metric)
             out.append(row)
@@ -157,7 +217,7 @@ class Analysis:
     def curves(self) -> dict[str, dict[str, Any]]:
         """Per optimization: its metric along its level alone and with the others
         held at the best setting, and the contention point: the lowest level within
-        2 % of the with-others peak (beyond it, more overlap stops paying)."""
+        `tolerance` of the with-others peak (beyond it, more overlap stops paying)."""
         best = self.best
         out = {}
         for name in self.space.optimizations:
@@ -180,8 +240,8 @@ class Analysis:
                 "level": level.name,
                 "alone": alone,
                 "with_others": together,
-                "contention_point": _knee(together),
-                "alone_point": _knee(alone),
+                "contention_point": _knee(together, self.tolerance),
+                "alone_point": _knee(alone, self.tolerance),
                 "drop_at_max": _drop(together),
             }
         return out
@@ -264,13 +324,19 @@ def _numeric(curve: list[tuple[Any, float]]) -> list[tuple[float, float]]:
     ]
 
 
-def _knee(curve: list[tuple[Any, float]]) -> Any:
-    """The lowest level whose metric is within `FLAT` of the curve's peak."""
+def _median(same: list[Measurement]) -> Measurement:
+    """The median of measurements sorted by the metric (the lower one of an even
+    count: a setting does not gain from being measured twice)."""
+    return same[(len(same) - 1) // 2]
+
+
+def _knee(curve: list[tuple[Any, float]], tolerance: float = FLAT) -> Any:
+    """The lowest level whose metric is within ``tolerance`` of the curve's peak."""
     if not curve:
         return None
     peak = max(y for _, y in curve)
     ordered = sorted(curve, key=lambda p: _order(p[0]))
-    return next(v for v, y in ordered if y >= (1 - FLAT) * peak)
+    return next(v for v, y in ordered if y >= (1 - tolerance) * peak)
 
 
 def _order(value: Any) -> Any:

@@ -38,7 +38,9 @@ def write_report(
         header = (
             f"# The best setting of study {analysis.study.study_name} (trial "
             f"{analysis.best.number}: {analysis.best.throughput:.1f} samples/s, "
-            f"goodput {analysis.best.goodput:.1f}).\n# Run it: overlapkit run {files['best']}\n"
+            f"goodput {analysis.best.goodput:.1f}; median of "
+            f"{len(analysis.measurements(analysis.best.params))}).\n"
+            f"# Run it: overlapkit run {files['best']}\n"
         )
         files["best"].write_text(header + yaml.safe_dump(best, sort_keys=False))
     files.update(_plots(analysis, document, folder))
@@ -69,7 +71,11 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
             "params": best.params,
             "throughput": best.throughput,
             "goodput": best.goodput,
+            "measured": len(analysis.measurements(best.params)),
         },
+        "repeats": analysis.repeats,
+        "noise": analysis.noise,
+        "tolerance": analysis.tolerance,
         "comparison": analysis.comparison(),
         "curves": analysis.curves(),
         "interactions": analysis.interactions(),
@@ -90,7 +96,8 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
 
 def comparison_table(document: dict[str, Any]) -> Table:
     table = Table(title=f"study {document['study']}: where overlap pays ({document['metric']})")
-    for column in ("setting", "samples/s", "goodput", "vs baseline", "trial", "knobs"):
+    columns = ("setting", "samples/s", "goodput", "vs baseline", "range", "trial", "knobs")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("setting", "knobs") else "right")
     for row in document["comparison"]:
         table.add_row(
@@ -98,10 +105,27 @@ def comparison_table(document: dict[str, Any]) -> Table:
             _num(row["throughput"]),
             _num(row["goodput"]),
             "" if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x",
+            _range(row),
             "" if row["trial"] is None else str(row["trial"]),
             row["setting"],
         )
+    if document["noise"] is not None:
+        table.caption = _noise_text(document)
     return table
+
+
+def _range(row: dict[str, Any]) -> str:
+    """The measurements' range, when the row was measured more than once."""
+    if row["measured"] < 2:
+        return ""
+    return f"{row['low']:.1f}-{row['high']:.1f} (n={row['measured']})"
+
+
+def _noise_text(document: dict[str, Any]) -> str:
+    return (
+        f"rows are medians; a setting measured again varies by +-{document['noise']:.0%} "
+        f"(median half-range), so levels within {document['tolerance']:.0%} of a peak count as equal"
+    )
 
 
 def print_report(document: dict[str, Any], files: dict[str, Path], console: Console) -> None:
@@ -113,7 +137,7 @@ def print_report(document: dict[str, Any], files: dict[str, Path], console: Cons
         if curve["level"].endswith(".intensity"):
             text = f"{name}: more overlap stops paying beyond {curve['level']}={point}"
         else:
-            text = f"{name}: within 2 % of its best from {curve['level']}={point}"
+            text = f"{name}: within {document['tolerance']:.0%} of its best from {curve['level']}={point}"
         console.print(text + _drop_text(curve))
     console.print(f"report: {files['markdown']}  (also {files['html'].name}, report.json, plots)")
     if "best" in files:
@@ -213,15 +237,17 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
         "",
         "## Comparison (all measured in this study)",
         "",
-        "| setting | samples/s | goodput | vs baseline | trial | knobs |",
-        "|---|---:|---:|---:|---:|---|",
+        "| setting | samples/s | goodput | vs baseline | range | trial | knobs |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in document["comparison"]:
         ratio = "" if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x"
         trial = "" if row["trial"] is None else str(row["trial"])
         lines.append(
-            f"| {row['row']} | {_num(row['throughput'])} | {_num(row['goodput'])} | {ratio} | {trial} | {row['setting']} |"
+            f"| {row['row']} | {_num(row['throughput'])} | {_num(row['goodput'])} | {ratio} | {_range(row)} | {trial} | {row['setting']} |"
         )
+    if document["noise"] is not None:
+        lines += ["", _noise_text(document) + "."]
     if "best" in files:
         lines += [
             "",

@@ -16,6 +16,7 @@ from .study import (
     FINISHED,
     TuneJob,
     analysis_settings,
+    confirm_settings,
     enqueue,
     fail_orphans,
     open_study,
@@ -49,6 +50,10 @@ def tune(
         _phase("references", job, study, waiting(study), workers, deadline, shown, console)
     remaining = job.tune.trials - search_done(study)
     _phase("search", job, study, remaining, workers, deadline, shown, console)
+    if job.tune.repeats > 1:
+        repeats = confirm_settings(study, Analysis.of(study, job.space), job.tune)
+        enqueue(study, repeats, again=True)
+        _phase("confirm", job, study, waiting(study), workers, deadline, shown, console)
     if job.tune.references:
         analysis = Analysis.of(study, job.space)
         if analysis.best is not None:

@@ -8,7 +8,11 @@ processes sharing the study through its storage:
 1. references: every optimization off, each alone along its level, all on at
    full intensity (the naive combination) — the report's comparison rows;
 2. search: ``tune.trials`` trials chosen by the sampler (TPE, random or grid);
-3. analysis: around the best setting, each optimization's level swept with the
+3. confirm: the ``tune.finalists`` best settings so far and the reference rows
+   measured again until each has ``tune.repeats`` results, in rounds (each
+   setting once per round), so that a slow spell of the machine hits them alike
+   and the best is chosen by its median, not by one lucky measurement;
+4. analysis: around the best setting, each optimization's level swept with the
    others held (its contention curve), each pair on together, and the best
    setting under the other scheduler policy.
 
@@ -32,6 +36,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from .analysis import Analysis, setting_key
 from .config import TuneConfig
 from .goodput import checkpoint_figures, efficiency, goodput
 from .space import SearchSpace, apply_params, build_space
@@ -39,6 +44,7 @@ from .trial import TrialFailed, TrialStopped, run_trial, trial_scenario
 
 TUNE_FILE = "tune.json"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+COUNTED = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)  # toward repeats
 METRICS = ("throughput", "goodput")
 
 
@@ -307,6 +313,40 @@ def analysis_settings(
     return out
 
 
-def enqueue(study: optuna.Study, settings: list[tuple[str, dict[str, Any]]]) -> None:
+def confirm_settings(
+    study: optuna.Study, analysis: Analysis, tune: TuneConfig
+) -> list[tuple[str, dict[str, Any]]]:
+    """The repeats that give the finalists and the reference rows ``tune.repeats``
+    measurements each, as rounds in rotating order. Trials already measured,
+    queued or running count, so an interrupted confirm phase is not queued twice."""
+    candidates: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for m in analysis.ranked()[: tune.finalists]:
+        candidates.setdefault(setting_key(m.params), m.params)
+    for _, params, _ in analysis.reference_rows() if tune.references else []:
+        if params is not None and analysis.measurements(params):
+            candidates.setdefault(setting_key(params), params)
+    have = dict.fromkeys(candidates, 0)
+    for trial in study.get_trials(deepcopy=False, states=COUNTED):
+        key = (
+            setting_key(trial.params)
+            if trial.params
+            else setting_key(trial.system_attrs.get("fixed_params", {}))
+        )
+        if key in have:
+            have[key] += 1
+    keys, out = list(candidates), []
+    for round_ in range(tune.repeats):
+        for key in keys[round_ % len(keys) :] + keys[: round_ % len(keys)] if keys else []:
+            if have[key] <= round_:
+                have[key] += 1
+                out.append(("repeat", candidates[key]))
+    return out
+
+
+def enqueue(
+    study: optuna.Study, settings: list[tuple[str, dict[str, Any]]], again: bool = False
+) -> None:
+    """Queue ``settings`` (role, params); unless ``again``, a setting already in the
+    study is not queued."""
     for role, params in settings:
-        study.enqueue_trial(params, user_attrs={"role": role}, skip_if_exists=True)
+        study.enqueue_trial(params, user_attrs={"role": role}, skip_if_exists=not again)
