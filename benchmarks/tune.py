@@ -1,16 +1,18 @@
-"""Does tuning find where overlap stops paying? A scenario built to contend on a
-2-core machine: 2-rank DDP (gloo), an input pipeline that costs 0.5 ms per
-sample with loader workers, and checkpoints persisted every few steps.
+"""Does tuning find where overlap stops paying? The scenario of
+scenarios/tune-contend.yaml, built to contend on a 2-core machine: 2-rank DDP
+(gloo), an input pipeline that decodes on a core (0.5 ms of CPU per sample)
+with loader workers, and checkpoints persisted every few steps.
 
 Two studies in one run, over the same space (ddp_overlap and prefetch
 intensities 0 / 0.5 / 1, checkpoint on/off x every 2 or 8 steps, policy free or
-priority), by goodput (MTBF 1 h, a 4 h job, 30 s restart):
-  * tuned: the reference trials, 12 TPE trials and the analysis trials;
-  * grid: every point of the grid.
+priority), by goodput (MTBF 1 h, a 4 h job, 30 s restart), each with its
+confirm phase (the 3 best settings and the reference rows measured 3 times):
+  * tuned: the reference trials, 12 TPE trials, the confirm and analysis trials;
+  * grid: every point of the grid, then its confirm trials.
 Then the tuned best, the grid best, the naive all-on and the best single
-optimization are measured again side by side (3 rounds, rotating order, medians).
+optimization are measured again side by side (5 rounds, rotating order, medians).
 
-    python benchmarks/tune.py [--out runs/bench-tune] [--keep]
+    python benchmarks/tune.py [--out runs/bench-tune]
 """
 
 from __future__ import annotations
@@ -26,70 +28,61 @@ from rich.console import Console
 from rich.table import Table
 
 from overlapkit.tuning import TuneConfig
+from overlapkit.tuning.analysis import Analysis
 from overlapkit.tuning.report import print_report, report_document, write_report
 from overlapkit.tuning.runner import tune
 from overlapkit.tuning.space import apply_params
 from overlapkit.tuning.study import TuneJob, default_storage, trial_metrics
 from overlapkit.tuning.trial import run_trial, trial_scenario
 
-SCENARIO = yaml.safe_load(
-    """
-name: contend
-model: {name: resnet18, stem: cifar, num_classes: 10, width: 8}
-data: {name: synthetic-images, shape: [3, 32, 32], num_samples: 4096, sample_cost_ms: 0.5}
-train: {batch_size: 16, steps: 10, warmup_steps: 3, optimizer: {name: sgd, lr: 0.05, momentum: 0.9}}
-world: {nprocs: 2}
-optimizations:
-  ddp_overlap: {}
-  prefetch: {backend: torch}
-  checkpoint: {every: 2}
-"""
-)
-TUNE = dict(
-    objective="goodput",
-    mtbf_hours=1.0,
-    job_hours=4.0,
-    restart_s=30.0,
-    intensity_step=0.5,
-    steps=10,
-    warmup_steps=3,
-    search={
-        "ddp_overlap": ["intensity"],
-        "prefetch": ["intensity"],
-        "checkpoint": {"every": [2, 8]},
-    },
-)
-ROUNDS = 3
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIO = yaml.safe_load((ROOT / "scenarios" / "tune-contend.yaml").read_text())
+TUNE = SCENARIO.pop("tune")
+ROUNDS = 5
 
 
-def study(folder: Path, name: str, **overrides) -> tuple[TuneJob, object]:
+def study(folder: Path, name: str, **overrides) -> tuple[TuneJob, Analysis]:
     config = TuneConfig(**{**TUNE, **overrides})
     job = TuneJob(SCENARIO, config, folder, default_storage(folder), name)
-    analysis = tune(job, console=Console(stderr=True))
-    return job, analysis
+    return job, tune(job, console=Console(stderr=True))
 
 
-def remeasure(job: TuneJob, settings: dict[str, dict], scratch: Path) -> dict[str, float]:
+def remeasure(job: TuneJob, settings: dict[str, dict], scratch: Path) -> dict[str, list[float]]:
+    """Each setting's goodput, ``ROUNDS`` times, each round in a rotated order."""
     values: dict[str, list[float]] = {label: [] for label in settings}
     labels = list(settings)
     for round_ in range(ROUNDS):
         for label in labels[round_ % len(labels) :] + labels[: round_ % len(labels)]:
-            data = trial_scenario(apply_params(SCENARIO, job.space, settings[label]), 10, 3)
-            summary = run_trial(data, scratch / f"{label}-{round_}", 600)
+            folder = scratch / f"{round_}-{len(values[label])}-{label.split()[0]}"
+            data = trial_scenario(
+                apply_params(SCENARIO, job.space, settings[label]),
+                job.tune.steps,
+                job.tune.warmup_steps,
+            )
+            summary = run_trial(data, folder, job.tune.trial_timeout_s)
             values[label].append(trial_metrics(summary, job.tune)["goodput"])
-            shutil.rmtree(scratch / f"{label}-{round_}", ignore_errors=True)
-    return {label: statistics.median(v) for label, v in values.items()}
+            shutil.rmtree(folder, ignore_errors=True)
+    return values
+
+
+def trials_to_find(analysis: Analysis) -> int:
+    """Trials run before the best was known: all but the analysis phase's."""
+    return sum(1 for t in analysis.study.trials if not _analysis_role(t.user_attrs.get("role")))
+
+
+def _analysis_role(role: str | None) -> bool:
+    return bool(role) and role.startswith(("sweep:", "pair:", "policy"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="keep both studies here")
-    parser.add_argument("--plot", type=Path, default=Path("docs/tune-contention.png"))
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "tune-contention.png")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-tune-"))
     console = Console()
     try:
-        tuned_job, tuned = study(root / "tuned", "tuned", trials=12)
+        tuned_job, tuned = study(root / "tuned", "tuned")
         grid_job, grid = study(
             root / "grid", "grid", sampler="grid", references=False, prune=False, trials=10_000
         )
@@ -99,57 +92,65 @@ def main() -> None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(files["contention_plot"], args.plot)
 
-        rows = {row["row"]: row for row in tuned.comparison()}
+        rows = {row["row"]: row for row in document["comparison"]}
         singles = [r for r in rows.values() if r["row"].endswith(" alone") and r["goodput"]]
         best_single = max(singles, key=lambda r: r["goodput"])
         single_name = best_single["row"].removesuffix(" alone")
-        alone = tuned.alone_best()
+        free = {"scheduler.policy": "free"}
+        space = tuned.space
         settings = {
-            "naive all on": tuned.space.setting(
-                {"scheduler.policy": "free"}, **{n: "max" for n in tuned.space.optimizations}
-            ),
-            f"best single ({single_name})": tuned.space.setting(
-                {"scheduler.policy": "free"}, **{single_name: alone[single_name]}
+            "naive all on": space.setting(free, **{n: "max" for n in space.optimizations}),
+            f"best single ({single_name})": space.setting(
+                free, **{single_name: tuned.alone_best()[single_name]}
             ),
             "tuned best": tuned.best.params,
             "grid best": grid.best.params,
         }
+        in_study = {
+            "naive all on": rows["all on, full (naive)"],
+            f"best single ({single_name})": best_single,
+            "tuned best": rows["tuned best"],
+            "grid best": {
+                "goodput": grid.best.goodput,
+                "measured": len(grid.measurements(grid.best.params)),
+            },
+        }
         again = remeasure(tuned_job, settings, root / "remeasure")
-        n_tuned = len(tuned.study.trials)
-        n_grid = len(grid.study.trials)
+        median = {label: statistics.median(v) for label, v in again.items()}
         table = Table(
             title="tune on 2 cores: 2-rank DDP + prefetch workers + checkpoints (goodput, samples/s)"
         )
         for column in (
             "setting",
-            "in its study",
-            f"re-measured (median of {ROUNDS})",
+            "in its study (median of n)",
+            f"side by side (median of {ROUNDS})",
+            "range",
             "vs naive",
             "trials",
             "knobs",
         ):
             table.add_column(column, justify="left" if column in ("setting", "knobs") else "right")
-        in_study = {
-            "naive all on": rows["all on, full (naive)"]["goodput"],
-            f"best single ({single_name})": best_single["goodput"],
-            "tuned best": tuned.best.goodput,
-            "grid best": grid.best.goodput,
+        counts = {
+            "tuned best": f"{trials_to_find(tuned)} ({len(tuned.study.trials)} with analysis)",
+            "grid best": f"{trials_to_find(grid)}",
         }
-        counts = {"tuned best": str(n_tuned), "grid best": str(n_grid)}
         for label, params in settings.items():
             table.add_row(
                 label,
-                f"{in_study[label]:.1f}",
-                f"{again[label]:.1f}",
-                f"{again[label] / again['naive all on']:.2f}x",
+                f"{in_study[label]['goodput']:.1f} (n={in_study[label]['measured']})",
+                f"{median[label]:.1f}",
+                f"{min(again[label]):.1f}-{max(again[label]):.1f}",
+                f"{median[label] / median['naive all on']:.2f}x",
                 counts.get(label, ""),
                 ", ".join(f"{k}={v}" for k, v in params.items()),
             )
         console.print(table)
+        search = sum(1 for m in tuned.measured if m.role == "search")
         console.print(
-            f"tuned: {n_tuned} trials ({sum(1 for m in tuned.measured if m.role == 'search')} by TPE); "
-            f"grid: {n_grid} trials (grid of {grid_job.space.grid_size()}); "
-            f"tuned best / grid best re-measured: {again['tuned best'] / again['grid best']:.2f}"
+            f"tuned: {len(tuned.study.trials)} trials ({search} by TPE); "
+            f"grid: {len(grid.study.trials)} trials (grid of {grid_job.space.grid_size()}); "
+            f"tuned / grid best side by side: {median['tuned best'] / median['grid best']:.2f}; "
+            f"noise in the tuned study: +-{document['noise']:.0%}"
         )
     finally:
         if args.out is None:

@@ -311,6 +311,29 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     assert by_url.returncode == 0 and (tmp_path / "r2" / "report.md").exists()
 
 
+def test_a_grid_study_visits_every_point_then_confirms_its_finalists(tiny_scenario, tmp_path):
+    path = scenario_with(
+        tiny_scenario,
+        "{toy_sleep: {intensity: 1}}",
+        "{trials: 100, sampler: grid, references: false, policy: false, intensity_step: 0.5,"
+        " finalists: 2, repeats: 2, steps: 2, warmup_steps: 1}",
+    )
+    result = run_cli("tune", path, "--out", tmp_path / "tune", timeout=600)
+    assert result.returncode == 0, result.stderr
+    study = load(tmp_path / "tune")
+    assert all(t.state == TrialState.COMPLETE for t in study.trials)
+    searched = [
+        t.params["toy_sleep.intensity"] for t in study.trials if t.user_attrs["role"] == "search"
+    ]
+    assert sorted(searched) == [0.0, 0.5, 1.0]  # the grid, each point once
+    # The grid sampler stops a study once its grid is done; the confirm phase still
+    # measured the 2 best (the least sleep) a second time.
+    again = [
+        t.params["toy_sleep.intensity"] for t in study.trials if t.user_attrs["role"] == "repeat"
+    ]
+    assert sorted(again) == [0.0, 0.5]
+
+
 @pytest.mark.slow
 def test_two_workers_share_one_study_without_losing_or_repeating_trials(tiny_scenario, tmp_path):
     path = scenario_with(

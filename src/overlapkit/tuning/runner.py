@@ -77,17 +77,18 @@ def _phase(
     if trials <= 0 or (deadline is not None and time.time() >= deadline):
         return
     console.print(f"[bold]{name}[/]: {trials} trials on {min(workers, trials)} worker(s)")
+    queued = name != "search"  # every trial of the other phases is queued with its setting
     if workers == 1:  # in this process: no start-up cost
 
         def show(study: optuna.Study, trial: FrozenTrial) -> None:
             _show_new(study, shown, console)
 
-        worker_main(job, trials, deadline, callbacks=[show])
+        worker_main(job, trials, deadline, callbacks=[show], queued=queued)
         return
     shares = [trials // workers + (i < trials % workers) for i in range(workers)]
     context = multiprocessing.get_context("spawn")
     processes = [
-        context.Process(target=worker_main, args=(job, share, deadline), daemon=False)
+        context.Process(target=worker_main, args=(job, share, deadline, None, queued), daemon=False)
         for share in shares
         if share
     ]

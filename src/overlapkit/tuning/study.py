@@ -114,10 +114,15 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         )
 
 
-def open_study(job: TuneJob) -> optuna.Study:
+def open_study(job: TuneJob, queued: bool = False) -> optuna.Study:
+    """The study of ``job``. ``queued``: only queued trials will run (their parameters
+    are fixed), so the sampler is a plain one (the grid sampler would stop the study
+    after each trial once its grid is done)."""
     tune, space = job.tune, job.space
     sampler: optuna.samplers.BaseSampler
-    if tune.sampler == "grid":
+    if queued:
+        sampler = optuna.samplers.RandomSampler()
+    elif tune.sampler == "grid":
         sampler = optuna.samplers.GridSampler(space.grid())
     elif tune.sampler == "random":
         sampler = optuna.samplers.RandomSampler()
@@ -219,10 +224,12 @@ def worker_main(
     n_trials: int,
     deadline: float | None,
     callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] | None = None,
+    queued: bool = False,
 ) -> None:
-    """One worker: run up to ``n_trials`` trials of the study (queued ones first)."""
+    """One worker: run up to ``n_trials`` trials of the study (queued ones first;
+    ``queued``: only those)."""
     quiet_optuna()
-    study = open_study(job)
+    study = open_study(job, queued)
     timeout = None if deadline is None else max(1.0, deadline - time.time())
     study.optimize(
         Objective(job),
