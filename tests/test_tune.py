@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import optuna
 import pytest
@@ -19,6 +20,7 @@ import sqlalchemy
 import yaml
 from conftest import ROOT, TINY_SCENARIO, run_cli
 from optuna.trial import TrialState
+from pg_server import throwaway_postgres
 
 from overlapkit.tuning import TuneConfig
 from overlapkit.tuning.analysis import Analysis
@@ -362,6 +364,60 @@ def test_two_workers_share_one_study_without_losing_or_repeating_trials(tiny_sce
         assert (
             tmp_path / "tune" / "trials" / f"{trial.number:05d}" / "run" / "summary.json"
         ).exists()
+
+
+@pytest.mark.slow
+def test_two_machines_share_one_study_on_postgresql(tiny_scenario, tmp_path):
+    """Two `overlapkit tune` commands, each with its own folder as on two machines, on
+    one study in a real PostgreSQL server: the second joins while the first runs
+    (with 2 workers). Nothing is lost or run twice, and the search budget is the
+    study's, not each machine's."""
+    path = scenario_with(
+        tiny_scenario,
+        "{toy_sleep: {intensity: 1}}",
+        "{trials: 6, sampler: random, prune: false, policy: false, intensity_step: 1,"
+        " steps: 2, warmup_steps: 1, finalists: 1, repeats: 2}",
+    )
+    with throwaway_postgres() as url:
+        command = [sys.executable, "-m", "overlapkit", "tune", str(path), "--storage", url]
+        first = subprocess.Popen(
+            [*command, "--out", str(tmp_path / "a"), "--workers", "2"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (tmp_path / "a" / "trials").exists():
+            time.sleep(0.2)  # the first machine has made the study and started trials
+        second = run_cli(*command[3:], "--out", tmp_path / "b", timeout=600)
+        out, err = first.communicate(timeout=600)
+        assert first.returncode == 0, err
+        assert second.returncode == 0, second.stderr
+        study = optuna.load_study(study_name="tiny", storage=open_storage(url))
+        trials = study.trials
+        report = run_cli("report", url, "--json")
+    assert sorted(t.number for t in trials) == list(range(len(trials)))
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    used = [t for t in trials if t.user_attrs.get("role") != "unused"]
+    assert all(t.state == TrialState.COMPLETE for t in used)
+    assert sum(1 for t in used if t.user_attrs["role"] == "search") == 6  # the study's budget
+    # The references were queued once, by whichever machine came first.
+    references = [
+        t.params["toy_sleep.intensity"]
+        for t in used
+        if t.user_attrs["role"] in ("baseline", "alone:toy_sleep")
+    ]
+    assert sorted(references) == [0.0, 1.0]
+    # Both machines ran trials, each in its own folder.
+    machines = {Path(t.user_attrs["folder"]).parents[1].name for t in used}
+    assert machines == {"a", "b"}
+    for trial in used:
+        assert (Path(trial.user_attrs["folder"]) / "run" / "summary.json").exists()
+    # Every setting the report compares was measured at least twice (the confirm phase).
+    assert report.returncode == 0, report.stderr
+    rows = json.loads(report.stdout)["comparison"]
+    assert all(row["measured"] >= 2 for row in rows), rows
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 
 from .space import SearchSpace
 
+UNUSED = "unused"  # the role of a trial that found the queue empty (pruned at once)
 FLAT = 0.02  # a curve within 2 % of its peak (or within the noise) has stopped paying
 
 
@@ -75,7 +76,7 @@ class Analysis:
                         "params": dict(t.params),
                     }
                 )
-            elif t.state == TrialState.PRUNED:
+            elif t.state == TrialState.PRUNED and role != UNUSED:
                 pruned += 1
         metric = "throughput" if objectives == ["throughput"] else "goodput"
         repeats = study.user_attrs.get("tune", {}).get("repeats", 1)

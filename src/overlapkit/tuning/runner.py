@@ -11,7 +11,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 
-from .analysis import Analysis
+from .analysis import UNUSED, Analysis
 from .study import (
     FINISHED,
     TuneJob,
@@ -111,7 +111,8 @@ def _show_new(study: optuna.Study, shown: set[int], console: Console) -> None:
     for trial in study.get_trials(deepcopy=False, states=FINISHED):
         if trial.number not in shown:
             shown.add(trial.number)
-            console.print(_line(trial), highlight=False)
+            if trial.user_attrs.get("role") != UNUSED:
+                console.print(_line(trial), highlight=False)
 
 
 def _line(trial: FrozenTrial) -> str:

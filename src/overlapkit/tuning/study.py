@@ -36,7 +36,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from .analysis import Analysis, setting_key
+from .analysis import UNUSED, Analysis, setting_key
 from .config import TuneConfig
 from .goodput import checkpoint_figures, efficiency, goodput
 from .space import SearchSpace, apply_params, build_space
@@ -176,15 +176,25 @@ def trial_metrics(summary: dict[str, Any], tune: TuneConfig) -> dict[str, Any]:
 
 
 class Objective:
-    def __init__(self, job: TuneJob) -> None:
-        self.job, self.space = job, job.space
+    def __init__(self, job: TuneJob, queued: bool = False) -> None:
+        self.job, self.space, self.queued = job, job.space, queued
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, ...]:
         job = self.job
+        if self.queued and "role" not in trial.user_attrs:
+            # Another machine took the last queued setting after this worker looked.
+            trial.set_user_attr("role", UNUSED)
+            trial.study.stop()
+            raise optuna.TrialPruned("the queue was empty")
+        trial.set_user_attr("role", trial.user_attrs.get("role", "search"))
+        if trial.user_attrs["role"] == "search" and _over_budget(trial, job.tune.trials):
+            # Workers on other machines filled the budget while this one started.
+            trial.set_user_attr("role", UNUSED)
+            trial.study.stop()
+            raise optuna.TrialPruned("the search budget is spent")
         params = self.space.suggest(trial)
         trial.set_user_attr("host", socket.gethostname())
         trial.set_user_attr("pid", os.getpid())
-        trial.set_user_attr("role", trial.user_attrs.get("role", "search"))
         folder = job.folder / "trials" / f"{trial.number:05d}"
         trial.set_user_attr("folder", str(folder))
         data = trial_scenario(
@@ -214,6 +224,19 @@ class Objective:
         return values[0] if len(values) == 1 else values
 
 
+def _over_budget(trial: optuna.Trial, budget: int) -> bool:
+    """Whether ``budget`` search trials numbered before this one were started (and not
+    interrupted): of trials started at once, the lower numbers go first."""
+    earlier = sum(
+        1
+        for t in trial.study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+        if t.number < trial.number
+        and t.user_attrs.get("role") == "search"
+        and t.user_attrs.get("failure") != "interrupted"
+    )
+    return earlier >= budget
+
+
 def quiet_optuna() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -227,16 +250,24 @@ def worker_main(
     queued: bool = False,
 ) -> None:
     """One worker: run up to ``n_trials`` trials of the study (queued ones first;
-    ``queued``: only those)."""
+    ``queued``: only those). It also stops when the study, which other machines may
+    share, has its search budget (counting trials running elsewhere), or, with
+    ``queued``, when nothing is left in the queue."""
     quiet_optuna()
     study = open_study(job, queued)
     timeout = None if deadline is None else max(1.0, deadline - time.time())
+    budget = job.tune.trials
+
+    def enough(study: optuna.Study, trial: FrozenTrial) -> None:
+        if (waiting(study) == 0) if queued else (search_done(study, running=True) >= budget):
+            study.stop()
+
     study.optimize(
-        Objective(job),
+        Objective(job, queued),
         n_trials=n_trials,
         timeout=timeout,
         catch=(TrialFailed,),
-        callbacks=callbacks,
+        callbacks=[*(callbacks or []), enough],
     )
 
 
@@ -272,12 +303,13 @@ def waiting(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
 
-def search_done(study: optuna.Study) -> int:
+def search_done(study: optuna.Study, running: bool = False) -> int:
     """The sampler's trials that count against its budget (an interrupted one does
-    not: it is queued again)."""
+    not: it is queued again); ``running``: also those running now, here or elsewhere."""
+    states = (*FINISHED, TrialState.RUNNING) if running else FINISHED
     return sum(
         1
-        for t in study.get_trials(deepcopy=False, states=FINISHED)
+        for t in study.get_trials(deepcopy=False, states=states)
         if t.user_attrs.get("role") == "search" and t.user_attrs.get("failure") != "interrupted"
     )
 
