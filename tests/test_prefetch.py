@@ -20,7 +20,7 @@ from overlapkit.optimizations.prefetch import (
     MissingDependencyError,
     PrefetchError,
 )
-from overlapkit.runtime import CombinationError
+from overlapkit.runtime import CombinationError, Resource
 
 Prefetch = get_optimization("prefetch")
 SHAPE = (3, 8, 8)
@@ -183,6 +183,51 @@ def test_prefetching_takes_the_loading_time_off_the_step(backend):
     synchronous = data_wait(0.0)
     assert synchronous > 0.025  # 8 samples x 4 ms, on the training thread
     assert data_wait(1.0, workers=2, depth=4) < 0.3 * synchronous
+
+
+class LoggedSlowImages(SyntheticImages):
+    """Each sample takes 20 ms and appends its start time to a file (workers are
+    other processes or threads)."""
+
+    def __init__(self, log, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = str(log)
+
+    def __getitem__(self, index):
+        with open(self.log, "a") as f:
+            f.write(f"{time.time()}\n")
+        time.sleep(0.02)
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("policy", ["priority", "free"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_workers_wait_while_the_step_waits_on_communication_under_priority(
+    backend, policy, tmp_path
+):
+    log = tmp_path / "loads"
+    dataset = LoggedSlowImages(log, SHAPE, num_classes=4, num_samples=512, seed=3)
+    knobs = {"backend": backend, "workers": 2, "depth": 16, "device_depth": 0}
+    session = Session([Prefetch(1.0, **knobs)], device="cpu", progress=False, policy=policy)
+    _, _, loader = session.prepare(nn.Linear(1, 1), None, make_loader(dataset))
+    iterator = iter(loader)
+    next(iterator)  # the workers are running and have 16 batches (5 s of loading) to do
+    time.sleep(0.3)
+    with session.scheduler.policy.critical(Resource.NETWORK, Resource.HOST_CPU):
+        entered = time.time()
+        time.sleep(0.5)
+        left = time.time()
+    time.sleep(0.3)
+    starts = [float(line) for line in log.read_text().split()]
+    loader.close()
+    during = [t for t in starts if entered + 0.05 < t < left]  # a sample under way may end
+    after = [t for t in starts if t > left]
+    assert after  # loading went on afterwards
+    if policy == "priority":
+        assert not during, f"{len(during)} samples started while the step waited"
+        assert session.scheduler.policy.stats()["worker_samples_yielded"] >= 1
+    else:
+        assert len(during) >= 10  # 2 workers x 20 ms samples for 0.45 s: the control
 
 
 def test_a_loader_that_cannot_resume_is_refused_with_the_fix():

@@ -8,10 +8,11 @@ checkpoint persist, a prefetch worker) wraps each chunk of its work in
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import ClassVar
 
@@ -39,6 +40,11 @@ class ArbitrationPolicy:
         self.pause(*resources)
         yield
 
+    def process_gate(self, *resources: Resource) -> Callable[[], None] | None:
+        """`pause` for background work in other processes that this one starts
+        afterwards (DataLoader workers inherit it); None: they never wait."""
+        return None
+
     def stats(self) -> dict[str, float]:
         return {}
 
@@ -57,16 +63,21 @@ class PriorityPolicy(ArbitrationPolicy):
         self._max_wait_s = max_wait_s  # background work must not starve forever
         self.yielded = 0
         self.yielded_s = 0.0
+        self._shared: SharedMarks | None = None  # made when a process gate is asked for
 
     @contextmanager
     def critical(self, *resources: Resource) -> Iterator[None]:
         with self._cond:
             self._active.update(resources)
+            if self._shared is not None:
+                self._shared.mark(resources, +1)
         try:
             yield
         finally:
             with self._cond:
                 self._active.subtract(resources)
+                if self._shared is not None:
+                    self._shared.mark(resources, -1)
                 self._cond.notify_all()
 
     def _busy(self, resources: tuple[Resource, ...]) -> bool:
@@ -80,8 +91,68 @@ class PriorityPolicy(ArbitrationPolicy):
                 self._cond.wait_for(lambda: not self._busy(resources), timeout=self._max_wait_s)
                 self.yielded_s += time.perf_counter() - start
 
+    def process_gate(self, *resources: Resource) -> Callable[[], None]:
+        if self._shared is None:
+            with self._cond:
+                self._shared = SharedMarks()
+                for resource, count in self._active.items():
+                    self._shared.mark((resource,), count)
+        return ProcessGate(self._shared, resources, self._max_wait_s)
+
     def stats(self) -> dict[str, float]:
-        return {"background_chunks_yielded": self.yielded, "background_yield_s": self.yielded_s}
+        out = {"background_chunks_yielded": self.yielded, "background_yield_s": self.yielded_s}
+        if self._shared is not None:
+            out["worker_samples_yielded"], out["worker_yield_s"] = self._shared.yields()
+        return out
+
+
+RESOURCES = list(Resource)
+
+
+class SharedMarks:
+    """The critical path's marks in shared memory, for background work in other
+    processes: per resource, how many critical sections use it now; and how often
+    and how long those processes waited."""
+
+    def __init__(self) -> None:
+        self.counts = multiprocessing.RawArray("i", len(RESOURCES))
+        self.waits = multiprocessing.Array("d", 2)  # (times, seconds), with a lock
+
+    def mark(self, resources: tuple[Resource, ...], delta: int) -> None:
+        for resource in resources:
+            self.counts[RESOURCES.index(resource)] += delta
+
+    def yields(self) -> tuple[int, float]:
+        with self.waits.get_lock():
+            return int(self.waits[0]), float(self.waits[1])
+
+
+class ProcessGate:
+    """Called by a worker process before each piece of its work: while the critical
+    path uses one of ``resources``, wait (polling shared memory, at most
+    ``max_wait_s``). It reaches workers by inheritance or by pickling at start."""
+
+    POLL_S = 0.0005
+
+    def __init__(
+        self, shared: SharedMarks, resources: tuple[Resource, ...], max_wait_s: float
+    ) -> None:
+        self.shared = shared
+        self.indices = [RESOURCES.index(r) for r in resources]
+        self.max_wait_s = max_wait_s
+
+    def _busy(self) -> bool:
+        return any(self.shared.counts[i] > 0 for i in self.indices)
+
+    def __call__(self) -> None:
+        if not self._busy():
+            return
+        start = time.perf_counter()
+        while self._busy() and time.perf_counter() - start < self.max_wait_s:
+            time.sleep(self.POLL_S)
+        with self.shared.waits.get_lock():
+            self.shared.waits[0] += 1
+            self.shared.waits[1] += time.perf_counter() - start
 
 
 POLICIES: dict[str, type[ArbitrationPolicy]] = {

@@ -25,6 +25,7 @@ from ...runtime import (
     register_optimization,
 )
 from .extras import missing
+from .gated import GatedDataset
 from .loader import PrefetchLoader
 
 BACKENDS = ("torch", "tfdata", "dali")
@@ -109,15 +110,24 @@ class Prefetch(Optimization):
         s = self.settings
         device = state.world.device
         pin = s["pin_memory"] and device.type == "cuda"
+        # On a CPU, loading competes with the step for the cores: under the "priority"
+        # policy the workers (and the feeder thread) wait while the step waits on
+        # communication, sample by sample.
+        on_cpu = device.type == "cpu"
+        worker_gate = state.policy.process_gate(Resource.HOST_CPU) if on_cpu else None
+        if (
+            worker_gate is not None
+            and s["workers"]
+            and not isinstance(loader.dataset, GatedDataset)
+        ):
+            loader.dataset = GatedDataset(loader.dataset, worker_gate)
         backend = _build_backend(s, loader, device, pin)
         # DataLoader and DALI's external source load on the calling thread without
         # workers: the feeder thread loads ahead then. tf.data has threads of its own.
         feeder_depth = s["device_depth"]
         if s["backend"] in ("torch", "dali") and s["workers"] == 0:
             feeder_depth = max(feeder_depth, s["depth"])
-        # On a CPU the feeder's loading competes with the step for the cores: under the
-        # "priority" policy it waits while the step waits on communication.
-        gate = partial(state.policy.pause, Resource.HOST_CPU) if device.type == "cpu" else None
+        gate = partial(state.policy.pause, Resource.HOST_CPU) if on_cpu else None
         self.loader = PrefetchLoader(loader, backend, device, feeder_depth, gate)
         self.cores = max(1, (os.cpu_count() or 1) // max(1, state.world.local_world_size))
         self.compute_threads = torch.get_num_threads()
