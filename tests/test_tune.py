@@ -311,6 +311,14 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     assert json.loads(again.stdout)["comparison"] == document["comparison"]
     by_url = run_cli("report", f"sqlite:///{out / 'study.db'}", "--out", tmp_path / "r2")
     assert by_url.returncode == 0 and (tmp_path / "r2" / "report.md").exists()
+    # The same trials priced at a 1000 h MTBF: the baseline keeps almost everything.
+    priced = run_cli("report", out, "--json", "--mtbf-hours", "1000", "--out", tmp_path / "r3")
+    assert priced.returncode == 0, priced.stderr
+    repriced = json.loads(priced.stdout)
+    assert repriced["goodput_at"] == {"mtbf_hours": 1000.0, "restart_s": 60.0, "job_hours": 1.0}
+    base = {row["row"]: row for row in repriced["comparison"]}["baseline (all off)"]
+    kept = 3600 / ((3_600_000 + 60) * math.expm1(0.001))
+    assert base["goodput"] == pytest.approx(base["throughput"] * kept) and kept > 0.99
 
 
 def test_a_grid_study_visits_every_point_then_confirms_its_finalists(tiny_scenario, tmp_path):

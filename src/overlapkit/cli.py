@@ -77,6 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--study", dest="study_name", help="the study's name in that storage")
     report.add_argument("--out", type=Path, help="where to write it (default: the tune folder)")
     report.add_argument("--json", action="store_true", help="print report.json to stdout")
+    for figure, meaning in (
+        ("--mtbf-hours", "mean time between failures"),
+        ("--restart-s", "seconds to restart after a failure"),
+        ("--job-hours", "the job's length"),
+    ):
+        report.add_argument(
+            figure, type=float, help=f"goodput at another {meaning} (default: the study's)"
+        )
 
     check = commands.add_parser("check", help="validate a scenario without running it")
     _scenario_arguments(check)

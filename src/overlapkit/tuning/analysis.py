@@ -21,6 +21,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from .config import TuneConfig
+from .goodput import efficiency, goodput
 from .space import SearchSpace
 
 UNUSED = "unused"  # the role of a trial that found the queue empty (pruned at once)
@@ -53,18 +55,30 @@ class Analysis:
     failed: list[dict[str, Any]]
     pruned: int
     study: optuna.Study
-    repeats: int = 1  # how many measurements make a setting confirmed
+    tune: TuneConfig  # repeats, and the figures goodput is priced at
+
+    @property
+    def repeats(self) -> int:
+        """How many measurements make a setting confirmed."""
+        return self.tune.repeats
 
     @classmethod
-    def of(cls, study: optuna.Study, space: SearchSpace) -> Analysis:
+    def of(
+        cls, study: optuna.Study, space: SearchSpace, tune: TuneConfig | None = None
+    ) -> Analysis:
+        """``tune``: the goodput figures (MTBF, restart, job length) to price the trials
+        at, when they differ from the study's own (``overlapkit report --mtbf-hours``)."""
         objectives = study.user_attrs.get("objectives", ["throughput"])
+        tune = tune or TuneConfig(**study.user_attrs.get("tune", {}))
         measured, failed, pruned = [], [], 0
         for t in study.get_trials(deepcopy=False):
             role = t.user_attrs.get("role", "search")
             if t.state == TrialState.COMPLETE:
                 a = t.user_attrs
                 measured.append(
-                    Measurement(t.number, role, dict(t.params), a["throughput"], a["goodput"], a)
+                    Measurement(
+                        t.number, role, dict(t.params), a["throughput"], _goodput(a, tune), a
+                    )
                 )
             elif t.state == TrialState.FAIL:
                 failed.append(
@@ -79,8 +93,7 @@ class Analysis:
             elif t.state == TrialState.PRUNED and role != UNUSED:
                 pruned += 1
         metric = "throughput" if objectives == ["throughput"] else "goodput"
-        repeats = study.user_attrs.get("tune", {}).get("repeats", 1)
-        return cls(space, metric, objectives, measured, failed, pruned, study, repeats)
+        return cls(space, metric, objectives, measured, failed, pruned, study, tune)
 
     # ---------------------------------------------------------------- lookups
     @cached_property
@@ -286,12 +299,12 @@ class Analysis:
     def importances(self) -> dict[str, float]:
         """Optuna's importance evaluator (PED-ANOVA by default) on the metric (negated:
         the evaluator ranks what makes its target low)."""
-        index = self.objectives.index(self.metric) if self.metric in self.objectives else 0
+        value = {m.number: m.value(self.metric) for m in self.measured}
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "achieve low target": negated
                 return optuna.importance.get_param_importances(
-                    self.study, target=lambda t: -t.values[index]
+                    self.study, target=lambda t: -value[t.number]
                 )
         except (RuntimeError, ValueError, ZeroDivisionError):
             return {}  # too few trials, or a parameter that never varied
@@ -309,10 +322,34 @@ class Analysis:
         return out
 
     def pareto(self) -> list[Measurement]:
+        """With both objectives: the trials no other beats on one without losing on
+        the other (from the goodput priced here, which may differ from the study's)."""
         if len(self.objectives) < 2:
             return []
-        numbers = {t.number for t in self.study.best_trials}
-        return [m for m in self.measured if m.number in numbers]
+        return [m for m in self.measured if not any(_dominates(o, m) for o in self.measured)]
+
+
+def _goodput(attrs: dict[str, Any], tune: TuneConfig) -> float:
+    """A trial's goodput at ``tune``'s figures, from its throughput, checkpoint
+    interval and persist time (the recorded value if it lacks those)."""
+    if "checkpoint_interval_s" not in attrs:
+        return attrs["goodput"]
+    share = efficiency(
+        attrs["checkpoint_interval_s"],
+        attrs["persist_s"],
+        tune.restart_s,
+        tune.mtbf_hours * 3600,
+        tune.job_hours * 3600,
+    )
+    return goodput(attrs["throughput"], share)
+
+
+def _dominates(a: Measurement, b: Measurement) -> bool:
+    return (
+        a.throughput >= b.throughput
+        and a.goodput >= b.goodput
+        and (a.throughput > b.throughput or a.goodput > b.goodput)
+    )
 
 
 def _is_off(space: SearchSpace, name: str, value: Any) -> bool:

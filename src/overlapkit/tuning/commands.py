@@ -87,9 +87,13 @@ def report_command(args: argparse.Namespace, console: Console) -> int:
     if "scenario" not in study.user_attrs:
         raise TuneError(f"study {study.study_name} was not made by overlapkit tune")
     base = study.user_attrs["scenario"]
-    config = TuneConfig(**study.user_attrs["tune"])
-    analysis = Analysis.of(study, build_space(base.get("optimizations") or {}, config))
-    return _write(analysis, base, folder, args.json, console)
+    settings = dict(study.user_attrs["tune"])
+    for figure in ("mtbf_hours", "restart_s", "job_hours"):  # goodput priced at other figures
+        if getattr(args, figure, None) is not None:
+            settings[figure] = getattr(args, figure)
+    config = TuneConfig(**settings)
+    space = build_space(base.get("optimizations") or {}, config)
+    return _write(Analysis.of(study, space, config), base, folder, args.json, console)
 
 
 def _write(

@@ -73,6 +73,11 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
             "goodput": best.goodput,
             "measured": len(analysis.measurements(best.params)),
         },
+        "goodput_at": {
+            "mtbf_hours": analysis.tune.mtbf_hours,
+            "restart_s": analysis.tune.restart_s,
+            "job_hours": analysis.tune.job_hours,
+        },
         "repeats": analysis.repeats,
         "noise": analysis.noise,
         "tolerance": analysis.tolerance,
@@ -112,6 +117,14 @@ def comparison_table(document: dict[str, Any]) -> Table:
     if document["noise"] is not None:
         table.caption = _noise_text(document)
     return table
+
+
+def _goodput_text(figures: dict[str, float]) -> str:
+    return (
+        f"Goodput: throughput that survives a failure every {figures['mtbf_hours']:g} h on "
+        f"average in a {figures['job_hours']:g} h job, with {figures['restart_s']:g} s to restart "
+        "(`overlapkit report --mtbf-hours H` prices the same trials at another MTBF)."
+    )
 
 
 def _range(row: dict[str, Any]) -> str:
@@ -234,6 +247,8 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
         "",
         f"{trials['complete']} trials measured ({trials['search']} chosen by the sampler), "
         f"{trials['pruned']} pruned, {trials['failed']} failed. Best by **{analysis.metric}**.",
+        "",
+        _goodput_text(document["goodput_at"]),
         "",
         "## Comparison (all measured in this study)",
         "",
