@@ -65,6 +65,21 @@ def remeasure(job: TuneJob, settings: dict[str, dict], scratch: Path) -> dict[st
     return values
 
 
+def short(params: dict) -> str:
+    """E.g. "ddp_overlap 1, prefetch 0, checkpoint every 8, free"."""
+    parts = []
+    for name, value in params.items():
+        owner, knob = name.split(".")
+        if owner == "scheduler":
+            parts.append(str(value))
+        elif knob == "on":
+            if value is False:
+                parts.append(f"{owner} off")
+        elif params.get(f"{owner}.on", True):
+            parts.append(f"{owner} {value:g}" if knob == "intensity" else f"{owner} {knob} {value}")
+    return ", ".join(parts)
+
+
 def trials_to_find(analysis: Analysis) -> int:
     """Trials run before the best was known: all but the analysis phase's."""
     return sum(1 for t in analysis.study.trials if not _analysis_role(t.user_attrs.get("role")))
@@ -80,7 +95,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "tune-contention.png")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-tune-"))
-    console = Console()
+    console = Console(width=200)
     try:
         tuned_job, tuned = study(root / "tuned", "tuned")
         grid_job, grid = study(
@@ -142,7 +157,7 @@ def main() -> None:
                 f"{min(again[label]):.1f}-{max(again[label]):.1f}",
                 f"{median[label] / median['naive all on']:.2f}x",
                 counts.get(label, ""),
-                ", ".join(f"{k}={v}" for k, v in params.items()),
+                short(params),
             )
         console.print(table)
         search = sum(1 for m in tuned.measured if m.role == "search")
