@@ -22,7 +22,7 @@ import optuna
 from optuna.trial import TrialState
 
 from .config import TuneConfig
-from .goodput import efficiency, goodput
+from .goodput import goodput, priced_efficiency
 from .space import SearchSpace
 
 UNUSED = "unused"  # the role of a trial that found the queue empty (pruned at once)
@@ -334,13 +334,7 @@ def _goodput(attrs: dict[str, Any], tune: TuneConfig) -> float:
     interval and persist time (the recorded value if it lacks those)."""
     if "checkpoint_interval_s" not in attrs:
         return attrs["goodput"]
-    share = efficiency(
-        attrs["checkpoint_interval_s"],
-        attrs["persist_s"],
-        tune.restart_s,
-        tune.mtbf_hours * 3600,
-        tune.job_hours * 3600,
-    )
+    share = priced_efficiency(attrs["checkpoint_interval_s"], attrs["persist_s"], tune)
     return goodput(attrs["throughput"], share)
 
 

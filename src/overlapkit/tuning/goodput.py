@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .config import TuneConfig
+
 
 def efficiency(
     interval_s: float | None, persist_s: float, restart_s: float, mtbf_s: float, job_s: float
@@ -41,6 +43,13 @@ def efficiency(
 
 def goodput(throughput: float, efficiency_: float) -> float:
     return throughput * efficiency_
+
+
+def priced_efficiency(interval_s: float | None, persist_s: float, tune: TuneConfig) -> float:
+    """`efficiency` at ``tune``'s MTBF, restart time and job length."""
+    return efficiency(
+        interval_s, persist_s, tune.restart_s, tune.mtbf_hours * 3600, tune.job_hours * 3600
+    )
 
 
 def checkpoint_figures(summary: dict[str, Any]) -> tuple[float | None, float]:

@@ -38,7 +38,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .analysis import UNUSED, Analysis, setting_key
 from .config import TuneConfig
-from .goodput import checkpoint_figures, efficiency, goodput
+from .goodput import checkpoint_figures, goodput, priced_efficiency
 from .space import SearchSpace, apply_params, build_space
 from .trial import TrialFailed, TrialStopped, run_trial, trial_scenario
 
@@ -159,9 +159,7 @@ def open_study(job: TuneJob, queued: bool = False) -> optuna.Study:
 def trial_metrics(summary: dict[str, Any], tune: TuneConfig) -> dict[str, Any]:
     """The numbers a trial records: both objectives and where the step's time went."""
     interval_s, persist_s = checkpoint_figures(summary)
-    share = efficiency(
-        interval_s, persist_s, tune.restart_s, tune.mtbf_hours * 3600, tune.job_hours * 3600
-    )
+    share = priced_efficiency(interval_s, persist_s, tune)
     throughput = summary["samples_per_s"]
     return {
         "throughput": throughput,
@@ -374,8 +372,9 @@ def confirm_settings(
         if key in have:
             have[key] += 1
     keys, out = list(candidates), []
-    for round_ in range(tune.repeats):
-        for key in keys[round_ % len(keys) :] + keys[: round_ % len(keys)] if keys else []:
+    for round_ in range(tune.repeats if keys else 0):
+        turn = round_ % len(keys)
+        for key in keys[turn:] + keys[:turn]:
             if have[key] <= round_:
                 have[key] += 1
                 out.append(("repeat", candidates[key]))
