@@ -7,7 +7,8 @@ Two studies in one run, over the same space (ddp_overlap and prefetch
 intensities 0 / 0.5 / 1, checkpoint on/off x every 2 or 8 steps, policy free or
 priority), by goodput (MTBF 1 h, a 4 h job, 30 s restart), each with its
 confirm phase (the 3 best settings and the reference rows measured 3 times):
-  * tuned: the reference trials, 12 TPE trials, the confirm and analysis trials;
+  * tuned: the reference trials, 12 TPE trials, the confirm and analysis trials
+    (the analysis settings measured 3 times too);
   * grid: every point of the grid, then its confirm trials.
 Then the tuned best, the grid best, the naive all-on and the best single
 optimization are measured again side by side (5 rounds, rotating order, medians).
@@ -28,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from overlapkit.tuning import TuneConfig
-from overlapkit.tuning.analysis import Analysis
+from overlapkit.tuning.analysis import ANALYSIS_ROLES, Analysis
 from overlapkit.tuning.report import print_report, report_document, write_report
 from overlapkit.tuning.runner import tune
 from overlapkit.tuning.space import apply_params
@@ -81,12 +82,15 @@ def short(params: dict) -> str:
 
 
 def trials_to_find(analysis: Analysis) -> int:
-    """Trials run before the best was known: all but the analysis phase's."""
-    return sum(1 for t in analysis.study.trials if not _analysis_role(t.user_attrs.get("role")))
-
-
-def _analysis_role(role: str | None) -> bool:
-    return bool(role) and role.startswith(("sweep:", "pair:", "policy"))
+    """Trials run before the best was known: all but the analysis phase's, unless
+    the analysis phase found (and confirmed) the best."""
+    if analysis.best.params != analysis.center.params:
+        return len(analysis.study.trials)
+    return sum(
+        1
+        for t in analysis.study.trials
+        if not t.user_attrs.get("role", "search").startswith(ANALYSIS_ROLES)
+    )
 
 
 def main() -> None:

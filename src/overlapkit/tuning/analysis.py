@@ -26,6 +26,8 @@ from .goodput import goodput, priced_efficiency
 from .space import SearchSpace
 
 UNUSED = "unused"  # the role of a trial that found the queue empty (pruned at once)
+# Trials of the analysis phase (around the center) and their repeats.
+ANALYSIS_ROLES = ("sweep:", "pair:", "policy", "repeat:analysis")
 FLAT = 0.02  # a curve within 2 % of its peak (or within the noise) has stopped paying
 
 
@@ -114,17 +116,32 @@ class Analysis:
         same = self.measurements(params)
         return _median(same) if same else None
 
-    def ranked(self) -> list[Measurement]:
-        """Each setting's median measurement, best first."""
-        medians = [_median(same) for same in self.groups.values()]
+    def ranked(self, searched: bool = False) -> list[Measurement]:
+        """Each setting's median measurement, best first; ``searched``: only the
+        settings that the references or the search measured (not the analysis)."""
+        medians = [
+            _median(same)
+            for same in self.groups.values()
+            if not searched or any(not m.role.startswith(ANALYSIS_ROLES) for m in same)
+        ]
         return sorted(medians, key=lambda m: m.value(self.metric), reverse=True)
+
+    def _best_of(self, ranked: list[Measurement]) -> Measurement | None:
+        """The best median among settings measured `repeats` times (among all when
+        none is, or when one measurement is enough)."""
+        confirmed = [m for m in ranked if len(self.measurements(m.params)) >= self.repeats]
+        return (confirmed or ranked or [None])[0]
 
     @cached_property
     def best(self) -> Measurement | None:
-        """The setting with the best median among those measured `repeats` times
-        (all settings when none is, or when one measurement is enough)."""
-        confirmed = [m for m in self.ranked() if len(self.measurements(m.params)) >= self.repeats]
-        return (confirmed or self.ranked() or [None])[0]
+        """The tuned best: it may be a setting the analysis phase found and confirmed."""
+        return self._best_of(self.ranked())
+
+    @cached_property
+    def center(self) -> Measurement | None:
+        """The best setting of the references and the search: the analysis phase
+        sweeps each level around it (so its curves stay put when that finds a better one)."""
+        return self._best_of(self.ranked(searched=True))
 
     @cached_property
     def noise(self) -> float | None:
@@ -230,9 +247,9 @@ class Analysis:
 
     def curves(self) -> dict[str, dict[str, Any]]:
         """Per optimization: its metric along its level alone and with the others
-        held at the best setting, and the contention point: the lowest level within
+        held at the analysis center (the best setting of the search), and the contention point: the lowest level within
         `tolerance` of the with-others peak (beyond it, more overlap stops paying)."""
-        best = self.best
+        best = self.center
         out = {}
         for name in self.space.optimizations:
             level = self.space.level(name)
@@ -310,8 +327,8 @@ class Analysis:
             return {}  # too few trials, or a parameter that never varied
 
     def policy_effect(self) -> dict[str, float]:
-        """The best setting's metric under each scheduler policy."""
-        best = self.best
+        """The analysis center's metric under each scheduler policy."""
+        best = self.center
         if best is None or "scheduler.policy" not in best.params:
             return {}
         out = {}

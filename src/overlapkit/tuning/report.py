@@ -73,6 +73,9 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
             "goodput": best.goodput,
             "measured": len(analysis.measurements(best.params)),
         },
+        "center": None
+        if analysis.center is None
+        else {"trial": analysis.center.number, "params": analysis.center.params},
         "goodput_at": {
             "mtbf_hours": analysis.tune.mtbf_hours,
             "restart_s": analysis.tune.restart_s,
@@ -263,6 +266,13 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
         )
     if document["noise"] is not None:
         lines += ["", _noise_text(document) + "."]
+    center = document["center"]
+    if center is not None and document["best"] and center["params"] != document["best"]["params"]:
+        lines += [
+            "",
+            f"The tuned best was found by the analysis phase, around the search's best "
+            f"(trial {center['trial']}), and confirmed by its repeats.",
+        ]
     if "best" in files:
         lines += [
             "",

@@ -22,6 +22,7 @@ from .study import (
     open_study,
     quiet_optuna,
     reference_settings,
+    repeat_settings,
     search_done,
     waiting,
     worker_main,
@@ -56,11 +57,18 @@ def tune(
         _phase("confirm", job, study, waiting(study), workers, deadline, shown, console)
     if job.tune.references:
         analysis = Analysis.of(study, job.space)
-        if analysis.best is not None:
-            enqueue(
-                study, analysis_settings(job.space, analysis.best.params, analysis.alone_best())
-            )
+        if analysis.center is not None:
+            around = analysis_settings(job.space, analysis.center.params, analysis.alone_best())
+            enqueue(study, around)
             _phase("analysis", job, study, waiting(study), workers, deadline, shown, console)
+            if job.tune.repeats > 1:  # the curves from medians too
+                measured = Analysis.of(study, job.space).measurements
+                again = [params for _, params in around if measured(params)]
+                repeats = repeat_settings(study, again, job.tune.repeats, "repeat:analysis")
+                enqueue(study, repeats, again=True)
+                _phase(
+                    "confirm curves", job, study, waiting(study), workers, deadline, shown, console
+                )
     return Analysis.of(study, job.space)
 
 

@@ -353,16 +353,27 @@ def analysis_settings(
 def confirm_settings(
     study: optuna.Study, analysis: Analysis, tune: TuneConfig
 ) -> list[tuple[str, dict[str, Any]]]:
-    """The repeats that give the finalists and the reference rows ``tune.repeats``
-    measurements each, as rounds in rotating order. Trials already measured,
-    queued or running count, so an interrupted confirm phase is not queued twice."""
-    candidates: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for m in analysis.ranked()[: tune.finalists]:
-        candidates.setdefault(setting_key(m.params), m.params)
+    """The repeats that give the search's finalists and the reference rows
+    ``tune.repeats`` measurements each."""
+    candidates = [m.params for m in analysis.ranked(searched=True)[: tune.finalists]]
     for _, params, _ in analysis.reference_rows() if tune.references else []:
         if params is not None and analysis.measurements(params):
-            candidates.setdefault(setting_key(params), params)
-    have = dict.fromkeys(candidates, 0)
+            candidates.append(params)
+    return repeat_settings(study, candidates, tune.repeats, "repeat")
+
+
+def repeat_settings(
+    study: optuna.Study, settings: list[dict[str, Any]], repeats: int, role: str
+) -> list[tuple[str, dict[str, Any]]]:
+    """Trials that give each of ``settings`` ``repeats`` measurements, as rounds
+    (each setting once per round, each round starting one further along, so that a
+    slow spell of the machine hits them alike). Trials measured, queued or running
+    count, so an interrupted phase is not queued twice."""
+    candidates: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for params in settings:
+        candidates.setdefault(setting_key(params), params)
+    keys = list(candidates)
+    have = dict.fromkeys(keys, 0)
     for trial in study.get_trials(deepcopy=False, states=COUNTED):
         key = (
             setting_key(trial.params)
@@ -371,13 +382,13 @@ def confirm_settings(
         )
         if key in have:
             have[key] += 1
-    keys, out = list(candidates), []
-    for round_ in range(tune.repeats if keys else 0):
+    out = []
+    for round_ in range(repeats if keys else 0):
         turn = round_ % len(keys)
         for key in keys[turn:] + keys[:turn]:
             if have[key] <= round_:
                 have[key] += 1
-                out.append(("repeat", candidates[key]))
+                out.append((role, candidates[key]))
     return out
 
 
