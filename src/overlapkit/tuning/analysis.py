@@ -178,8 +178,10 @@ class Analysis:
                 for v, m in self.alone(name)
                 if m is not None and not _is_off(self.space, name, v)
             ]
+            # Like the best: among the levels measured `repeats` times, if any is.
+            confirmed = [vm for vm in on if len(self.measurements(vm[1].params)) >= self.repeats]
             if on:
-                out[name] = max(on, key=lambda vm: vm[1].value(self.metric))[0]
+                out[name] = max(confirmed or on, key=lambda vm: vm[1].value(self.metric))[0]
         return out
 
     def _levels(self, name: str) -> list[Any]:
