@@ -33,6 +33,16 @@ def scenario_with(tiny_scenario, optimizations: str, tune: str):
     return tiny_scenario(TINY_SCENARIO + f"optimizations: {optimizations}\ntune: {tune}\n")
 
 
+def tune_tiny(tiny_scenario, tmp_path, optimizations: str, tune: str):
+    """`overlapkit tune` on the tiny scenario with these optimizations and tune
+    section, into tmp_path/tune; it must succeed. Returns that folder."""
+    out = tmp_path / "tune"
+    path = scenario_with(tiny_scenario, optimizations, tune)
+    result = run_cli("tune", path, "--out", out, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
 def load(folder, name="tiny"):
     return optuna.load_study(
         study_name=name, storage=open_storage(f"sqlite:///{folder / 'study.db'}")
@@ -256,14 +266,12 @@ def _fake(trial, space, results):
 
 
 def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
-    path = scenario_with(
+    out = tune_tiny(
         tiny_scenario,
+        tmp_path,
         "{toy_sleep: {intensity: 1}, checkpoint: {every: 2}}",
         "{trials: 2, intensity_step: 1, steps: 4, warmup_steps: 1, objective: both, mtbf_hours: 2, job_hours: 1, finalists: 1, repeats: 2}",
     )
-    out = tmp_path / "tune"
-    result = run_cli("tune", path, "--out", out, timeout=600)
-    assert result.returncode == 0, result.stderr
     for name in (
         "report.md",
         "report.html",
@@ -330,15 +338,14 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
 
 
 def test_a_grid_study_visits_every_point_then_confirms_its_finalists(tiny_scenario, tmp_path):
-    path = scenario_with(
+    out = tune_tiny(
         tiny_scenario,
+        tmp_path,
         "{toy_sleep: {intensity: 1}}",
         "{trials: 100, sampler: grid, references: false, policy: false, intensity_step: 0.5,"
         " finalists: 2, repeats: 2, steps: 2, warmup_steps: 1}",
     )
-    result = run_cli("tune", path, "--out", tmp_path / "tune", timeout=600)
-    assert result.returncode == 0, result.stderr
-    study = load(tmp_path / "tune")
+    study = load(out)
     assert all(t.state == TrialState.COMPLETE for t in study.trials)
     searched = [
         t.params["toy_sleep.intensity"] for t in study.trials if t.user_attrs["role"] == "search"
@@ -440,14 +447,12 @@ def test_two_machines_share_one_study_on_postgresql(tiny_scenario, tmp_path):
 def test_failed_trials_are_recorded_with_their_reason_and_the_study_goes_on(
     tiny_scenario, tmp_path
 ):
-    path = scenario_with(
+    out = tune_tiny(
         tiny_scenario,
+        tmp_path,
         "{toy_fail: {rank: 0, step: 0}}",
         "{trials: 1, policy: false, steps: 2, warmup_steps: 1, repeats: 1, search: {toy_fail: {how: [raise, sigkill]}}}",
     )
-    out = tmp_path / "tune"
-    result = run_cli("tune", path, "--out", out, timeout=600)
-    assert result.returncode == 0, result.stderr
     study = load(out)
     failed = {t.user_attrs["failure"]: t for t in study.trials if t.state == TrialState.FAIL}
     assert set(failed) == {"crashed", "killed"}
