@@ -5,6 +5,7 @@ from .arbitration import POLICIES, ArbitrationPolicy, PriorityPolicy
 from .events import Event
 from .metrics import PHASES, PhaseClock
 from .optimization import (
+    COMM_WAIT,
     CombinationError,
     Knob,
     KnobError,
@@ -31,6 +32,7 @@ __all__ = [
     "PhaseClock",
     "Plan",
     "PriorityPolicy",
+    "COMM_WAIT",
     "Resource",
     "Scheduler",
     "SchedulerConfig",

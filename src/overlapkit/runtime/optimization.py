@@ -31,6 +31,11 @@ class Resource(str, Enum):
     HOST_CPU = "host_cpu"
 
 
+# What the step holds while it waits on a gradient all-reduce: the link, and the
+# host CPU that gloo's communication threads run on.
+COMM_WAIT = (Resource.NETWORK, Resource.HOST_CPU)
+
+
 class WrapStage(IntEnum):
     """The fixed order in which wrappers are applied: split the model, then
     wrap it for data parallelism, then everything else."""

@@ -35,7 +35,7 @@ from .distributed import World, all_gather_objects, all_reduce_sum, close_world,
 from .events import Event
 from .gradsync import FlatAllReduce, broadcast_model
 from .metrics import PhaseClock, step_record, summarize
-from .optimization import Optimization, Resource
+from .optimization import COMM_WAIT, Optimization
 from .persist import atomic_torch_save
 from .precision import Precision, PrecisionName
 from .progress import ProgressBar
@@ -261,7 +261,7 @@ class Session:
         if self._grad_sync is not None:
             with (
                 state.clock.phase("comm_exposed"),
-                state.policy.critical(Resource.NETWORK, Resource.HOST_CPU),
+                state.policy.critical(*COMM_WAIT),
             ):
                 self._grad_sync()
         self.scheduler.fire(Event.BEFORE_OPTIMIZER_STEP, state)

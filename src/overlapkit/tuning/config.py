@@ -21,11 +21,11 @@ class TuneConfig(Config):
     policy: bool = True  # also search the scheduler's policy (free | priority)
     references: bool = True  # measure baseline, each alone, all on, contention curves
     steps: int = Field(12, ge=1)  # measured steps per trial
+    warmup_steps: int = Field(3, ge=0)
     # Noise: the `finalists` best settings of the search and the comparison rows
     # are measured until each has `repeats` results; the best is the best median.
     finalists: int = Field(3, ge=0)
     repeats: int = Field(3, ge=1)
-    warmup_steps: int = Field(3, ge=0)
     prune: bool = True  # stop a trial early when it is clearly worse (one objective only)
     trial_timeout_s: float = Field(600, gt=0)
     # Goodput: throughput discounted by the work a failure costs at this MTBF.

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ...runtime import (
+    COMM_WAIT,
     CombinationError,
     Knob,
     Optimization,
@@ -256,7 +257,7 @@ class DDPOverlap(Optimization):
         start = perf_counter()
         with (
             state.clock.phase("comm_exposed"),
-            state.policy.critical(Resource.NETWORK, Resource.HOST_CPU),
+            state.policy.critical(*COMM_WAIT),
         ):
             self._flat()
         latency = perf_counter() - start

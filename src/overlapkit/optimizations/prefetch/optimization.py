@@ -114,13 +114,11 @@ class Prefetch(Optimization):
         # policy the workers (and the feeder thread) wait while the step waits on
         # communication, sample by sample.
         on_cpu = device.type == "cpu"
-        worker_gate = state.policy.process_gate(Resource.HOST_CPU) if on_cpu else None
-        if (
-            worker_gate is not None
-            and s["workers"]
-            and not isinstance(loader.dataset, GatedDataset)
-        ):
-            loader.dataset = GatedDataset(loader.dataset, worker_gate)
+        if on_cpu and s["workers"] and not isinstance(loader.dataset, GatedDataset):
+            # Asked for only here: once made, every critical section also marks shared memory.
+            worker_gate = state.policy.process_gate(Resource.HOST_CPU)
+            if worker_gate is not None:
+                loader.dataset = GatedDataset(loader.dataset, worker_gate)
         backend = _build_backend(s, loader, device, pin)
         # DataLoader and DALI's external source load on the calling thread without
         # workers: the feeder thread loads ahead then. tf.data has threads of its own.
