@@ -21,6 +21,7 @@ from .models import MODEL_NAMES
 from .optimizations import registered_optimizations
 from .optimizations.checkpoint import CheckpointError
 from .runtime import POLICIES, CombinationError
+from .runtime.gpus import GPUSetupError
 from .scenarios import Scenario, ScenarioError, load_scenario
 from .tuning import TuneError
 
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         errors.print("[bold red]error in scenario[/]")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
-    except (DataNotFoundError, CombinationError, TuneError) as error:
+    except (DataNotFoundError, CombinationError, GPUSetupError, TuneError) as error:
         errors.print("[bold red]error:[/] ", end="")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2

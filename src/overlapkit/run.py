@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from .launch.local import launch_local, under_torchrun
 from .runtime import Session
 from .runtime.distributed import close_world, init_world
 from .runtime.loop import train
+from .runtime.optimization import needed_environment
 from .runtime.rng import seed_everything
 from .scenarios import Scenario, dump_scenario
 
@@ -34,14 +36,20 @@ def rank_main(
 ) -> dict[str, Any]:
     """One rank's whole run; the same under overlapkit's launcher and torchrun."""
     cfg = scenario.train
-    world = init_world(scenario.world.device, scenario.world.backend, scenario.world.threads)
+    optimizations = scenario.build_optimizations()
+    world = init_world(
+        scenario.world.device,
+        scenario.world.backend,
+        scenario.world.threads,
+        environment=partial(needed_environment, optimizations),
+    )
     try:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         seed_everything(cfg.seed)  # the same initial model on every rank
         model = scenario.model.build()
         session = Session(
-            scenario.build_optimizations(),
+            optimizations,
             policy=scenario.scheduler.policy,
             world=world,
             precision=cfg.precision,
@@ -64,6 +72,7 @@ def rank_main(
             shards,
             cfg.seed,
             cfg.eval.max_samples,
+            pin_memory=world.device.type == "cuda",
         )
         seed_everything(cfg.seed + 1 + world.rank)  # dropout and the like differ per rank
         result = train(cfg, session, model, train_loader, eval_loader)

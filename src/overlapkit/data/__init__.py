@@ -138,22 +138,29 @@ def build_loaders(
     world_size: int,
     seed: int,
     eval_max_samples: int | None = None,
+    pin_memory: bool = False,
 ) -> tuple[ResumableLoader, DataLoader | None]:
-    """This rank's training loader (shuffled, resumable) and evaluation shard (in order, exact)."""
+    """This rank's training loader (shuffled, resumable) and evaluation shard (in order,
+    exact). ``pin_memory`` on a GPU: copies from pinned memory do not stop the host."""
     if len(train_set) < batch_size * world_size:
         raise ValueError(
             f"the dataset has {len(train_set)} samples, fewer than one global batch "
             f"({batch_size} per rank x {world_size} ranks)"
         )
     train = ResumableLoader(
-        train_set, batch_size, ShardedSampler(len(train_set), rank, world_size, seed)
+        train_set,
+        batch_size,
+        ShardedSampler(len(train_set), rank, world_size, seed),
+        pin_memory=pin_memory,
     )
     if eval_set is None:
         return train, None
     if eval_max_samples is not None and eval_max_samples < len(eval_set):
         eval_set = Subset(eval_set, range(eval_max_samples))
     shard = ShardedSampler(len(eval_set), rank, world_size, shuffle=False, drop_last=False)
-    return train, DataLoader(eval_set, batch_size=batch_size, sampler=shard)
+    return train, DataLoader(
+        eval_set, batch_size=batch_size, sampler=shard, pin_memory=pin_memory
+    )
 
 
 __all__ = [

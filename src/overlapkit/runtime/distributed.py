@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .gpus import GPUSetupError, check_rank_count
 
 
 @dataclass(frozen=True)
@@ -35,23 +38,48 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("world.device is cuda but no CUDA device is available")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise GPUSetupError("world.device is cuda but no CUDA device is available")
+        if local_rank >= count:  # never share a GPU silently (see gpus.check_rank_count)
+            check_rank_count(local_rank + 1, count)
+        return torch.device("cuda", local_rank)
     return torch.device(device)
 
 
+def resolve_backend(backend: str, device_type: str) -> str:
+    """``auto``: nccl on CUDA, gloo on CPU."""
+    if backend == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    return backend
+
+
+def process_group_backend(backend: str) -> str:
+    """What `init_process_group` gets: under nccl, one group that also carries CPU
+    collectives (object gathers, evaluation counts, checkpoint coordination) on gloo,
+    since an NCCL-only group refuses CPU tensors."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 def init_world(
-    device: str = "auto", backend: str = "auto", threads: int | None = None, timeout_s: float = 300
+    device: str = "auto",
+    backend: str = "auto",
+    threads: int | None = None,
+    timeout_s: float = 300,
+    environment: Callable[[str], Mapping[str, str]] | None = None,
 ) -> World:
-    """Join the process group described by the environment (none for one rank)."""
+    """Join the process group described by the environment (none for one rank).
+
+    ``environment(backend)`` gives variables to set first: a communication library
+    reads some when its communicator starts (NCCL_ALGO, NCCL_PROTO)."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     torch_device = pick_device(device, local_rank)
-    if backend == "auto":
-        backend = "nccl" if torch_device.type == "cuda" else "gloo"
+    backend = resolve_backend(backend, torch_device.type)
+    if environment is not None:
+        os.environ.update(environment(backend))
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
     # Ranks on one host share its cores; oversubscribing them slows every rank.
@@ -59,7 +87,11 @@ def init_world(
     torch.set_num_threads(threads or max(1, cores // local_world_size))
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            process_group_backend(backend),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=torch_device if torch_device.type == "cuda" else None,
         )
     return World(rank, world_size, local_rank, local_world_size, torch_device, backend)
 
@@ -86,9 +118,8 @@ def all_gather_objects(obj: object, world: World) -> list[object]:
     return gathered
 
 
-def all_reduce_sum(values: list[float], world: World) -> list[float]:
-    if world.world_size == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+def all_reduce_sum(tensor: torch.Tensor, world: World) -> torch.Tensor:
+    """``tensor`` summed across ranks (in place), on the device it lives on."""
+    if world.world_size > 1:
+        dist.all_reduce(tensor)
+    return tensor

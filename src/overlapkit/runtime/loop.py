@@ -62,8 +62,13 @@ class TrainConfig(Config):
         return self
 
 
-def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: OptimizerConfig, model: nn.Module, device: torch.device | None = None
+) -> torch.optim.Optimizer:
+    """On a GPU the fused step: one kernel per parameter group, and a grad scaler
+    hands it the inf check on the device (the unfused step reads it on the host)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    fused = {"fused": True} if device is not None and device.type == "cuda" else {}
     if cfg.name == "sgd":
         return torch.optim.SGD(
             params,
@@ -71,9 +76,10 @@ def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optim
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
             nesterov=cfg.nesterov,
+            **fused,
         )
     cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
-    return cls(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return cls(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, **fused)
 
 
 def build_lr_schedule(
@@ -111,7 +117,7 @@ def train(
     resume_from: Any = None,
 ) -> dict[str, Any]:
     """Train ``model`` for ``cfg.total_steps`` steps; return the run summary."""
-    optimizer = build_optimizer(cfg.optimizer, model)
+    optimizer = build_optimizer(cfg.optimizer, model, session.world.device)
     lr_schedule = build_lr_schedule(cfg.lr_schedule, optimizer, cfg.total_steps)
     model, optimizer, _ = session.prepare(model, optimizer, train_loader, lr_schedule)
     if resume_from is not None:

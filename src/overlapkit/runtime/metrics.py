@@ -3,7 +3,8 @@
 The `PhaseClock` always has exactly one current phase; switching phases
 closes the time since the last switch into the phase that was current. The
 phases of a step therefore add up to the step's time by construction, and
-time nobody claimed lands in ``other`` instead of disappearing.
+time nobody claimed lands in ``other`` instead of disappearing. On a GPU the
+switches are CUDA events, read a few steps later (see `timing`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
-from itertools import pairwise
-from time import perf_counter
 from typing import Any
 
 import torch
+
+from .timing import Mark, Marks, Seconds, resolve
 
 PHASES = (
     "data_wait",
@@ -30,49 +31,73 @@ PHASES = (
 USEFUL_PHASES = ("forward", "backward", "optimizer")
 
 
-class PhaseClock:
-    """Attributes the wall time of each step to phases.
+class StepTiming:
+    """One closed step's phase times, readable once its marks are (`ready`)."""
 
-    On a CUDA device the boundaries are also recorded as CUDA events and the
-    step is measured on the device's timeline (one synchronisation at the end
-    of the step), since host-side timings of asynchronous kernels would put
-    the work in whichever phase happens to synchronise.
+    def __init__(
+        self,
+        marks: Marks,
+        spans: list[tuple[str, Mark, Mark]],
+        moved: list[tuple[str, str, Seconds]],
+    ) -> None:
+        self._marks, self._spans, self._moved = marks, spans, moved
+        self._result: tuple[float, dict[str, float]] | None = None
+
+    def ready(self) -> bool:
+        return self._result is not None or self._marks.ready(self._spans[-1][2])
+
+    def result(self) -> tuple[float, dict[str, float]]:
+        """The step's time and the time of each phase (they add up to it)."""
+        if self._result is None:
+            totals = dict.fromkeys(PHASES, 0.0)
+            for phase, begin, end in self._spans:
+                totals[phase] += Marks.seconds(begin, end)
+            for source, target, seconds in self._moved:
+                seconds = min(max(resolve(seconds), 0.0), totals[source])
+                totals[source] -= seconds
+                totals[target] += seconds
+            # Each mark is released by the step it begins a span in, so steps are read
+            # in order; the last one is the next step's first (or dropped by `pause`).
+            self._marks.release(*(begin for _, begin, _ in self._spans))
+            self._result = sum(totals.values()), totals
+        return self._result
+
+
+class PhaseClock:
+    """Attributes the time of each step to phases.
+
+    Each phase switch takes a mark (see `timing.Marks`): the host's clock on a
+    CPU, a CUDA event on the device's timeline on a GPU, where host-side times
+    of asynchronous kernels would put the work in whichever phase happens to
+    wait for the device. A closed step's times are read later (`close_step`
+    returns them pending), so measuring never makes the host wait.
     """
 
     def __init__(self, device: torch.device | None = None) -> None:
-        self._cuda = device is not None and device.type == "cuda"
+        self.marks = Marks(device)
         self.current = "other"
-        self._totals = dict.fromkeys(PHASES, 0.0)
-        self._moved: list[tuple[str, str, float]] = []
-        self._marks: list[tuple[str, Any]] = []
-        self._t = perf_counter()
-        self._last_end: tuple[float, Any] | None = None
+        self._spans: list[tuple[str, Mark, Mark]] = []
+        self._moved: list[tuple[str, str, Seconds]] = []
+        self._since: Mark | None = None
+        self._last_end: Mark | None = None
 
     def start_step(self) -> None:
         """Open a step. It starts where the previous one ended (the time in between
         is this step's ``other``), unless `pause` was called since."""
-        self._totals = dict.fromkeys(PHASES, 0.0)
-        self._moved.clear()
+        self._spans, self._moved = [], []
         self.current = "other"
-        if self._last_end is not None:
-            self._t, last_event = self._last_end
-        else:
-            self._t, last_event = perf_counter(), None
-        if self._cuda:
-            self._marks = [("other", last_event or self._cuda_event())]
+        self._since = self._last_end if self._last_end is not None else self.marks.mark()
 
     def pause(self) -> None:
         """Leave the time until the next step out of every step (e.g. evaluation)."""
-        self._last_end = None
+        self._last_end = None  # not to the pool: the last step may not have been read yet
 
     def switch(self, phase: str) -> str:
         """Make ``phase`` current; return the phase that was current."""
-        now = perf_counter()
-        self._totals[self.current] += now - self._t
-        self._t = now
+        now = self.marks.mark()
+        self._spans.append((self.current, self._since, now))
+        self._since = now
         previous, self.current = self.current, phase
-        if self._cuda:
-            self._marks.append((phase, self._cuda_event()))
         return previous
 
     @contextmanager
@@ -84,35 +109,21 @@ class PhaseClock:
         finally:
             self.switch(previous)
 
-    def reattribute(self, source: str, target: str, seconds: float) -> None:
+    def reattribute(self, source: str, target: str, seconds: Seconds) -> None:
         """Move time measured by other means (e.g. exposed all-reduce inside
-        ``backward``) from one phase to another at the end of the step."""
+        ``backward``) from one phase to another when the step's times are read.
+        ``seconds`` may be a callable, called then (when the device is done)."""
         self._moved.append((source, target, seconds))
 
-    def end_step(self) -> tuple[float, dict[str, float]]:
-        """Close the step: its wall time and the time of each phase."""
+    def close_step(self) -> StepTiming:
+        """Close the step; its times are read from the result when ready."""
         self.switch("other")
-        self._last_end = (self._t, self._marks[-1][1] if self._cuda else None)
-        if self._cuda:
-            totals = dict.fromkeys(PHASES, 0.0)
-            self._marks[-1][1].synchronize()
-            for (phase, begin), (_, end) in pairwise(self._marks):
-                totals[phase] += begin.elapsed_time(end) / 1000.0
-            self._marks.clear()
-        else:
-            totals = self._totals
-        for source, target, seconds in self._moved:
-            seconds = min(max(seconds, 0.0), totals[source])
-            totals[source] -= seconds
-            totals[target] += seconds
-        step_time = sum(totals.values())
-        return step_time, dict(totals)
+        self._last_end = self._since
+        return StepTiming(self.marks, self._spans, self._moved)
 
-    @staticmethod
-    def _cuda_event() -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+    def end_step(self) -> tuple[float, dict[str, float]]:
+        """Close the step and read its time and the time of each phase now."""
+        return self.close_step().result()
 
 
 def step_record(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -74,6 +74,7 @@ class Plan:
     data_parallel_size: int = 1  # ranks holding each part of the model (all, unless split)
     batch_size: int | None = None
     build_model: Callable[[], Any] | None = None
+    precision: str = "fp32"  # fp32, bf16 or fp16
 
     def provided(self, role: str) -> bool:
         return any(role in opt.provides for opt in self.optimizations.values())
@@ -241,6 +242,11 @@ class Optimization:
         """Raise `CombinationError` for what only the whole plan shows: the other
         optimizations, the batch size, the model. Runs after `check`."""
 
+    def environment(self, backend: str) -> dict[str, str]:
+        """Environment variables this optimization needs set before the process group
+        starts (a communication library reads some only then), for ``backend``."""
+        return {}
+
     def data_shard(self, rank: int, world_size: int) -> tuple[int, int] | None:
         """For an optimization that splits the model across ranks: which data shard
         ``rank`` reads and how many shards there are. None: one shard per rank."""
@@ -275,3 +281,8 @@ def register_optimization(cls: type[Optimization]) -> type[Optimization]:
         raise TypeError(f"{cls.__qualname__} must set a name")
     REGISTRY[cls.name] = cls
     return cls
+
+
+def needed_environment(optimizations: Sequence[Optimization], backend: str) -> dict[str, str]:
+    """What the optimizations need in the environment before the process group starts."""
+    return {k: v for opt in optimizations for k, v in opt.environment(backend).items()}

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 import torch
 
+from .gpus import check_precision
+
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 
 
@@ -16,6 +18,8 @@ class Precision:
             raise ValueError(
                 "precision fp16 needs a CUDA device (its grad scaler is for GPUs); use bf16 on CPU"
             )
+        if name == "bf16" and device.type == "cuda":
+            check_precision(name, torch.cuda.get_device_capability(device))
         self.name = name
         self.device = device
         self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

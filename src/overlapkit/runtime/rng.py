@@ -33,7 +33,8 @@ def capture_rng() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's GPU only: a resume may see fewer GPUs (each rank its own).
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -45,4 +46,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):  # saved by an older version: every GPU's
+            cuda = cuda[torch.cuda.current_device() % len(cuda)]
+        torch.cuda.set_rng_state(cuda)

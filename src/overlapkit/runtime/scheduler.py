@@ -152,6 +152,7 @@ class Scheduler:
         *,
         batch_size: int | None = None,
         build_model: Callable[[], Any] | None = None,
+        precision: str = "fp32",
     ) -> None:
         """Each optimization's own checks, then its checks of the whole plan."""
         for opt in self.optimizations:
@@ -164,6 +165,7 @@ class Scheduler:
             data_parallel_size=self.data_shard(0, world_size)[1],
             batch_size=batch_size,
             build_model=build_model,
+            precision=precision,
         )
         for opt in self.optimizations:
             opt.check_plan(plan)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -34,8 +35,8 @@ from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
 from .events import Event
 from .gradsync import FlatAllReduce, broadcast_model
-from .metrics import PhaseClock, step_record, summarize
-from .optimization import COMM_WAIT, Optimization
+from .metrics import PhaseClock, summarize
+from .optimization import COMM_WAIT, Optimization, needed_environment
 from .persist import atomic_torch_save
 from .precision import Precision, PrecisionName
 from .progress import ProgressBar
@@ -43,6 +44,8 @@ from .report import LiveSteps, print_summary, write_run_files
 from .rng import capture_rng, restore_rng
 from .scheduler import Scheduler
 from .state import State
+from .steplog import PendingStep, StepLog
+from .timing import AsyncScalar
 
 
 class Session:
@@ -75,9 +78,13 @@ class Session:
     ) -> None:
         # A process group this session starts, it also closes (in `finish`).
         self._owns_world = world is None and not torch.distributed.is_initialized()
-        self.world = world or init_world(device)
+        self.world = world or init_world(
+            device, environment=partial(needed_environment, optimizations)
+        )
         self.scheduler = Scheduler(optimizations, policy)
-        self.scheduler.check(self.world.world_size, self.world.device.type, self.world.backend)
+        self.scheduler.check(
+            self.world.world_size, self.world.device.type, self.world.backend, precision=precision
+        )
         self.precision = Precision(precision, self.world.device)
         self.name = name
         self.state = State(
@@ -93,6 +100,7 @@ class Session:
         if accumulate < 1:
             raise ValueError(f"accumulate must be at least 1, got {accumulate}")
         self.records: list[dict[str, Any]] = []
+        self._step_log = StepLog()
         self._show_progress = progress and self.world.is_main
         self._print_summary = print_summary and self.world.is_main
         self._trace = trace
@@ -276,33 +284,40 @@ class Session:
     def end_step(
         self, loss: torch.Tensor | float | None = None, samples: int | None = None
     ) -> None:
-        """Close the step: fire STEP_END, record its metrics, advance the step counter."""
+        """Close the step: fire STEP_END, record its metrics, advance the step counter.
+
+        Nothing here waits for the device: the step's times and loss are read when
+        they are ready (a few steps later on a GPU; `finish` reads the rest)."""
         state = self.state
         self.scheduler.fire(Event.STEP_END, state)
-        step_time, phases = state.clock.end_step()
+        timing = state.clock.close_step()
         if loss is None and self._micro_losses:
             loss = torch.stack(self._micro_losses).mean()
-        # None: this rank computes no loss (a pipeline stage before the last).
-        loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
         if samples is None:
             samples = self._step_samples if state.counts_samples else 0
-        warmup = state.is_warmup
-        record = step_record(
-            step=state.step,
-            rank=self.world.rank,
-            loss=loss_value,
-            samples=samples,
-            step_time_s=step_time,
-            phases_s=phases,
-            warmup=warmup,
+        self._step_log.add(
+            PendingStep(
+                step=state.step,
+                rank=self.world.rank,
+                samples=samples,
+                warmup=state.is_warmup,
+                timing=timing,
+                # None: this rank computes no loss (a pipeline stage before the last).
+                loss=AsyncScalar(loss) if isinstance(loss, torch.Tensor) else loss,
+            )
         )
-        self.records.append(record)
-        if self._progress is not None:
-            self._progress.advance(record["samples_per_s"] * state.dp.size, loss_value, warmup)
-        if self._live is not None:
-            self._live.write(record, record["samples_per_s"] * state.dp.size)
+        for record in self._step_log.ready():
+            self._record(record)
         state.step += 1
         self._in_step = False
+
+    def _record(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        rate = record["samples_per_s"] * self.state.dp.size
+        if self._progress is not None:
+            self._progress.advance(rate, record["loss"], record["warmup"])
+        if self._live is not None:
+            self._live.write(record, rate)
 
     # ------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -315,8 +330,8 @@ class Session:
         start = perf_counter()
         model = state.model
         model.eval()
-        correct = total = 0
-        loss_sum = 0.0
+        # Summed on the device, read once at the end: no wait for the device per batch.
+        sums = torch.zeros(3, dtype=torch.float64, device=self.world.device)
         runner = self.scheduler.provider("forward_backward")
         with self.precision.autocast():
             for inputs, targets in loader:
@@ -328,11 +343,11 @@ class Session:
                     outputs = runner.evaluate_batch(state, inputs, targets)
                     if outputs is None:
                         continue
-                loss_sum += float(F.cross_entropy(outputs.float(), targets, reduction="sum"))
-                correct += int((outputs.argmax(-1) == targets).sum())
-                total += int(targets.shape[0])
+                sums[0] += (outputs.argmax(-1) == targets).sum()
+                sums[1] += targets.shape[0]
+                sums[2] += F.cross_entropy(outputs.float(), targets, reduction="sum")
         model.train()
-        correct, total, loss_sum = all_reduce_sum([correct, total, loss_sum], self.world)
+        correct, total, loss_sum = all_reduce_sum(sums, self.world).tolist()
         result = {
             "step": state.step,
             "accuracy": correct / total if total else 0.0,
@@ -401,6 +416,8 @@ class Session:
         ``steps.jsonl`` and ``summary.json`` to the run folder; return the summary.
         A process group the session started itself is closed: call it last."""
         self.scheduler.fire(Event.FIT_END, self.state)
+        for record in self._step_log.drain():
+            self._record(record)
         if self._progress is not None:
             self._progress.close()
             self._progress = None

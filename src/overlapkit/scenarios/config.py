@@ -6,6 +6,7 @@ puts them together and checks that they fit each other.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -17,6 +18,8 @@ from ..launch.config import WorldConfig
 from ..models import ModelConfig
 from ..optimizations import get_optimization
 from ..runtime import KnobError, Optimization, Scheduler, SchedulerConfig
+from ..runtime.distributed import resolve_backend
+from ..runtime.gpus import check_gpu_setup
 from ..runtime.loop import TrainConfig
 from ..tuning import TuneConfig
 from ..tuning.space import SpaceError, build_space
@@ -112,14 +115,7 @@ class Scenario(Config):
     @property
     def backend(self) -> str:
         """The process-group back end the run will use (``auto`` resolved)."""
-        if self.world.backend != "auto":
-            return self.world.backend
-        import torch
-
-        on_gpu = self.world.device == "cuda" or (
-            self.world.device == "auto" and torch.cuda.is_available()
-        )
-        return "nccl" if on_gpu else "gloo"
+        return resolve_backend(self.world.backend, self.device_type)
 
     @property
     def device_type(self) -> str:
@@ -131,11 +127,16 @@ class Scenario(Config):
 
     def check_setup(self, world_size: int | None = None) -> None:
         """Let every optimization check this set-up before any process starts
-        (``world_size`` when something else, like torchrun, decides it)."""
+        (``world_size`` when something else, like torchrun, decides it), and on GPUs
+        whether this machine and torch build can run it."""
+        if self.device_type == "cuda":
+            local = os.environ.get("LOCAL_WORLD_SIZE") if world_size else None
+            check_gpu_setup(int(local) if local else self.world.nprocs, self.train.precision)
         Scheduler(self.build_optimizations(), self.scheduler.policy).check(
             world_size or self.world.nprocs,
             self.device_type,
             self.backend,
             batch_size=self.train.batch_size,
             build_model=self.model.build,
+            precision=self.train.precision,
         )

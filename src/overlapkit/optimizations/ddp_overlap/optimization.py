@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from time import perf_counter
+from collections import deque
 from typing import Any
 
 from torch import nn
@@ -29,7 +29,8 @@ from ...runtime import (
     register_optimization,
 )
 from ...runtime.gradsync import FlatAllReduce, broadcast_model
-from .hooks import BucketTimer, make_hook, wire_bytes_factor
+from ...runtime.timing import Marks
+from .hooks import BucketCall, BucketTimer, SyncTiming, make_hook, wire_bytes_factor
 from .profile import AllreduceProfile
 
 # DDP builds its buckets in the first synchronised backward and rebuilds them
@@ -45,6 +46,7 @@ _SYNC_BUFFERS = (
 
 NCCL_ALGO = {"ring": "Ring", "tree": "Tree"}
 NCCL_PROTO = {"simple": "Simple", "ll": "LL", "ll128": "LL128"}
+NCCL_VARIABLES = (("nccl_algo", "NCCL_ALGO", NCCL_ALGO), ("nccl_proto", "NCCL_PROTO", NCCL_PROTO))
 
 
 @register_optimization
@@ -104,8 +106,9 @@ class DDPOverlap(Optimization):
         self.notes: list[str] = []
         self.ddp: DistributedDataParallel | None = None
         self._timer: BucketTimer | None = None
+        self._marks = Marks()
         self._flat: FlatAllReduce | None = None
-        self._grad_ready = 0.0
+        self._unread: deque[SyncTiming] = deque()  # measured syncs, times not read yet
         self._syncs = 0
         self._profiled_steps = 0
         self._comm_busy_s = 0.0
@@ -149,12 +152,10 @@ class DDPOverlap(Optimization):
 
     # ----------------------------------------------------------------- set-up
     def wrap_model(self, model: nn.Module, state: State) -> nn.Module:
-        self._apply_nccl_settings(state.world.backend)
-        if state.world.backend == "nccl":
-            self.notes.append(
-                "comm timings are host clocks of the comm-hook futures: verified on gloo; on nccl "
-                "they mark when the CUDA work was enqueued, not done (not yet verified on a GPU)"
-            )
+        world = state.world
+        self._check_nccl_settings(world.backend)
+        # NCCL works on the device's streams: time it there. gloo works on the host.
+        self._marks = Marks(world.device if world.backend == "nccl" else None)
         dp = state.dp
         if not self.overlapping:
             broadcast_model(model, dp.src, dp.group)
@@ -171,9 +172,6 @@ class DDPOverlap(Optimization):
         return self._wrap_one(model, state)
 
     def _wrap_one(self, model: nn.Module, state: State) -> DistributedDataParallel:
-        for param in model.parameters():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._on_grad_ready)
         if self.settings["comm_hook"] == "powersgd" and state.world.backend == "gloo":
             self._keep_powersgd_to_one_bucket(model)
         s = self.settings
@@ -190,7 +188,7 @@ class DDPOverlap(Optimization):
         )
         hook_state, hook = make_hook(s["comm_hook"], s, state.dp.group)
         if self._timer is None:  # one timer sees the buckets of every part
-            self._timer = BucketTimer(hook)
+            self._timer = BucketTimer(hook, self._marks)
         self.ddp.register_comm_hook(hook_state, self._timer.hook)
         return self.ddp
 
@@ -206,29 +204,39 @@ class DDPOverlap(Optimization):
             "(one bucket); several buckets in flight crash a rank with torch 2.13"
         )
 
-    def _apply_nccl_settings(self, backend: str) -> None:
-        for knob, variable, names in (
-            ("nccl_algo", "NCCL_ALGO", NCCL_ALGO),
-            ("nccl_proto", "NCCL_PROTO", NCCL_PROTO),
-        ):
+    def environment(self, backend: str) -> dict[str, str]:
+        # NCCL reads these when a communicator is created: before the process group starts.
+        if backend != "nccl":
+            return {}
+        return {
+            variable: names[self.settings[knob]]
+            for knob, variable, names in NCCL_VARIABLES
+            if self.settings[knob] != "default"
+        }
+
+    def _check_nccl_settings(self, backend: str) -> None:
+        for knob, variable, _ in NCCL_VARIABLES:
             value = self.settings[knob]
             if value == "default":
                 continue
-            if backend == "nccl":
-                # NCCL reads these when its communicator is created, at DDP's first collective.
-                os.environ[variable] = names[value]
-            else:
+            if backend != "nccl":
                 self.notes.append(
                     f"{knob}={value} recorded and ignored: it applies to nccl, not {backend}"
                 )
-
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        self._grad_ready = perf_counter()
+            elif os.environ.get(variable) != self.environment(backend)[variable]:
+                # A process group started by the caller, before these were known.
+                os.environ[variable] = self.environment(backend)[variable]
+                self.notes.append(
+                    f"{variable} was set after the process group started: it applies only to "
+                    "communicators created later (set it before init_process_group)"
+                )
 
     # ------------------------------------------------------------------ hooks
     def on_step_start(self, state: State) -> None:
         if self._timer is not None:
-            self._timer.calls.clear()
+            self._timer.calls = []
+        while self._unread and self._unread[0].ready():
+            self._read(self._unread.popleft())
 
     def on_before_forward(self, state: State) -> None:
         if self.ddp is not None and state.accumulate > 1:
@@ -238,36 +246,33 @@ class DDPOverlap(Optimization):
     def on_after_backward(self, state: State) -> None:
         if self._timer is None or not state.is_sync_step:
             return
-        calls = self._timer.calls
         self._syncs += 1
-        if not calls:
-            return
-        first_launch = min(c.launched for c in calls)
-        last_done = max(c.completed for c in calls)
-        # Exposed: communication still in flight after the last gradient was computed.
-        exposed = max(0.0, last_done - max(self._grad_ready, first_launch))
-        state.clock.reattribute("backward", "comm_exposed", exposed)
-        calls_made = [(c.nbytes, c.completed - c.launched) for c in calls]
-        self._record(state, calls_made, exposed, busy=last_done - first_launch)
+        if self._timer.calls:
+            self._measure(state, SyncTiming(self._timer.calls, self._marks))
 
     def on_before_optimizer_step(self, state: State) -> None:
         if self._flat is None:
             return
         self._syncs += 1
-        start = perf_counter()
+        call = BucketCall(0, self._flat.bytes_per_call, self._marks.mark())
         with (
             state.clock.phase("comm_exposed"),
             state.policy.critical(*COMM_WAIT),
         ):
             self._flat()
-        latency = perf_counter() - start
-        self._record(state, [(self._flat.bytes_per_call, latency)], latency, busy=latency)
+        call.completed = self._marks.mark()
+        self._measure(state, SyncTiming([call], self._marks), exposed_in_clock=True)
 
-    def _record(
-        self, state: State, calls: list[tuple[int, float]], exposed: float, busy: float
-    ) -> None:
+    def _measure(self, state: State, timing: SyncTiming, exposed_in_clock: bool = False) -> None:
+        if not exposed_in_clock:
+            # Exposed: communication still in flight after the last bucket started.
+            state.clock.reattribute("backward", "comm_exposed", timing.exposed)
         if state.is_warmup or self._syncs < PROFILE_FROM_SYNC:
             return
+        self._unread.append(timing)
+
+    def _read(self, timing: SyncTiming) -> None:
+        exposed, busy, calls = timing.values()
         factor = wire_bytes_factor(self.settings["comm_hook"])
         for nbytes, latency in calls:
             self.profile.add(int(nbytes * factor), latency)
@@ -278,6 +283,8 @@ class DDPOverlap(Optimization):
 
     # ---------------------------------------------------------------- results
     def summary(self) -> dict[str, Any]:
+        while self._unread:
+            self._read(self._unread.popleft())
         steps = max(self._profiled_steps, 1)
         busy = self._comm_busy_s / steps
         exposed = self._comm_exposed_s / steps

@@ -1,0 +1,162 @@
+"""What a GPU run relies on, checked on a CPU: lagged step records, the process
+group that carries CPU and CUDA collectives, and the refusals before any rank starts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from overlapkit.optimizations import get_optimization
+from overlapkit.runtime.distributed import init_world, pick_device, process_group_backend
+from overlapkit.runtime.gpus import (
+    GPUFacts,
+    GPUSetupError,
+    build_has_kernels,
+    check_gpu_setup,
+    check_precision,
+    check_rank_count,
+)
+from overlapkit.runtime.metrics import PhaseClock
+from overlapkit.runtime.steplog import PendingStep, StepLog
+from overlapkit.runtime.timing import AsyncScalar, Marks
+
+# ------------------------------------------------------------- lagged records
+
+
+class LateTiming:
+    """A step timing that becomes readable only when the test says so (a GPU's events)."""
+
+    def __init__(self, step_time: float) -> None:
+        self.step_time, self.done, self.reads = step_time, False, 0
+
+    def ready(self) -> bool:
+        return self.done
+
+    def result(self) -> tuple[float, dict[str, float]]:
+        self.reads += 1
+        return self.step_time, {"other": self.step_time}
+
+
+def pending(step: int, timing: LateTiming, loss: float | None = 1.0) -> PendingStep:
+    return PendingStep(step=step, rank=0, samples=4, warmup=False, timing=timing, loss=loss)
+
+
+def test_step_log_yields_records_in_order_once_ready_and_drains_the_rest():
+    log = StepLog(max_lag=8)
+    timings = [LateTiming(0.1 * (i + 1)) for i in range(4)]
+    for i, timing in enumerate(timings):
+        log.add(pending(i, timing))
+    assert list(log.ready()) == []  # nothing read back yet: no record, no wait
+    timings[1].done = True
+    assert list(log.ready()) == []  # step 1 is ready but step 0 is not: order is kept
+    timings[0].done = True
+    assert [r["step"] for r in log.ready()] == [0, 1]
+    assert [r["step"] for r in log.drain()] == [2, 3]  # the end reads the rest
+    assert len(log) == 0
+    assert all(t.reads == 1 for t in timings)
+
+
+def test_step_log_never_lags_more_than_max_lag_steps():
+    log = StepLog(max_lag=2)
+    for i in range(3):
+        log.add(pending(i, LateTiming(0.1)))
+    # Three pending, two allowed: the oldest is read even though it is not ready.
+    assert [r["step"] for r in log.ready()] == [0]
+    assert len(log) == 2
+
+
+def test_a_cpu_clock_is_read_at_once_and_its_phases_sum_to_the_step():
+    clock = PhaseClock(torch.device("cpu"))
+    clock.start_step()
+    clock.switch("forward")
+    clock.switch("backward")
+    clock.reattribute("backward", "comm_exposed", lambda: 1e9)  # deferred, capped
+    timing = clock.close_step()
+    assert timing.ready()
+    step_time, phases = timing.result()
+    assert step_time == pytest.approx(sum(phases.values()))
+    assert phases["backward"] == 0.0 and phases["comm_exposed"] > 0
+
+
+def test_cpu_marks_and_losses_are_host_values():
+    marks = Marks(torch.device("cpu"))
+    a, b = marks.mark(), marks.mark()
+    assert isinstance(a, float) and marks.ready(b) and Marks.seconds(a, b) >= 0
+    loss = AsyncScalar(torch.tensor([2.5], requires_grad=True).sum())
+    assert loss.ready() and loss.value() == 2.5
+
+
+# ------------------------------------------------------------ process group
+
+
+def test_nccl_runs_in_a_group_that_also_carries_cpu_collectives():
+    assert process_group_backend("nccl") == "cpu:gloo,cuda:nccl"
+    assert process_group_backend("gloo") == "gloo"
+
+
+def test_the_environment_is_set_before_the_group_starts(monkeypatch):
+    monkeypatch.delenv("OVERLAPKIT_TEST_BACKEND", raising=False)
+    world = init_world("cpu", environment=lambda backend: {"OVERLAPKIT_TEST_BACKEND": backend})
+    assert world.backend == "gloo"
+    assert os.environ["OVERLAPKIT_TEST_BACKEND"] == "gloo"
+
+
+def test_ddp_overlap_asks_for_nccl_variables_only_on_nccl():
+    ddp = get_optimization("ddp_overlap")(1.0, nccl_algo="ring", nccl_proto="ll128")
+    assert ddp.environment("nccl") == {"NCCL_ALGO": "Ring", "NCCL_PROTO": "LL128"}
+    assert ddp.environment("gloo") == {}
+    assert get_optimization("ddp_overlap")(1.0).environment("nccl") == {}
+
+
+# ------------------------------------------------------- refusals before start
+
+V100 = GPUFacts(8, "Tesla V100-SXM2-16GB", (7, 0), ("sm_75", "sm_80", "sm_86", "sm_90"))
+H100 = GPUFacts(1, "NVIDIA H100", (9, 0), ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100"))
+
+
+def test_more_ranks_than_gpus_is_refused_with_both_counts():
+    check_rank_count(4, 4)
+    with pytest.raises(GPUSetupError, match=r"2 ranks on this machine but 1 visible GPU"):
+        check_rank_count(2, 1)
+    with pytest.raises(GPUSetupError, match="2 ranks .* 1 visible"):
+        check_gpu_setup(2, "fp32", H100)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_pick_device_never_shares_or_invents_a_gpu():
+    with pytest.raises(GPUSetupError, match="no CUDA device"):
+        pick_device("cuda", 0)
+
+
+def test_bf16_below_compute_capability_8_is_refused_naming_fp16():
+    check_precision("bf16", (8, 0))
+    check_precision("fp16", (7, 0))
+    with pytest.raises(GPUSetupError, match=r"bf16 .* 7\.0: use fp16"):
+        check_precision("bf16", (7, 0), "Tesla V100")
+
+
+def test_a_build_without_the_gpus_kernels_is_refused_naming_gpu_capability_and_arches():
+    with pytest.raises(GPUSetupError) as error:
+        check_gpu_setup(1, "fp32", V100)
+    message = str(error.value)
+    assert "Tesla V100-SXM2-16GB" in message and "7.0" in message
+    assert "sm_75, sm_80" in message and "cu126" in message
+    check_gpu_setup(1, "fp32", H100)
+
+
+@pytest.mark.parametrize(
+    ("capability", "arches", "runs"),
+    [
+        ((7, 0), ("sm_70", "sm_80"), True),
+        ((7, 0), ("sm_75", "sm_80"), False),  # a newer minor's cubin does not run on 7.0
+        ((8, 6), ("sm_80",), True),  # same major, older minor: binary compatible
+        ((9, 0), ("sm_80", "sm_86"), False),  # no cubin for major 9 and no PTX
+        ((9, 0), ("sm_80", "compute_80"), True),  # PTX is compiled at load time
+        ((12, 0), ("sm_90a", "sm_100", "sm_120"), True),
+        ((7, 0), ("compute_75",), False),  # PTX for a newer GPU does not run on an older one
+    ],
+)
+def test_which_builds_run_on_which_gpus(capability, arches, runs):
+    assert build_has_kernels(capability, arches) is runs
