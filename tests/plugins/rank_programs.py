@@ -194,3 +194,37 @@ def pipeline_runs(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return results
     finally:
         torch.distributed.destroy_process_group()
+
+
+def node_local_checkpoints(
+    roots: list[str], steps: int, knobs: dict[str, Any], overheads: list[float] | None = None
+) -> dict[str, Any]:
+    """Two data-parallel ranks, each checkpointing into its own folder ``roots[rank]``, as
+    ranks on machines without a shared file system do; ``overheads[rank]`` gives each rank
+    its own auto-mode bound, so that left alone they would checkpoint at different steps."""
+    world = init_world("cpu", "gloo")
+    try:
+        seed_everything(0)
+        model = mlp()
+        dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=0)
+        loader = ResumableLoader(
+            dataset, 8, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
+        )
+        if overheads is not None:
+            knobs = {**knobs, "max_overhead": overheads[world.rank]}
+        checkpoint = get_optimization("checkpoint")(**knobs)
+        session = Session([checkpoint], device="cpu", run_dir=roots[world.rank])
+        model, optimizer, _ = session.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loader
+        )
+        seed_everything(1 + world.rank)
+        summary = fit(session, model, steps)
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        losses = {r["step"]: r["loss"] for r in session.records}
+        return {
+            "params": params,
+            "losses": losses,
+            "checkpoint": summary["optimizations"]["checkpoint"],
+        }
+    finally:
+        torch.distributed.destroy_process_group()

@@ -16,14 +16,17 @@ from time import perf_counter
 from typing import Any
 
 from ...runtime import Knob, Optimization, Resource, State, register_optimization
+from ...runtime.distributed import all_gather_objects
+from .coordination import Collectives, Domains, probe_domains
 from .persister import Persister, split_state
 from .policy import AutoInterval
 from .restore import load, newest_common_step
 from .snapshot import Snapshot, Snapshotter
+from .store import CheckpointError
 
-
-class CheckpointError(RuntimeError):
-    """Persisting a checkpoint failed and ``on_error`` is ``stop``."""
+# In auto mode the ranks agree on when to checkpoint by a vote cast this many
+# steps ahead, so that the training thread never waits for it.
+VOTE_AHEAD = 2
 
 
 @register_optimization
@@ -77,6 +80,8 @@ class Checkpoint(Optimization):
         )
         self._snapshotter: Snapshotter | None = None
         self._persister: Persister | None = None
+        self._domains: Domains | None = None
+        self._collectives: Collectives | None = None
         self._pending: Snapshot | None = None
         self._last_step = -1
         self._step_started = 0.0
@@ -93,17 +98,19 @@ class Checkpoint(Optimization):
         base = state.run_dir if state.run_dir is not None else Path.cwd()
         self.root = configured if configured.is_absolute() else base / configured
         world = state.world
+        self._make_root()
+        # Collectives, in the same order on every rank: which ranks share a disk, the
+        # checkpoint's own groups, the resume.
+        self._domains = probe_domains(self.root, world, state.replicated_shard.name)
+        self._collectives = Collectives(world)
         if self.settings["resume"]:
             self._resume(state)
-        elif world.is_main and (self.root / "manifest.json").exists():
+        elif self._domains.leader(world.rank) and (self.root / "manifest.json").exists():
             # A fresh start keeps the old checkpoints, out of the way.
             shutil.move(str(self.root), f"{self.root}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise CheckpointError(
-                f"cannot create the checkpoint folder {self.root}: {error}"
-            ) from None
+            self._make_root()
+        all_gather_objects(None, world)  # no rank writes into a folder being moved away
+        self._make_root()
         self._snapshotter = Snapshotter(world.device, self.settings["max_in_flight"])
         self._persister = Persister(
             self.root,
@@ -112,9 +119,19 @@ class Checkpoint(Optimization):
             self.settings["keep"],
             state.policy,
             shard=state.replicated_shard,
+            domains=self._domains,
+            collectives=self._collectives,
             nice=self.settings["persist_nice"],
         )
         self._last_step = state.step
+
+    def _make_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise CheckpointError(
+                f"cannot create the checkpoint folder {self.root}: {error}"
+            ) from None
 
     def _resume(self, state: State) -> None:
         # A collective: every rank takes part, whatever it finds on disk.
@@ -133,12 +150,17 @@ class Checkpoint(Optimization):
         self._step_started = now
         if not self._due(state):
             return
+        self._start_checkpoint(state)
+
+    def _start_checkpoint(self, state: State) -> None:
         if self.policy_auto is not None:
             self.policy_auto.checkpoint_started()
         with state.clock.phase("ckpt_stall"):
             start = perf_counter()
             deferrable = _deferrable_storages(state)
-            self._pending = self._snapshotter.take(state.step, _capture(state), deferrable)
+            self._pending = self._snapshotter.take(
+                state.step, self._capture(state), deferrable
+            )
             self._stall_since_checkpoint += perf_counter() - start
         self._last_step = state.step
 
@@ -157,11 +179,12 @@ class Checkpoint(Optimization):
         if self._persister is None:
             return
         if self.settings["final"] and state.step != self._last_step:
-            snapshot = self._snapshotter.take(state.step, _capture(state), set())
+            snapshot = self._snapshotter.take(state.step, self._capture(state), set())
             snapshot.wait()
             self._submit(snapshot)
             self._last_step = state.step
         self._persister.close()
+        self._collectives.close()
         self._raise_if_failed()
 
     # --------------------------------------------------------------- helpers
@@ -171,7 +194,21 @@ class Checkpoint(Optimization):
             return False
         if self.policy_auto is None:
             return state.step % self.settings["every"] == 0
-        return self.policy_auto.due(since)
+        # Each rank measures its own steps: the ranks vote, VOTE_AHEAD steps ahead, and
+        # checkpoint together when any rank finds one due.
+        ahead = state.step + VOTE_AHEAD
+        self._collectives.cast_vote(ahead, state.step, self.policy_auto.due(since + VOTE_AHEAD))
+        agreed = self._collectives.agreed(state.step)
+        # A vote cast before the last checkpoint started counted from that one.
+        return agreed is not None and agreed[0] and agreed[1] > self._last_step
+
+    def _capture(self, state: State) -> dict[str, Any]:
+        """The state to checkpoint; the replicated part only on its writers (one per
+        storage domain)."""
+        tree = state.capture()
+        if not self._domains.writes_shard(state.world.rank):
+            _, tree = split_state(tree)
+        return tree
 
     def _submit(self, snapshot: Snapshot) -> None:
         self.snapshot_copy_s.append(snapshot.copy_s)
@@ -244,14 +281,6 @@ class Checkpoint(Optimization):
                 "history": self.policy_auto.history,
             }
         return out
-
-
-def _capture(state: State) -> dict[str, Any]:
-    """The state to checkpoint; the replicated part only on its shard's writer."""
-    tree = state.capture()
-    if not state.replicated_shard.writer:
-        _, tree = split_state(tree)
-    return tree
 
 
 def _deferrable_storages(state: State) -> set[int]:

@@ -14,16 +14,9 @@ from typing import Any
 from ...runtime import Resource
 from ...runtime.arbitration import ArbitrationPolicy
 from ...runtime.state import Shard
+from .coordination import Collectives, Domains
 from .snapshot import Snapshot
-from .store import (
-    Manifest,
-    rank_file,
-    shard_file,
-    step_dir,
-    wait_for_ranks,
-    write_rank_checksums,
-    write_state,
-)
+from .store import CheckpointError, Manifest, rank_file, shard_file, step_dir, write_state
 
 # Replicated across the ranks of a shard: written once, by its writer.
 SHARED_KEYS = ("model", "optimizer", "lr_scheduler", "precision", "progress")
@@ -46,10 +39,13 @@ class Persister:
         keep: int,
         policy: ArbitrationPolicy,
         shard: Shard,
+        domains: Domains,
+        collectives: Collectives,
         nice: int = 10,
     ) -> None:
         self.root, self.rank, self.world_size, self.keep = root, rank, world_size, keep
         self.shard = shard
+        self.domains, self.collectives = domains, collectives
         self.nice = nice
         self.manifest = Manifest(root)
         self.policy = policy
@@ -98,8 +94,39 @@ class Persister:
                     self._idle.notify_all()
 
     def _persist(self, snapshot: Snapshot) -> None:
-        snapshot.wait()
         start = perf_counter()
+        try:
+            files: dict[str, Any] | str = self._write(snapshot)
+        except Exception as error:  # every rank must still hear of it (below)
+            files, failure = f"{type(error).__name__}: {error}", error
+        else:
+            failure = None
+        # Every rank takes part whatever happened: a rank that left would hang the rest.
+        everyone = self.collectives.gather((self.rank, snapshot.step, files))
+        if failure is not None:
+            raise failure
+        failed = [(rank, what) for rank, _, what in everyone if isinstance(what, str)]
+        if failed:
+            rank, what = failed[0]
+            raise CheckpointError(f"rank {rank} could not write step {snapshot.step}: {what}")
+        steps = sorted({step for _, step, _ in everyone})
+        if steps != [snapshot.step]:
+            raise CheckpointError(f"the ranks checkpointed different steps at once: {steps}")
+        if self.domains.leader(self.rank):
+            domain = self.domains.domain_of[self.rank]
+            entry = {
+                "step": snapshot.step,
+                "time": time.time(),
+                "world_size": self.world_size,
+                "files": {n: r for rank, _, fs in everyone if rank in domain for n, r in fs.items()},
+            }
+            self.manifest.add(entry, self.keep)
+        self.bytes_written += sum(record["bytes"] for record in files.values())
+        self.persist_s.append(perf_counter() - start)
+
+    def _write(self, snapshot: Snapshot) -> dict[str, Any]:
+        """This rank's files of ``snapshot``, durable: {name: checksum and size}."""
+        snapshot.wait()
         folder = step_dir(self.root, snapshot.step)
         shared, own = split_state(snapshot.tree)
         files = {}
@@ -107,19 +134,7 @@ class Persister:
         # step waits on what they use (the host CPU for checksums and copies, the disk).
         gate = partial(self.policy.pause, Resource.DISK, Resource.HOST_CPU)
         files[rank_file(self.rank)] = write_state(folder / rank_file(self.rank), own, gate)
-        if shared:  # only the shard's writer keeps it in its snapshot
+        if shared:  # only the shard's writer (in its storage domain) keeps it in its snapshot
             name = shard_file(self.shard.name)
             files[name] = write_state(folder / name, shared, gate)
-        write_rank_checksums(folder, self.rank, files)
-        written = sum(record["bytes"] for record in files.values())
-        if self.rank == 0:
-            files = wait_for_ranks(folder, self.world_size)
-            entry = {
-                "step": snapshot.step,
-                "time": time.time(),
-                "world_size": self.world_size,
-                "files": files,
-            }
-            self.manifest.add(entry, self.keep)
-        self.bytes_written += written
-        self.persist_s.append(perf_counter() - start)
+        return files

@@ -8,7 +8,7 @@ from typing import Any
 
 from ...runtime.distributed import World, all_gather_objects
 from ...runtime.state import Shard
-from .store import Manifest, load_state, rank_file, shard_file, verify
+from .store import CheckpointError, Manifest, load_state, rank_file, shard_file, verify
 
 
 class CheckpointCorruptWarning(UserWarning):
@@ -37,11 +37,33 @@ def valid_steps(root: Path, rank: int, world_size: int, shard: Shard) -> list[in
 
 
 def newest_common_step(root: Path, world: World, shard: Shard) -> int | None:
-    """The newest step that every rank holds intact (ranks must agree on one)."""
+    """The newest step that every rank holds intact, agreed by a collective; None when
+    no rank holds any. A rank that holds none while others do is an error: starting it
+    fresh beside resumed ranks would train two different models."""
     mine = valid_steps(root, world.rank, world.world_size, shard)
     everyone = all_gather_objects(mine, world)
-    common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
-    return max(common) if common else None
+    if not any(everyone):
+        return None
+    common = set(everyone[0]).intersection(*everyone[1:])
+    if common:
+        return max(common)
+    empty = [rank for rank, steps in enumerate(everyone) if not steps]
+    held = "; ".join(
+        f"rank {rank}: steps {', '.join(map(str, sorted(steps)))}"
+        for rank, steps in enumerate(everyone)
+        if steps
+    )
+    if empty:
+        problem = (
+            f"rank(s) {', '.join(map(str, empty))} hold no intact checkpoint in {root} "
+            f"on their machine while others do ({held})"
+        )
+    else:
+        problem = f"the ranks hold no checkpoint step in common in {root} ({held})"
+    raise CheckpointError(
+        f"cannot resume: {problem}. Each machine needs its ranks' files (a shared file "
+        "system, or a copy of the folder); or start fresh with checkpoint resume: false"
+    )
 
 
 def load(root: Path, step: int, rank: int, shard: Shard) -> dict[str, Any]:

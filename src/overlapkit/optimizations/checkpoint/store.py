@@ -7,11 +7,12 @@ Layout under the checkpoint folder::
         shared.ckpt              replicated state (model, optimizer, ...), written by rank 0
                                  (pipeline stages: stage000.ckpt, ... one per stage)
         rank00000.ckpt, ...      each rank's own state (RNG, loader position, ...)
-        rank00000.json, ...      the checksums of the files each rank wrote, once durable
 
 A file is written to a temporary name, fsynced, renamed and its folder
 fsynced; the manifest is replaced the same way, and only after it names a
-new checkpoint are older ones deleted. A step folder the manifest does not
+new checkpoint are older ones deleted. Without a shared file system each
+machine holds this layout for its own ranks, shared shards included (see
+`coordination`). A step folder the manifest does not
 name (a crash mid-persist) is ignored and cleaned up later.
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,10 @@ from ...runtime.persist import atomic_write
 from . import fileformat
 
 MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """Persisting or resuming a checkpoint failed (and ``on_error`` is ``stop``)."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -60,27 +64,6 @@ def _write_json(path: Path, document: Any) -> None:
             view = view[os.write(fd, view) :]
 
     atomic_write(path, write)
-
-
-def write_rank_checksums(folder: Path, rank: int, files: dict[str, Any]) -> None:
-    """Record that this rank's ``files`` (name: checksum and size) are durable."""
-    _write_json(folder / f"rank{rank:05d}.json", files)
-
-
-def wait_for_ranks(folder: Path, world_size: int, timeout_s: float = 600) -> dict[str, Any]:
-    """Rank 0 waits until every rank's files are durable; returns all their checksums."""
-    deadline = time.monotonic() + timeout_s
-    done: dict[int, dict[str, Any]] = {}
-    while len(done) < world_size:
-        for rank in range(world_size):
-            name = f"rank{rank:05d}.json"
-            if rank not in done and (folder / name).exists():
-                done[rank] = json.loads((folder / name).read_text())
-        if len(done) < world_size:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks did not finish writing {folder} within {timeout_s} s")
-            time.sleep(0.005)
-    return {name: record for files in done.values() for name, record in files.items()}
 
 
 @dataclass

@@ -1,0 +1,79 @@
+"""Checkpoints across machines without a shared file system: each machine's ranks write
+their own folder, the checksums travel by collectives, resume is agreed by a collective.
+Two ranks, each with a folder of its own, stand in for two machines."""
+
+import json
+
+import pytest
+import torch
+from rank_programs import node_local_checkpoints
+
+from overlapkit.launch.local import RankFailedError, launch_local
+
+pytestmark = pytest.mark.slow
+
+
+def manifest(root):
+    return json.loads((root / "checkpoints" / "manifest.json").read_text())["checkpoints"]
+
+
+def roots(tmp_path, name):
+    return [str(tmp_path / name / f"node{rank}") for rank in (0, 1)]
+
+
+def test_each_machine_holds_a_whole_checkpoint_of_its_own_ranks(tmp_path):
+    nodes = roots(tmp_path, "run")
+    launch_local(node_local_checkpoints, 2, nodes, 6, {"every": 2, "keep": 5})
+    for rank in (0, 1):
+        entries = manifest(tmp_path / "run" / f"node{rank}")
+        assert [e["step"] for e in entries] == [2, 4, 6]
+        # Its own rank's file and the replicated state, nothing it cannot read.
+        assert all(sorted(e["files"]) == [f"rank0000{rank}.ckpt", "shared.ckpt"] for e in entries)
+        for entry in entries:
+            folder = tmp_path / "run" / f"node{rank}" / "checkpoints" / f"step-{entry['step']:08d}"
+            assert sorted(p.name for p in folder.iterdir()) == sorted(entry["files"])
+
+
+def test_resume_from_separate_folders_matches_an_uninterrupted_run(tmp_path):
+    straight = launch_local(node_local_checkpoints, 2, roots(tmp_path, "a"), 8, {"every": 2})
+    nodes = roots(tmp_path, "b")
+    launch_local(node_local_checkpoints, 2, nodes, 5, {"every": 2, "final": False})
+    resumed = launch_local(node_local_checkpoints, 2, nodes, 8, {"every": 2})
+    for rank in (0, 1):
+        assert resumed[rank]["checkpoint"]["resumed_from_step"] == 4
+        assert torch.equal(resumed[rank]["params"], straight[rank]["params"])
+        assert sorted(resumed[rank]["losses"]) == [4, 5, 6, 7]
+        assert all(resumed[rank]["losses"][s] == straight[rank]["losses"][s] for s in range(4, 8))
+
+
+def test_resume_agrees_on_the_newest_step_every_machine_holds(tmp_path):
+    nodes = roots(tmp_path, "run")
+    launch_local(node_local_checkpoints, 2, nodes, 4, {"every": 2, "keep": 5, "final": False})
+    # Machine 1 lost its newest checkpoint: both resume from the one before.
+    manifest_path = tmp_path / "run" / "node1" / "checkpoints" / "manifest.json"
+    document = json.loads(manifest_path.read_text())
+    document["checkpoints"] = [e for e in document["checkpoints"] if e["step"] != 4]
+    manifest_path.write_text(json.dumps(document))
+    resumed = launch_local(node_local_checkpoints, 2, nodes, 6, {"every": 2})
+    assert [resumed[r]["checkpoint"]["resumed_from_step"] for r in (0, 1)] == [2, 2]
+
+
+def test_a_machine_holding_no_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    nodes = roots(tmp_path, "run")
+    launch_local(node_local_checkpoints, 2, nodes, 4, {"every": 2})
+    nodes[1] = str(tmp_path / "run" / "elsewhere")  # rank 1 now starts where nothing is
+    with pytest.raises(RankFailedError) as error:
+        launch_local(node_local_checkpoints, 2, nodes, 6, {"every": 2})
+    assert "rank(s) 1 hold no intact checkpoint" in error.value.details
+    assert "resume: false" in error.value.details
+    # What was there is untouched.
+    assert [e["step"] for e in manifest(tmp_path / "run" / "node0")][-1] == 4
+
+
+def test_ranks_that_would_choose_different_steps_in_auto_mode_checkpoint_together(tmp_path):
+    nodes = roots(tmp_path, "run")
+    knobs = {"every": "auto", "keep": 100, "final": False}
+    # Left alone, rank 0 (a 1 % bound) and rank 1 (50 %) would checkpoint at other steps.
+    launch_local(node_local_checkpoints, 2, nodes, 40, knobs, [0.01, 0.5])
+    steps = [[e["step"] for e in manifest(tmp_path / "run" / f"node{r}")] for r in (0, 1)]
+    assert steps[0] == steps[1] and len(steps[0]) >= 2
