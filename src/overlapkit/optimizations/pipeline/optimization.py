@@ -15,7 +15,6 @@ import json
 import os
 import statistics
 from collections.abc import Callable
-from time import perf_counter
 from typing import Any
 
 import torch
@@ -105,9 +104,7 @@ class Pipeline(Optimization):
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
         super().__init__(intensity, **explicit)
         self.kind: ScheduleKind = SCHEDULES[self.settings["schedule"]]
-        from .stage import StepMeter  # torch.distributed.pipelining: slow to import
-
-        self.meter = StepMeter()
+        self.meter: Any = None  # a StepMeter, on the first step
         self.notes: list[str] = []
         self.microbatches: int | None = None
         self.stage_ids: list[int] = []
@@ -117,7 +114,7 @@ class Pipeline(Optimization):
         self._parts: list[StageModule] = []
         self._schedule: Any = None
         self._pp_group: Any = None
-        self._steps: list[dict[str, float]] = []
+        self._steps: list[Any] = []  # StepTimes, read at the end of the fit
         self._all_ranks: list[Any] = []
 
     # ---------------------------------------------------------------- layout
@@ -159,6 +156,12 @@ class Pipeline(Optimization):
                 f"pipeline sends activations point to point; the {backend} back end cannot "
                 "(use gloo or nccl)"
             )
+        if device == "cuda" and backend == "gloo":
+            raise PipelineError(
+                "pipeline sends activations between GPUs point to point, and gloo cannot send "
+                "CUDA tensors (its send/recv fails with 'Bad address'); set world.backend to "
+                "nccl, or auto"
+            )
         if world_size % self.pp:
             raise PipelineError(
                 f"pipeline stages={self.pp} must divide the {world_size} ranks "
@@ -199,6 +202,12 @@ class Pipeline(Optimization):
             )
 
     def check_plan(self, plan: Plan) -> None:
+        if plan.precision == "fp16":
+            raise PipelineError(
+                "pipeline cannot train in fp16: its schedule runs each micro-batch's backward "
+                "itself, where fp16's grad scaler never scales the loss (the first optimizer "
+                "step would fail); use bf16 (on GPUs of compute capability 8.0 or more) or fp32"
+            )
         if plan.batch_size is not None:
             self.resolve_microbatches(plan.batch_size)
         if plan.build_model is not None:
@@ -286,14 +295,17 @@ class Pipeline(Optimization):
         if self.settings["split"] == "auto":
             gbps = self.settings["link_gbps"]
             # The link between pipeline ranks 0 and 1 of replica 0.
-            self.link_bytes_per_s = measure_link(0, replicas) if not gbps else gbps * 1e9 / 8
+            self.link_bytes_per_s = (
+                measure_link(0, replicas, state.world.device) if not gbps else gbps * 1e9 / 8
+            )
         answer: Any = None
         if state.world.is_main:
             try:  # every rank must hear of a failure here, or the others wait forever
                 answer = self._kept_partition(state, names)
                 if answer is None:
                     if self.settings["split"] == "auto":
-                        costs = profile_layers(layers, self._sample_microbatch(state))
+                        sample = self._sample_microbatch(state)
+                        costs = profile_layers(layers, sample, state.world.device)
                     answer = (self._starts(names, costs), costs, self.link_bytes_per_s)
                     self._keep_partition(state, names, answer)
             except (SplitError, PipelineError) as error:
@@ -357,8 +369,9 @@ class Pipeline(Optimization):
         return inputs.to(state.world.device)
 
     def _build_schedule(self, state: State, loss_fn: Callable[..., torch.Tensor]) -> None:
-        from .stage import TimedStage
+        from .stage import StepMeter, TimedStage  # torch.distributed.pipelining: slow to import
 
+        self.meter = StepMeter(state.world.device)
         parts = state.model if isinstance(state.model, nn.ModuleList) else [state.model]
         stages = [
             TimedStage(
@@ -391,29 +404,20 @@ class Pipeline(Optimization):
         last = self.holds_last
         losses: list[torch.Tensor] = []
         self.meter.reset()
-        start = perf_counter()
+        begin = self.meter.marks.mark()
         self._schedule.step(
             *((inputs,) if self.holds_first else ()),
             target=targets if last else None,
             losses=losses if last else None,
             return_outputs=False,
         )
-        elapsed = perf_counter() - start
-        meter = self.meter
-        idle = max(0.0, elapsed - meter.compute_s)
-        state.clock.reattribute("forward", "backward", meter.backward_s + meter.weight_s)
-        state.clock.reattribute("forward", "bubble", idle)
+        # On a GPU the marks are events the device has not reached yet: the clock reads
+        # these callables once the step is done, without making the host wait now.
+        times = self.meter.close(begin, self.meter.marks.mark())
+        state.clock.reattribute("forward", "backward", lambda: times.result()["backward_s"])
+        state.clock.reattribute("forward", "bubble", lambda: times.result()["bubble_s"])
         if not state.is_warmup:
-            self._steps.append(
-                {
-                    "step_s": elapsed,
-                    "forward_s": meter.forward_s,
-                    "backward_s": meter.backward_s + meter.weight_s,
-                    "last_backward_s": meter.last_backward_s,
-                    "bubble_s": idle,
-                    "sent_bytes": meter.sent_bytes,
-                }
-            )
+            self._steps.append(times)
         return torch.stack(losses).detach().mean() if last and losses else None
 
     @torch.no_grad()
@@ -433,9 +437,8 @@ class Pipeline(Optimization):
         return outputs[:size] if self.holds_last else None
 
     def on_fit_end(self, state: State) -> None:
-        self._all_ranks = all_gather_objects(
-            (state.world.rank, self.stage_ids, self._steps), state.world
-        )
+        steps = [times.result() for times in self._steps]  # read now, at the latest
+        self._all_ranks = all_gather_objects((state.world.rank, self.stage_ids, steps), state.world)
 
     # ---------------------------------------------------------------- results
     def summary(self) -> dict[str, Any]:

@@ -33,29 +33,38 @@ def _float_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _time_layer(layer: nn.Module, x: Any, repeats: int) -> tuple[float, Any]:
+def _now(device: torch.device) -> float:
+    """The host's clock once ``device`` has done the work queued on it: on a GPU the
+    host runs ahead of its kernels (a wait that only the set-up pays, never a step)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return perf_counter()
+
+
+def _time_layer(layer: nn.Module, x: Any, repeats: int, device: torch.device) -> tuple[float, Any]:
     times, out = [], None
     for _ in range(repeats + 1):  # the first run warms up (allocations, lazy init)
         inputs = _requires_grad(x)
-        start = perf_counter()
+        start = _now(device)
         out = layer(*inputs) if isinstance(inputs, tuple) else layer(inputs)
         outputs = _float_tensors(out)
         if outputs:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-        times.append(perf_counter() - start)
+        times.append(_now(device) - start)
     return min(times[1:]), out  # the least disturbed run (other processes share the cores)
 
 
 def profile_layers(
-    layers: list[tuple[str, nn.Module]], sample: Any, repeats: int = 5
+    layers: list[tuple[str, nn.Module]], sample: Any, device: torch.device, repeats: int = 5
 ) -> list[LayerCost]:
-    """Forward + backward time of each layer on ``sample`` (one micro-batch), on copies
-    of the layers so that the model's buffers (batch-norm statistics) stay as they were."""
+    """Forward + backward time of each layer on ``sample`` (one micro-batch, on ``device``),
+    on copies of the layers so that the model's buffers (batch-norm statistics) stay as
+    they were."""
     costs = []
     x = sample
     for name, layer in layers:
         clone = copy.deepcopy(layer)
-        seconds, out = _time_layer(clone, x, repeats)
+        seconds, out = _time_layer(clone, x, repeats, device)
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
         costs.append(LayerCost(name, seconds, tensor_bytes(out), params))
         x = _detach(out)
@@ -70,21 +79,24 @@ def _detach(value: Any) -> Any:
     return value
 
 
-def measure_link(peer_a: int, peer_b: int, nbytes: int = 4 << 20, repeats: int = 3) -> float:
-    """Bytes per second from ``peer_a`` to ``peer_b`` and back (every rank calls it;
-    the others return at once with 0)."""
+def measure_link(
+    peer_a: int, peer_b: int, device: torch.device, nbytes: int = 4 << 20, repeats: int = 3
+) -> float:
+    """Bytes per second from ``peer_a`` to ``peer_b`` and back, in tensors on ``device``
+    (this rank's: NCCL sends only CUDA tensors). Every rank calls it; the others return
+    at once with 0."""
     rank = dist.get_rank()
     if rank not in (peer_a, peer_b):
         return 0.0
-    buffer = torch.zeros(nbytes // 4)
+    buffer = torch.zeros(nbytes // 4, device=device)
     times = []
-    for _ in range(repeats + 1):
-        start = perf_counter()
+    for _ in range(repeats + 1):  # the first round warms up (NCCL connects on first use)
+        start = _now(device)
         if rank == peer_a:
             dist.send(buffer, peer_b)
             dist.recv(buffer, peer_b)
         else:
             dist.recv(buffer, peer_a)
             dist.send(buffer, peer_a)
-        times.append(perf_counter() - start)
+        times.append(_now(device) - start)
     return 2 * nbytes / statistics.median(times[1:])

@@ -1,34 +1,85 @@
 """A `PipelineStage` that times its own compute, so that a step's remaining time
-is what the stage spent waiting: the bubble (and any transfer not hidden)."""
+is what the stage spent waiting: the bubble (and any transfer not hidden).
+
+The times are marks (see `runtime.timing`): on a GPU, CUDA events on the current
+stream, where the stage's kernels run; their seconds are read once the step's
+work is done, a few steps later, so that measuring never makes the host wait."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from time import perf_counter
 from typing import Any
 
+import torch
 from torch.distributed.pipelining import PipelineStage
 
+from ...runtime.timing import Mark, Marks
 from .layers import StageModule, tensor_bytes
 
+FIELDS = ("forward_s", "backward_s", "weight_s")
 
-@dataclass
+
 class StepMeter:
-    """Seconds of one rank's step, summed over its stages and micro-batches."""
+    """Marks around one rank's compute in a step, over its stages and micro-batches.
 
-    forward_s: float = 0.0
-    backward_s: float = 0.0  # input gradients (the whole backward, unless split)
-    weight_s: float = 0.0  # weight gradients, when a zero-bubble schedule splits them off
-    last_backward_s: float = 0.0  # the final micro-batch's backward: all DDP can overlap with
-    sent_bytes: int = 0  # activations sent on, and the gradients of those received, sent back
+    ``backward_s`` is the input gradients (the whole backward, unless split);
+    ``weight_s`` the weight gradients, when a zero-bubble schedule splits them off.
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.marks = Marks(device)
+        self.reset()
 
     def reset(self) -> None:
-        self.forward_s = self.backward_s = self.weight_s = self.last_backward_s = 0.0
-        self.sent_bytes = 0
+        # (field, begin, end, in the final micro-batch's backward: all DDP can overlap with)
+        self.spans: list[tuple[str, Mark, Mark, bool]] = []
+        self.sent_bytes = 0  # activations sent on, and the gradients of those received, sent back
 
-    @property
-    def compute_s(self) -> float:
-        return self.forward_s + self.backward_s + self.weight_s
+    def close(self, begin: Mark, end: Mark) -> StepTimes:
+        """The step from ``begin`` to ``end``, with the spans marked since `reset`."""
+        times = StepTimes(self.marks, begin, end, self.spans, self.sent_bytes)
+        self.reset()
+        return times
+
+
+class StepTimes:
+    """One step's seconds, summed over its stages and micro-batches: read once its
+    marks are done (`result`), then the marks go back to the pool."""
+
+    def __init__(
+        self,
+        marks: Marks,
+        begin: Mark,
+        end: Mark,
+        spans: list[tuple[str, Mark, Mark, bool]],
+        sent_bytes: int,
+    ) -> None:
+        self._marks, self._begin, self._end, self._spans = marks, begin, end, spans
+        self._sent_bytes = sent_bytes
+        self._result: dict[str, float] | None = None
+
+    def result(self) -> dict[str, float]:
+        if self._result is None:
+            # Added up in the order they were marked, as the host's clock used to be.
+            totals = dict.fromkeys((*FIELDS, "last_backward_s"), 0.0)
+            for field, begin, end, last in self._spans:
+                seconds = Marks.seconds(begin, end)
+                totals[field] += seconds
+                if last:
+                    totals["last_backward_s"] += seconds
+            step = Marks.seconds(self._begin, self._end)
+            compute = totals["forward_s"] + totals["backward_s"] + totals["weight_s"]
+            self._result = {
+                "step_s": step,
+                "forward_s": totals["forward_s"],
+                "backward_s": totals["backward_s"] + totals["weight_s"],
+                "last_backward_s": totals["last_backward_s"],
+                "bubble_s": max(0.0, step - compute),  # waiting: the bubble, exposed transfers
+                "sent_bytes": self._sent_bytes,
+            }
+            spans = [mark for _, begin, end, _ in self._spans for mark in (begin, end)]
+            self._marks.release(self._begin, self._end, *spans)
+            self._spans = []
+        return self._result
 
 
 class TimedStage(PipelineStage):
@@ -41,9 +92,9 @@ class TimedStage(PipelineStage):
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         received = self.part.bytes_in
-        start = perf_counter()
+        begin = self.meter.marks.mark()
         output = super().forward_one_chunk(*args, **kwargs)
-        self.meter.forward_s += perf_counter() - start
+        self.meter.spans.append(("forward_s", begin, self.meter.marks.mark(), False))
         if not self.is_last:
             self.meter.sent_bytes += tensor_bytes(output)
         if not self.is_first:  # the gradient of what came in goes back
@@ -57,11 +108,9 @@ class TimedStage(PipelineStage):
         return self._timed_backward("weight_s", super().backward_weight_one_chunk, args, kwargs)
 
     def _timed_backward(self, field: str, run: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        start = perf_counter()
+        begin = self.meter.marks.mark()
         try:
             return run(*args, **kwargs)
         finally:
-            seconds = perf_counter() - start
-            setattr(self.meter, field, getattr(self.meter, field) + seconds)
-            if kwargs.get("last_backward"):
-                self.meter.last_backward_s += seconds
+            end = self.meter.marks.mark()
+            self.meter.spans.append((field, begin, end, bool(kwargs.get("last_backward"))))
