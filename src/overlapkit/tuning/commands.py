@@ -15,6 +15,7 @@ from rich.console import Console
 from . import TuneError
 from .analysis import Analysis
 from .config import TuneConfig
+from .gpus import split_gpus, visible_gpus
 from .report import print_report, report_document, write_report
 from .runner import tune
 from .space import build_space
@@ -51,6 +52,11 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
             f"note: {args.workers} workers x {scenario.world.nprocs} ranks on {cores} cores: "
             "trials running side by side take cores from each other and measure lower"
         )
+    gpus = None
+    if args.workers > 1 and scenario.device_type == "cuda":
+        # Before any worker starts, so that a machine with too few GPUs is told at once.
+        # One worker keeps every GPU, as `overlapkit run` would (its ranks may share one).
+        gpus = split_gpus(args.workers, scenario.world.nprocs, visible_gpus())
     space = job.space
     Console(stderr=True).print(
         f"tuning {scenario.name}: {len(space.dimensions)} parameters "
@@ -58,7 +64,7 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
         f"study {job.study_name} in {job.storage_url}"
     )
     progress = Console(stderr=True)  # trial lines: stdout keeps the table (or the JSON)
-    analysis = tune(job, workers=args.workers, timeout_s=args.timeout, console=progress)
+    analysis = tune(job, workers=args.workers, timeout_s=args.timeout, console=progress, gpus=gpus)
     return _write(analysis, base, folder, args.json, console)
 
 

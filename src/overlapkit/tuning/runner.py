@@ -32,9 +32,14 @@ POLL_S = 1.0
 
 
 def tune(
-    job: TuneJob, workers: int = 1, timeout_s: float | None = None, console: Console | None = None
+    job: TuneJob,
+    workers: int = 1,
+    timeout_s: float | None = None,
+    console: Console | None = None,
+    gpus: list[list[str]] | None = None,
 ) -> Analysis:
-    """Run (or continue) the study of ``job``; return its analysis."""
+    """Run (or continue) the study of ``job``; return its analysis. ``gpus``: one list
+    of GPU ids per worker (`gpus.split_gpus`), the only GPUs its trials see."""
     console = console or Console(stderr=True)
     quiet_optuna()
     job.save()
@@ -48,26 +53,34 @@ def tune(
         console.print(f"study {job.study_name}: {len(shown)} trials already done, continuing")
     if job.tune.references:
         enqueue(study, reference_settings(job.space))
-        _phase("references", job, study, waiting(study), workers, deadline, shown, console)
+        _phase("references", job, study, waiting(study), workers, deadline, shown, console, gpus)
     remaining = job.tune.trials - search_done(study)
-    _phase("search", job, study, remaining, workers, deadline, shown, console)
+    _phase("search", job, study, remaining, workers, deadline, shown, console, gpus)
     if job.tune.repeats > 1:
         repeats = confirm_settings(study, Analysis.of(study, job.space), job.tune)
         enqueue(study, repeats, again=True)
-        _phase("confirm", job, study, waiting(study), workers, deadline, shown, console)
+        _phase("confirm", job, study, waiting(study), workers, deadline, shown, console, gpus)
     if job.tune.references:
         analysis = Analysis.of(study, job.space)
         if analysis.center is not None:
             around = analysis_settings(job.space, analysis.center.params, analysis.alone_best())
             enqueue(study, around)
-            _phase("analysis", job, study, waiting(study), workers, deadline, shown, console)
+            _phase("analysis", job, study, waiting(study), workers, deadline, shown, console, gpus)
             if job.tune.repeats > 1:  # the curves from medians too
                 measured = Analysis.of(study, job.space).measurements
                 again = [params for _, params in around if measured(params)]
                 repeats = repeat_settings(study, again, job.tune.repeats, "repeat:analysis")
                 enqueue(study, repeats, again=True)
                 _phase(
-                    "confirm curves", job, study, waiting(study), workers, deadline, shown, console
+                    "confirm curves",
+                    job,
+                    study,
+                    waiting(study),
+                    workers,
+                    deadline,
+                    shown,
+                    console,
+                    gpus,
                 )
     return Analysis.of(study, job.space)
 
@@ -81,6 +94,7 @@ def _phase(
     deadline: float | None,
     shown: set[int],
     console: Console,
+    gpus: list[list[str]] | None = None,
 ) -> None:
     if trials <= 0 or (deadline is not None and time.time() >= deadline):
         return
@@ -91,13 +105,17 @@ def _phase(
         def show(study: optuna.Study, trial: FrozenTrial) -> None:
             _show_new(study, shown, console)
 
-        worker_main(job, trials, deadline, callbacks=[show], queued=queued)
+        ids = gpus[0] if gpus else None
+        worker_main(job, trials, deadline, callbacks=[show], queued=queued, gpus=ids)
         return
     shares = [trials // workers + (i < trials % workers) for i in range(workers)]
     context = multiprocessing.get_context("spawn")
+    own = gpus or [None] * workers  # worker i's trials run on own[i] only
     processes = [
-        context.Process(target=worker_main, args=(job, share, deadline, None, queued), daemon=False)
-        for share in shares
+        context.Process(
+            target=worker_main, args=(job, share, deadline, None, queued, ids), daemon=False
+        )
+        for share, ids in zip(shares, own, strict=True)
         if share
     ]
     for process in processes:

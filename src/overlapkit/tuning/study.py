@@ -174,8 +174,8 @@ def trial_metrics(summary: dict[str, Any], tune: TuneConfig) -> dict[str, Any]:
 
 
 class Objective:
-    def __init__(self, job: TuneJob, queued: bool = False) -> None:
-        self.job, self.space, self.queued = job, job.space, queued
+    def __init__(self, job: TuneJob, queued: bool = False, gpus: list[str] | None = None) -> None:
+        self.job, self.space, self.queued, self.gpus = job, job.space, queued, gpus
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, ...]:
         job = self.job
@@ -208,7 +208,7 @@ class Objective:
                 return trial.should_prune()
 
         try:
-            summary = run_trial(data, folder, job.tune.trial_timeout_s, watch)
+            summary = run_trial(data, folder, job.tune.trial_timeout_s, watch, self.gpus)
         except TrialStopped:
             raise optuna.TrialPruned() from None
         except TrialFailed as failure:
@@ -246,11 +246,13 @@ def worker_main(
     deadline: float | None,
     callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] | None = None,
     queued: bool = False,
+    gpus: list[str] | None = None,
 ) -> None:
     """One worker: run up to ``n_trials`` trials of the study (queued ones first;
     ``queued``: only those). It also stops when the study, which other machines may
     share, has its search budget (counting trials running elsewhere), or, with
-    ``queued``, when nothing is left in the queue."""
+    ``queued``, when nothing is left in the queue. ``gpus``: the GPUs its trials
+    run on (its own, see `gpus.split_gpus`), else all they see."""
     quiet_optuna()
     study = open_study(job, queued)
     timeout = None if deadline is None else max(1.0, deadline - time.time())
@@ -261,7 +263,7 @@ def worker_main(
             study.stop()
 
     study.optimize(
-        Objective(job, queued),
+        Objective(job, queued, gpus),
         n_trials=n_trials,
         timeout=timeout,
         catch=(TrialFailed,),

@@ -57,11 +57,13 @@ def run_trial(
     folder: Path,
     timeout_s: float,
     on_step: Callable[[int, float], bool] | None = None,
+    gpus: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run the trial scenario ``data`` in ``folder``; return its summary.
 
     ``on_step(measured_steps, samples_per_s_so_far)`` is called as measured steps
-    finish; returning True stops the run and raises `TrialStopped`.
+    finish; returning True stops the run and raises `TrialStopped`. ``gpus``: the
+    only GPUs the run may see (its worker's), else those this process sees.
     """
     folder.mkdir(parents=True, exist_ok=True)
     scenario_file = folder / "scenario.yaml"
@@ -72,7 +74,7 @@ def run_trial(
     stderr_path = folder / "stderr.txt"
     with open(folder / "stdout.txt", "wb") as out, open(stderr_path, "wb") as err:
         process = subprocess.Popen(
-            command, stdout=out, stderr=err, start_new_session=True, env=_child_env()
+            command, stdout=out, stderr=err, start_new_session=True, env=_child_env(gpus)
         )
         try:
             _watch(process, run_dir / LIVE_STEPS, timeout_s, on_step)
@@ -84,10 +86,13 @@ def run_trial(
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(gpus: list[str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("TORCHELASTIC_RUN_ID", None)  # a trial is a run of its own, never part of ours
+    if gpus is not None:
+        # Set for the run only: a worker in the tune process itself keeps its own view.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return env
 
 
