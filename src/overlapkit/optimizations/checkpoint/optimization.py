@@ -21,7 +21,7 @@ from .coordination import Collectives, Domains, probe_domains
 from .persister import Persister, split_state
 from .policy import AutoInterval
 from .restore import load, newest_common_step
-from .snapshot import Snapshot, Snapshotter
+from .snapshot import Snapshot, Snapshotter, tensor_layout
 from .store import CheckpointError
 
 # In auto mode the ranks agree on when to checkpoint by a vote cast this many
@@ -81,6 +81,7 @@ class Checkpoint(Optimization):
         self._snapshotter: Snapshotter | None = None
         self._persister: Persister | None = None
         self._domains: Domains | None = None
+        self._reserved = False
         self._collectives: Collectives | None = None
         self._pending: Snapshot | None = None
         self._last_step = -1
@@ -88,7 +89,6 @@ class Checkpoint(Optimization):
         self._stall_since_checkpoint = 0.0
         self._persists_seen = 0
         self.stalls_s: list[float] = []
-        self.snapshot_copy_s: list[float] = []
         self.resumed_from: int | None = None
         self.errors: list[str] = []
 
@@ -167,13 +167,20 @@ class Checkpoint(Optimization):
     def on_before_optimizer_step(self, state: State) -> None:
         if self._pending is None:
             return
-        # The only moment the saved state changes: the snapshot must be complete.
+        # The only moment the saved state changes: the snapshot must be complete (on a
+        # GPU the optimizer's kernels wait for the copy stream; the host goes on).
         with state.clock.phase("ckpt_stall"):
             start = perf_counter()
-            self._pending.wait()
+            self._pending.wait_on_device()
             self._stall_since_checkpoint += perf_counter() - start
         self._submit(self._pending)
         self._pending = None
+
+    def on_step_end(self, state: State) -> None:
+        if not self._reserved and state.optimizer is not None:
+            # After the first optimizer step its state exists: every buffer's shape is known.
+            self._reserved = True
+            self._snapshotter.reserve(tensor_layout(self._capture(state)))
 
     def on_fit_end(self, state: State) -> None:
         if self._persister is None:
@@ -211,7 +218,6 @@ class Checkpoint(Optimization):
         return tree
 
     def _submit(self, snapshot: Snapshot) -> None:
-        self.snapshot_copy_s.append(snapshot.copy_s)
         self._persister.submit(snapshot)
 
     def _observe_previous_step(self, now: float) -> None:
@@ -259,8 +265,8 @@ class Checkpoint(Optimization):
             "resumed_from_step": self.resumed_from,
             "stall_s_mean": sum(stalls) / len(stalls) if stalls else 0.0,
             "snapshot_copy_s_mean": (
-                sum(self.snapshot_copy_s) / len(self.snapshot_copy_s)
-                if self.snapshot_copy_s
+                sum(persister.copy_s) / len(persister.copy_s)
+                if persister and persister.copy_s
                 else 0.0
             ),
             "persist_s_mean": (
@@ -271,6 +277,10 @@ class Checkpoint(Optimization):
             "bytes_written": persister.bytes_written if persister else 0,
             "host_buffer_bytes": sum(b.nbytes for b in self._snapshotter.sets)
             if self._snapshotter
+            else 0,
+            # Pinned on a GPU, as the host allocator holds it (0 on a CPU: nothing pinned).
+            "pinned_bytes": self._snapshotter.held_bytes
+            if self._snapshotter and self._snapshotter.sets[0].pin
             else 0,
             "notes": self.errors,
         }

@@ -51,6 +51,7 @@ class Persister:
         self.policy = policy
         self.error: BaseException | None = None
         self.persist_s: list[float] = []
+        self.copy_s: list[float] = []  # each snapshot's background copy
         self.bytes_written = 0
         self.in_flight = 0
         self._queue: queue.Queue[Snapshot | None] = queue.Queue()
@@ -127,6 +128,7 @@ class Persister:
     def _write(self, snapshot: Snapshot) -> dict[str, Any]:
         """This rank's files of ``snapshot``, durable: {name: checksum and size}."""
         snapshot.wait()
+        self.copy_s.append(snapshot.copy_s)
         folder = step_dir(self.root, snapshot.step)
         shared, own = split_state(snapshot.tree)
         files = {}

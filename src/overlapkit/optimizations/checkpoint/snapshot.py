@@ -6,9 +6,11 @@ loop waits for the copy right before the next optimizer step. Everything
 else (RNG states, loader position, batch-norm buffers, counters) can change
 during the next forward and is small: it is copied at once.
 
-Host buffers are allocated once and reused (pinned memory on a GPU, where the
-copy runs on a side CUDA stream), so host memory stays flat across checkpoints.
-Each starts on a 4 KiB boundary, so the persist can write it with O_DIRECT.
+Host buffers are allocated once, in the background after the first step, and
+reused (pinned memory on a GPU, where the copy runs on a side CUDA stream and
+the optimizer step's stream, not the host, waits for it), so host memory stays
+flat across checkpoints. Each starts on a 4 KiB boundary, so the persist can
+write it with O_DIRECT.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from time import perf_counter
 from typing import Any
 
 import torch
+
+from .fileformat import BLOCK
 
 Tree = Any
 
@@ -39,7 +43,7 @@ def map_tree(tree: Tree, fn: Callable[[str, torch.Tensor], Any], path: str = "")
 
 
 def aligned_empty(
-    shape: torch.Size, dtype: torch.dtype, pin: bool = False, align: int = 4096
+    shape: torch.Size, dtype: torch.dtype, pin: bool = False, align: int = BLOCK
 ) -> torch.Tensor:
     """An uninitialised CPU tensor whose data starts on an ``align``-byte boundary."""
     nbytes = math.prod(shape) * dtype.itemsize
@@ -48,22 +52,61 @@ def aligned_empty(
     return raw[skip : skip + nbytes].view(dtype).view(shape)
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's caching host allocator holds for a pinned request of ``nbytes``:
+    the next power of two (so one slab, not hundreds of small blocks)."""
+    return 1 << max(0, (nbytes - 1).bit_length())
+
+
+Layout = list[tuple[str, torch.Size, torch.dtype]]
+
+
+def tensor_layout(tree: Tree) -> Layout:
+    """(place, shape, dtype) of every tensor in ``tree``, in order."""
+    layout: Layout = []
+    map_tree(tree, lambda path, t: layout.append((path, t.shape, t.dtype)))
+    return layout
+
+
 class HostBuffers:
     """One set of host tensors, keyed by their place in the state, reused from one
-    snapshot to the next (reallocated only when a shape or dtype changes)."""
+    snapshot to the next (reallocated only when a shape or dtype changes).
+
+    `reserve` allocates a whole layout as one slab, each tensor on a 4 KiB
+    boundary: on a GPU, one pinned allocation instead of one per tensor (481
+    for a ResNet-50 and its optimizer, 242 ms), made in the background before
+    the first snapshot needs it (see `Snapshotter.reserve`)."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self.tensors: dict[str, torch.Tensor] = {}
+        self.held_bytes = 0  # host memory really held (pinned: as the allocator rounds it)
         self.free = threading.Event()  # cleared while a snapshot or persist uses the buffers
         self.free.set()
+
+    def reserve(self, layout: Layout) -> None:
+        sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in layout]
+        total = sum(-(-n // BLOCK) * BLOCK for n in sizes)
+        if not total:
+            return
+        slab = aligned_empty(torch.Size([total]), torch.uint8, pin=self.pin)
+        offset = 0
+        for (path, shape, dtype), nbytes in zip(layout, sizes, strict=True):
+            self.tensors[path] = slab[offset : offset + nbytes].view(dtype).view(shape)
+            offset += -(-nbytes // BLOCK) * BLOCK
+        self._hold(total)
 
     def get(self, path: str, like: torch.Tensor) -> torch.Tensor:
         buffer = self.tensors.get(path)
         if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
             buffer = aligned_empty(like.shape, like.dtype, pin=self.pin)
             self.tensors[path] = buffer
+            self._hold(buffer.numel() * buffer.element_size())
         return buffer
+
+    def _hold(self, nbytes: int) -> None:
+        nbytes += BLOCK  # the alignment slack
+        self.held_bytes += pinned_bytes(nbytes) if self.pin else nbytes
 
     @property
     def nbytes(self) -> int:
@@ -78,19 +121,29 @@ class Snapshot:
         self.tree = tree
         self.buffers = buffers
         self.started = perf_counter()
-        self.copy_s = 0.0  # the whole copy, start to finish
+        self.copy_s = 0.0  # the background copy, start to finish (known once `wait` returned)
         self._done = threading.Event()
-        self._cuda_event: Any = None
+        self._cuda_events: tuple[Any, Any] | None = None  # the side stream's copies begin, end
         self.error: BaseException | None = None
 
     def wait(self) -> None:
-        if self._cuda_event is not None:
-            self._cuda_event.synchronize()
-            self.copy_s = perf_counter() - self.started
+        """Until the host buffers hold the snapshot (the persist thread waits here)."""
+        if self._cuda_events is not None:
+            begin, end = self._cuda_events
+            end.synchronize()
+            self.copy_s = begin.elapsed_time(end) / 1000.0  # on the device's timeline
         else:
             self._done.wait()
         if self.error is not None:
             raise self.error
+
+    def wait_on_device(self) -> None:
+        """Make what runs next wait until the copies are done: on a GPU the current
+        stream waits for them, not the host; on a CPU the host waits."""
+        if self._cuda_events is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_events[1])
+        else:
+            self.wait()
 
 
 class Snapshotter:
@@ -101,9 +154,26 @@ class Snapshotter:
         self.device = device
         self.sets = [HostBuffers(pin=device.type == "cuda") for _ in range(buffer_sets)]
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._reserving: threading.Thread | None = None
+
+    def reserve(self, layout: Layout) -> None:
+        """Allocate every buffer set for ``layout`` in a background thread: pinning
+        host memory takes long, and must not happen inside a stall."""
+
+        def allocate() -> None:
+            for buffers in self.sets:
+                buffers.reserve(layout)
+
+        self._reserving = threading.Thread(
+            target=allocate, name="overlapkit-host-buffers", daemon=True
+        )
+        self._reserving.start()
 
     def free_buffers(self) -> HostBuffers:
         """A buffer set no persist is reading (waits for one if needed)."""
+        if self._reserving is not None:
+            self._reserving.join()  # started steps ago: done by now, unless every=1
+            self._reserving = None
         while True:
             for buffers in self.sets:
                 if buffers.free.is_set():
@@ -111,27 +181,37 @@ class Snapshotter:
                     return buffers
             self.sets[0].free.wait(0.01)
 
+    @property
+    def held_bytes(self) -> int:
+        return sum(b.held_bytes for b in self.sets)
+
     def take(self, step: int, state: Tree, deferrable: set[int]) -> Snapshot:
         buffers = self.free_buffers()
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        on_gpu = self._stream is not None
 
         def to_host(path: str, tensor: torch.Tensor) -> torch.Tensor:
             buffer = buffers.get(path, tensor)
             if tensor.untyped_storage().data_ptr() in deferrable:
                 deferred.append((buffer, tensor.detach()))
             else:
-                buffer.copy_(tensor.detach())
+                # What the next forward may change (batch-norm statistics): copied now,
+                # on a GPU in stream order (later kernels cannot overtake it), no wait.
+                buffer.copy_(tensor.detach(), non_blocking=on_gpu and tensor.is_cuda)
             return buffer
 
         snapshot = Snapshot(step, map_tree(state, to_host), buffers)
         if self._stream is not None:
-            # The side stream starts after the work that produced the values.
+            # The side stream starts after the work that produced the values (and
+            # after the copies made now, so its end is the end of the whole snapshot).
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             with torch.cuda.stream(self._stream):
+                begin.record()
                 for buffer, tensor in deferred:
                     buffer.copy_(tensor, non_blocking=True)
-                snapshot._cuda_event = torch.cuda.Event()
-                snapshot._cuda_event.record(self._stream)
+                end.record()
+            snapshot._cuda_events = (begin, end)
         else:
             threading.Thread(
                 target=self._copy,
