@@ -10,6 +10,9 @@ import torch
 
 def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
+        if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
+            # A copy from pageable memory makes the host wait for the device.
+            batch = batch.pin_memory()
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device) for b in batch)
