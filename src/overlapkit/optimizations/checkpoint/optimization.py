@@ -17,6 +17,7 @@ from typing import Any
 
 from ...runtime import Knob, Optimization, Resource, State, register_optimization
 from ...runtime.distributed import all_gather_objects
+from ...runtime.timing import Marks
 from .coordination import Collectives, Domains, probe_domains
 from .persister import Persister, split_state
 from .policy import AutoInterval
@@ -86,9 +87,12 @@ class Checkpoint(Optimization):
         self._pending: Snapshot | None = None
         self._last_step = -1
         self._step_started = 0.0
-        self._stall_since_checkpoint = 0.0
+        # The stalls of the checkpoint in progress, as marks (on a GPU: CUDA events, so
+        # that a stall is the time the device waited, read later), then per checkpoint.
+        self._marks = Marks()
+        self._stall_spans: list[tuple[Any, Any]] = []
+        self._stall_records: list[list[tuple[Any, Any]]] = []
         self._persists_seen = 0
-        self.stalls_s: list[float] = []
         self.resumed_from: int | None = None
         self.errors: list[str] = []
 
@@ -111,6 +115,7 @@ class Checkpoint(Optimization):
             self._make_root()
         all_gather_objects(None, world)  # no rank writes into a folder being moved away
         self._make_root()
+        self._marks = Marks(world.device)
         self._snapshotter = Snapshotter(world.device, self.settings["max_in_flight"])
         self._persister = Persister(
             self.root,
@@ -156,12 +161,12 @@ class Checkpoint(Optimization):
         if self.policy_auto is not None:
             self.policy_auto.checkpoint_started()
         with state.clock.phase("ckpt_stall"):
-            start = perf_counter()
+            start = self._marks.mark()
             deferrable = _deferrable_storages(state)
             self._pending = self._snapshotter.take(
                 state.step, self._capture(state), deferrable
             )
-            self._stall_since_checkpoint += perf_counter() - start
+            self._stall_spans.append((start, self._marks.mark()))
         self._last_step = state.step
 
     def on_before_optimizer_step(self, state: State) -> None:
@@ -170,9 +175,9 @@ class Checkpoint(Optimization):
         # The only moment the saved state changes: the snapshot must be complete (on a
         # GPU the optimizer's kernels wait for the copy stream; the host goes on).
         with state.clock.phase("ckpt_stall"):
-            start = perf_counter()
+            start = self._marks.mark()
             self._pending.wait_on_device()
-            self._stall_since_checkpoint += perf_counter() - start
+            self._stall_spans.append((start, self._marks.mark()))
         self._submit(self._pending)
         self._pending = None
 
@@ -232,9 +237,9 @@ class Checkpoint(Optimization):
                 auto.persist_finished(persister.persist_s[self._persists_seen])
                 self._persists_seen += 1
         busy = self._pending is not None or (persister and persister.in_flight)
-        if self._stall_since_checkpoint and not busy:
-            self.stalls_s.append(self._stall_since_checkpoint)
-            self._stall_since_checkpoint = 0.0
+        if self._stall_spans and not busy:
+            self._stall_records.append(self._stall_spans)
+            self._stall_spans = []
 
     def _raise_if_failed(self) -> None:
         error = self._persister.error if self._persister else None
@@ -250,6 +255,12 @@ class Checkpoint(Optimization):
     def state_dict(self) -> dict[str, Any]:
         auto = self.policy_auto
         return {"interval": auto.interval if auto else None}
+
+    @property
+    def stalls_s(self) -> list[float]:
+        """Each closed checkpoint's stall: the time the step waited for it."""
+        seconds = self._marks.seconds
+        return [sum(seconds(b, e) for b, e in spans) for spans in self._stall_records]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.policy_auto is not None and state.get("interval"):
