@@ -415,10 +415,17 @@ PLAIN, PLAIN_SYNC = "plain, no per-step sync", "plain, float(loss) every step"
 BUILTIN, SCENARIO = "overlapkit built-in loop", "overlapkit run_scenario (CPU loader)"
 
 
-def part_a(ctx: Context) -> dict[str, Any]:
-    out = {name: part_a_model(ctx, Workload.make(name, ctx.sizes, ctx.device)) for name in MODELS}
+def per_model(
+    ctx: Context, measure: Callable[[Context, Workload], dict[str, Any]]
+) -> dict[str, Any]:
+    """``measure`` on each model's workload, freeing the device between them."""
+    out = {name: measure(ctx, Workload.make(name, ctx.sizes, ctx.device)) for name in MODELS}
     release(ctx.device)
     return out
+
+
+def part_a(ctx: Context) -> dict[str, Any]:
+    return per_model(ctx, part_a_model)
 
 
 def part_a_model(ctx: Context, wl: Workload) -> dict[str, Any]:
@@ -878,9 +885,7 @@ def precision_unavailable(device: torch.device, precision: str) -> str | None:
 
 
 def part_d(ctx: Context) -> dict[str, Any]:
-    out = {name: part_d_model(ctx, Workload.make(name, ctx.sizes, ctx.device)) for name in MODELS}
-    release(ctx.device)
-    return out
+    return per_model(ctx, part_d_model)
 
 
 def part_d_model(ctx: Context, wl: Workload) -> dict[str, Any]:
