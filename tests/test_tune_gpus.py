@@ -191,10 +191,14 @@ def test_tune_command_with_too_few_gpus_stops_before_any_trial(
     assert not (tmp_path / "tune").exists()
 
 
-def test_one_worker_keeps_every_gpu(cuda_scenario, tmp_path, monkeypatch):
-    """Nobody to share with: its trials see what `overlapkit run` would see."""
+def test_one_worker_gets_a_gpu_per_rank_or_a_clear_error(cuda_scenario, tmp_path, monkeypatch):
+    """One worker's trials run on the first world.nprocs GPUs; too few is refused before
+    anything runs, as `overlapkit run` refuses ranks that would share a GPU."""
     scenario, given = cuda_scenario
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
     with pytest.raises(SystemExit):
         commands.tune_command(scenario, tune_args(tmp_path / "tune", 1), Console(quiet=True))
-    assert given == {"workers": 1, "gpus": None}
+    assert given == {"workers": 1, "gpus": [["3", "5"]]}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(TuneError, match="need 2 GPUs, but 1 are visible"):
+        commands.tune_command(scenario, tune_args(tmp_path / "t2", 1), Console(quiet=True))

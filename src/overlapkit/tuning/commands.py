@@ -53,9 +53,8 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
             "trials running side by side take cores from each other and measure lower"
         )
     gpus = None
-    if args.workers > 1 and scenario.device_type == "cuda":
+    if scenario.device_type == "cuda":
         # Before any worker starts, so that a machine with too few GPUs is told at once.
-        # One worker keeps every GPU, as `overlapkit run` would (its ranks may share one).
         gpus = split_gpus(args.workers, scenario.world.nprocs, visible_gpus())
     space = job.space
     Console(stderr=True).print(
