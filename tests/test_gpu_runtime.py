@@ -160,3 +160,69 @@ def test_a_build_without_the_gpus_kernels_is_refused_naming_gpu_capability_and_a
 )
 def test_which_builds_run_on_which_gpus(capability, arches, runs):
     assert build_has_kernels(capability, arches) is runs
+
+
+# ------------------------------------------- the clock on a (simulated) GPU
+
+
+class FakeDevice:
+    """A device timeline: events complete only when the test lets the device run."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.pending: list[FakeEvent] = []
+        self.waits = 0  # host waits for the device (synchronize on an unfinished event)
+
+    def run(self, seconds: float) -> None:
+        for event in self.pending:
+            event.time = self.now = self.now + seconds
+        self.pending.clear()
+
+
+class FakeEvent:
+    device: FakeDevice
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.time: float | None = None
+
+    def record(self, stream=None) -> None:
+        self.time = None
+        self.device.pending.append(self)
+
+    def query(self) -> bool:
+        return self.time is not None
+
+    def synchronize(self) -> None:
+        if self.time is None:
+            self.device.waits += 1
+            self.device.run(0.001)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return (end.time - self.time) * 1000.0
+
+
+def test_on_a_gpu_the_clock_never_waits_for_the_device_and_records_arrive_later(monkeypatch):
+    device = FakeDevice()
+    FakeEvent.device = device
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    clock = PhaseClock(torch.device("cuda", 0))
+    log = StepLog(max_lag=4)
+    records = []
+    for step in range(6):
+        clock.start_step()
+        clock.switch("forward")
+        clock.switch("backward")
+        clock.switch("other")
+        log.add(pending(step, clock.close_step(), loss=0.5))
+        records += log.ready()
+        if step >= 1:
+            device.run(0.010)  # the device finishes what was queued a step ago, meanwhile
+    assert device.waits == 0  # no synchronisation on the hot path
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # lagged, in order
+    records += log.drain()
+    assert [r["step"] for r in records] == list(range(6))
+    for record in records:
+        assert record["step_time_s"] == pytest.approx(sum(record["phases_s"].values()))
+        assert record["step_time_s"] > 0
+    # Events go back to the pool: those of the few steps in flight, not four per step (25).
+    assert clock.marks.created <= 16
