@@ -333,3 +333,13 @@ def test_each_shard_is_written_once_and_restored_to_its_own_ranks(tmp_path):
     for rank in (0, 1):
         assert again[rank]["resumed_from"]["resumed_from_step"] == 4
         assert torch.equal(again[rank]["params"], first[rank]["params"])
+
+
+def test_resume_false_starts_over_and_keeps_the_old_checkpoints_aside(tmp_path):
+    first, _, _ = train(tmp_path, 4, every=2)
+    again, _, section = train(tmp_path, 4, every=2, resume=False)
+    assert section["resumed_from_step"] is None
+    assert sorted(again) == [0, 1, 2, 3] and again == first  # from step 0, the same run
+    (aside,) = tmp_path.glob("checkpoints.old-*")
+    assert json.loads((aside / "manifest.json").read_text())["checkpoints"][-1]["step"] == 4
+    assert (tmp_path / "checkpoints" / "manifest.json").exists()

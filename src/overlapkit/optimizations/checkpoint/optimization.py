@@ -112,7 +112,6 @@ class Checkpoint(Optimization):
         elif self._domains.leader(world.rank) and (self.root / "manifest.json").exists():
             # A fresh start keeps the old checkpoints, out of the way.
             shutil.move(str(self.root), f"{self.root}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-            self._make_root()
         all_gather_objects(None, world)  # no rank writes into a folder being moved away
         self._make_root()
         self._marks = Marks(world.device)
@@ -155,9 +154,6 @@ class Checkpoint(Optimization):
         self._step_started = now
         if not self._due(state):
             return
-        self._start_checkpoint(state)
-
-    def _start_checkpoint(self, state: State) -> None:
         if self.policy_auto is not None:
             self.policy_auto.checkpoint_started()
         with state.clock.phase("ckpt_stall"):
