@@ -16,6 +16,7 @@ from rich.table import Table
 
 from . import __version__
 from .data import DataNotFoundError
+from .launch.cluster import ClusterConfigError
 from .launch.local import RankFailedError
 from .models import MODEL_NAMES
 from .optimizations import registered_optimizations
@@ -92,6 +93,13 @@ def _parser() -> argparse.ArgumentParser:
 
     listing = commands.add_parser("list", help="optimizations, their knobs and intensity mapping")
     listing.add_argument("--json", action="store_true")
+
+    cluster = commands.add_parser("cluster", help="Ray cluster configs (cluster/)")
+    cluster_commands = cluster.add_subparsers(dest="cluster_command", required=True)
+    cluster_check = cluster_commands.add_parser(
+        "check", help="validate a cluster config offline: Ray's schema and overlapkit's rules"
+    )
+    cluster_check.add_argument("file", type=Path)
     return parser
 
 
@@ -179,6 +187,18 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 _print_catalogue(console, catalogue)
             return 0
+        if args.command == "cluster":
+            from .launch.cluster import check_cluster_file
+
+            prepared = check_cluster_file(args.file)
+            nodes = prepared.get("available_node_types") or {}
+            console.print(
+                f"cluster config {args.file}: ok ({prepared['provider']['type']}, "
+                + ", ".join(f"{name} {node.get('resources')}" for name, node in nodes.items())
+                + ")",
+                highlight=False,
+            )
+            return 0
         if args.command == "report":
             from .tuning.commands import report_command
 
@@ -211,7 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         errors.print("[bold red]error in scenario[/]")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
-    except (DataNotFoundError, CombinationError, GPUSetupError, TuneError) as error:
+    except (
+        DataNotFoundError,
+        CombinationError,
+        GPUSetupError,
+        TuneError,
+        ClusterConfigError,
+    ) as error:
         errors.print("[bold red]error:[/] ", end="")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2

@@ -1,0 +1,229 @@
+"""``overlapkit cluster check``: a Ray cluster-launcher config, validated offline.
+
+Ray's own schema and config preparation come first (unknown keys, fractional
+resources, a head type that does not exist). Then what Ray does not check
+and a study on GPU VMs needs, each broken rule reported with its node type
+and key:
+
+- a node type with GPUs must not live-migrate (GCP: ``onHostMaintenance: TERMINATE``);
+- V100s attach only to N1 machines;
+- ``resources.GPU`` equals the accelerators attached (the GCP provider fills in nothing);
+- resources are whole numbers;
+- Ray and overlapkit are pinned in the setup commands (the driver's Ray must be
+  the cluster's, and every node must run the same overlapkit);
+- the study storage is one the workers can reach (a database server on the
+  network, not a file or localhost).
+
+Nothing here talks to a cloud: no credentials are needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Providers whose nodes all run on this one machine: setup and storage rules do not apply.
+ONE_MACHINE = ("fake_multinode", "local")
+STORAGE_VARIABLE = "OVERLAPKIT_STORAGE"
+
+
+@dataclass(frozen=True)
+class Problem:
+    where: str  # the key path, e.g. available_node_types.v100x4.resources.GPU
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+class ClusterConfigError(ValueError):
+    """A cluster config that cannot be used; ``problems`` lists every broken rule."""
+
+    def __init__(self, path: Path, problems: list[Problem]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"{path}: {problem}" for problem in problems)
+        super().__init__(f"{len(problems)} problem(s) in cluster config {path}\n{lines}")
+
+
+def check_cluster_file(path: Path, ray_version: str | None = None) -> dict[str, Any]:
+    """The config of ``path`` as Ray prepares it; raises `ClusterConfigError`."""
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ClusterConfigError(path, [Problem("(file)", str(error))]) from None
+    if not isinstance(config, dict):
+        raise ClusterConfigError(path, [Problem("(file)", "not a YAML mapping")])
+    prepared, problems = ray_prepared(config)
+    problems += overlapkit_problems(prepared, ray_version or _installed_ray())
+    if problems:
+        raise ClusterConfigError(path, problems)
+    return prepared
+
+
+def ray_prepared(config: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
+    """Ray's preparation (defaults merged in) and schema validation."""
+    try:
+        from ray.autoscaler._private.util import prepare_config, validate_config
+    except ImportError:
+        return config, [Problem("(ray)", "Ray is not installed: pip install 'overlapkit[ray]'")]
+    import jsonschema
+
+    logging.getLogger("ray.autoscaler").setLevel(logging.WARNING)
+    provider = (config.get("provider") or {}).get("type")
+    try:
+        # The fake provider's defaults file is not in Ray's wheel: its config must be
+        # complete (as cluster/local.yaml is) and is validated as it stands.
+        prepared = copy.deepcopy(config) if provider == "fake_multinode" else prepare_config(config)
+        validate_config(prepared)
+    except jsonschema.ValidationError as error:
+        where = ".".join(str(part) for part in error.absolute_path) or "(top level)"
+        return config, [Problem(where, f"Ray's schema: {error.message}")]
+    except (ValueError, KeyError, TypeError) as error:
+        return config, [Problem("(ray)", f"Ray rejects the config: {error}")]
+    return prepared, []
+
+
+def overlapkit_problems(config: dict[str, Any], ray_version: str | None) -> list[Problem]:
+    problems: list[Problem] = []
+    provider = (config.get("provider") or {}).get("type")
+    for name, node in (config.get("available_node_types") or {}).items():
+        problems += _node_problems(f"available_node_types.{name}", node, provider)
+    if provider not in ONE_MACHINE:
+        problems += _setup_problems(config, ray_version)
+    return problems
+
+
+def _node_problems(where: str, node: dict[str, Any], provider: str | None) -> list[Problem]:
+    problems = []
+    resources = node.get("resources") or {}
+    for key, value in resources.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(
+                Problem(f"{where}.resources.{key}", f"must be a whole number, got {value!r}")
+            )
+    node_config = node.get("node_config") or {}
+    accelerators = node_config.get("guestAccelerators") or []
+    gpus = sum(int(a.get("acceleratorCount", 0)) for a in accelerators)
+    if accelerators:
+        maintenance = _scheduling(node_config).get("onHostMaintenance")
+        if maintenance != "TERMINATE":
+            problems.append(
+                Problem(
+                    f"{where}.node_config.scheduling.onHostMaintenance",
+                    f"a VM with GPUs cannot live-migrate: set TERMINATE (got {maintenance})",
+                )
+            )
+        machine = str(node_config.get("machineType", ""))
+        kinds = {str(a.get("acceleratorType", "")) for a in accelerators}
+        if any("v100" in kind for kind in kinds) and not machine.startswith("n1-"):
+            problems.append(
+                Problem(
+                    f"{where}.node_config.machineType",
+                    f"V100s attach only to N1 machines (n1-*), not {machine or 'none'}",
+                )
+            )
+    # GCP attaches GPUs as guestAccelerators (elsewhere, e.g. on a fake node, they are labels).
+    if provider == "gcp" and resources.get("GPU") != gpus:
+        problems.append(
+            Problem(
+                f"{where}.resources.GPU",
+                f"is {resources.get('GPU')} but {gpus} GPU(s) are attached "
+                "(guestAccelerators): Ray places GPU work by this number",
+            )
+        )
+    return problems
+
+
+def _scheduling(node_config: dict[str, Any]) -> dict[str, Any]:
+    """GCP's scheduling, written as a mapping or (as Ray's examples do) a list of them."""
+    scheduling = node_config.get("scheduling") or {}
+    if isinstance(scheduling, list):
+        merged: dict[str, Any] = {}
+        for item in scheduling:
+            merged.update(item or {})
+        return merged
+    return scheduling
+
+
+def _commands(config: dict[str, Any]) -> str:
+    keys = ("initialization_commands", "setup_commands", "head_setup_commands")
+    return "\n".join(str(c) for key in keys for c in (config.get(key) or []))
+
+
+def _setup_problems(config: dict[str, Any], ray_version: str | None) -> list[Problem]:
+    problems = []
+    commands = _commands(config)
+    pinned = re.search(r"\bray(?:\[[\w,\s-]*\])?==([\w.]+)", commands)
+    if pinned is None:
+        problems.append(
+            Problem("setup_commands", "Ray is not pinned (pip install 'ray[default]==X.Y.Z')")
+        )
+    elif ray_version and pinned.group(1) != ray_version:
+        problems.append(
+            Problem(
+                "setup_commands",
+                f"the nodes install Ray {pinned.group(1)} but this machine has {ray_version}: "
+                "a Ray client must run the cluster's version",
+            )
+        )
+    mounted = {str(target) for target in (config.get("file_mounts") or {})}
+    from_checkout = any(
+        target in line and "pip install" in line
+        for target in mounted
+        for line in commands.splitlines()
+    )
+    if not (re.search(r"\boverlapkit(?:\[[\w,\s-]*\])?==[\w.]+", commands) or from_checkout):
+        problems.append(
+            Problem(
+                "setup_commands",
+                "overlapkit is not pinned: install overlapkit==X.Y.Z, or from a checkout "
+                "synced by file_mounts (every node then runs your version)",
+            )
+        )
+    problems += _storage_problems(commands)
+    return problems
+
+
+def _storage_problems(commands: str) -> list[Problem]:
+    found = re.search(rf"{STORAGE_VARIABLE}=(\S+)", commands)
+    if found is None:
+        return [
+            Problem(
+                "setup_commands",
+                f"no study storage: export {STORAGE_VARIABLE}=postgresql+psycopg2://USER@HOST/DB "
+                "(a server every node reaches, e.g. on the head) in the setup commands",
+            )
+        ]
+    url = re.sub(r"['\"]", "", found.group(1))  # a shell word, quotes and all
+    if not url.startswith(("postgresql", "mysql")):
+        return [
+            Problem(
+                "setup_commands",
+                f"{STORAGE_VARIABLE}={url}: a file on one node's disk; the workers need a "
+                "database server they can reach (postgresql+psycopg2://...)",
+            )
+        ]
+    host = re.sub(r"^[^@]*@", "", url.split("://", 1)[-1]).split("/")[0].split(":")[0]
+    if host in ("", "localhost", "127.0.0.1", "::1") or host.startswith("127."):
+        return [
+            Problem(
+                "setup_commands",
+                f"{STORAGE_VARIABLE} points at {host or 'this node'}: each worker would look on "
+                "its own machine; use the head's address ($RAY_HEAD_IP) or a server's name",
+            )
+        ]
+    return []
+
+
+def _installed_ray() -> str | None:
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray.__version__

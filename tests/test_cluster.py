@@ -1,0 +1,131 @@
+"""``overlapkit cluster check``: the shipped configs pass; each rule rejects a config
+that breaks it, naming the node type and key. Offline: no cloud, no credentials."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from overlapkit.cli import main
+from overlapkit.launch.cluster import ClusterConfigError, check_cluster_file
+
+pytest.importorskip("ray")
+
+CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
+
+
+def gcp() -> dict:
+    return yaml.safe_load((CLUSTER / "gcp-v100.yaml").read_text())
+
+
+def problems(config: dict, tmp_path: Path, ray_version: str = "2.60.0") -> str:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ClusterConfigError) as error:
+        check_cluster_file(path, ray_version)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("name", ["gcp-v100.yaml", "local.yaml"])
+def test_the_shipped_configs_pass(name, capsys):
+    assert main(["cluster", "check", str(CLUSTER / name)]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_the_gcp_config_has_the_node_types_a_study_needs():
+    nodes = check_cluster_file(CLUSTER / "gcp-v100.yaml", "2.60.0")["available_node_types"]
+    gpus = {name: node["resources"]["GPU"] for name, node in nodes.items()}
+    assert gpus == {"head": 0, "v100x1": 1, "v100x4": 4, "v100x8": 8}
+    local = yaml.safe_load((CLUSTER / "local.yaml").read_text())["available_node_types"]
+    assert {n: v["resources"].get("GPU", 0) for n, v in local.items()} == {
+        "ray.head.default": 0,
+        "v100x1": 1,
+        "v100x4": 4,
+        "v100x8": 8,
+    }
+
+
+def test_rays_schema_runs_first(tmp_path):
+    config = gcp()
+    config["max_wrokers"] = 3
+    assert "Ray's schema: Additional properties are not allowed ('max_wrokers'" in problems(
+        config, tmp_path
+    )
+
+
+def test_fractional_resources_are_refused_with_node_type_and_key(tmp_path):
+    config = gcp()
+    config["available_node_types"]["v100x4"]["resources"]["CPU"] = 31.5
+    assert "available_node_types.v100x4.resources.CPU" in problems(config, tmp_path)
+
+
+def test_a_gpu_node_that_would_live_migrate_is_refused(tmp_path):
+    config = gcp()
+    config["available_node_types"]["v100x8"]["node_config"]["scheduling"] = [
+        {"onHostMaintenance": "MIGRATE"}
+    ]
+    message = problems(config, tmp_path)
+    assert "available_node_types.v100x8.node_config.scheduling.onHostMaintenance" in message
+    assert "cannot live-migrate: set TERMINATE (got MIGRATE)" in message
+
+
+def test_v100s_only_on_n1_machines(tmp_path):
+    config = gcp()
+    config["available_node_types"]["v100x1"]["node_config"]["machineType"] = "n2-standard-8"
+    message = problems(config, tmp_path)
+    assert "available_node_types.v100x1.node_config.machineType" in message
+    assert "V100s attach only to N1 machines (n1-*), not n2-standard-8" in message
+
+
+def test_the_gpu_resource_must_match_the_accelerators(tmp_path):
+    config = gcp()
+    config["available_node_types"]["v100x4"]["resources"]["GPU"] = 8
+    message = problems(config, tmp_path)
+    assert "available_node_types.v100x4.resources.GPU: is 8 but 4 GPU(s) are attached" in message
+
+
+def test_ray_must_be_pinned_to_the_drivers_version(tmp_path):
+    config = gcp()
+    config["setup_commands"][0] = config["setup_commands"][0].replace("==2.60.0", "")
+    assert "setup_commands: Ray is not pinned" in problems(config, tmp_path)
+    assert "install Ray 2.60.0 but this machine has 2.59.0" in problems(gcp(), tmp_path, "2.59.0")
+
+
+def test_overlapkit_must_be_pinned(tmp_path):
+    config = gcp()
+    config["file_mounts"] = {}  # the install no longer comes from a synced checkout
+    assert "overlapkit is not pinned" in problems(config, tmp_path)
+    config["setup_commands"].append("pip install overlapkit==0.1.0")
+    path = tmp_path / "pinned.yaml"
+    path.write_text(yaml.safe_dump(config))
+    check_cluster_file(path, "2.60.0")
+
+
+@pytest.mark.parametrize(
+    ("storage", "expected"),
+    [
+        (None, "no study storage"),
+        ("sqlite:///study.db", "a file on one node's disk"),
+        ("postgresql+psycopg2://optuna@127.0.0.1:5432/optuna", "points at 127.0.0.1"),
+        ("postgresql+psycopg2://optuna@localhost/optuna", "points at localhost"),
+    ],
+)
+def test_the_study_storage_must_be_reachable_from_the_workers(storage, expected, tmp_path):
+    config = gcp()
+    commands = [c for c in config["setup_commands"] if "OVERLAPKIT_STORAGE" not in c]
+    if storage is not None:
+        commands.append(f"echo 'export OVERLAPKIT_STORAGE={storage}' >> ~/.bashrc")
+    config["setup_commands"] = commands
+    assert expected in problems(config, tmp_path)
+
+
+def test_the_cli_reports_every_problem_and_exits_2(tmp_path, capsys):
+    config = gcp()
+    config["available_node_types"]["v100x1"]["node_config"]["machineType"] = "a2-highgpu-1g"
+    config["available_node_types"]["v100x4"]["resources"]["GPU"] = 2
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["cluster", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "2 problem(s)" in err and "v100x1" in err and "v100x4" in err
+    assert "Traceback" not in err
