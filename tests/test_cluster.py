@@ -1,6 +1,7 @@
 """``overlapkit cluster check``: the shipped configs pass; each rule rejects a config
 that breaks it, naming the node type and key. Offline: no cloud, no credentials."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,60 @@ def test_the_cli_reports_every_problem_and_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "2 problem(s)" in err and "v100x1" in err and "v100x4" in err
     assert "Traceback" not in err
+
+
+SPREAD_OVER_FAKE_V100_NODES = """
+import json, ray, sys
+from ray.util.placement_group import placement_group
+ray.init(address=sys.argv[1], logging_level="ERROR")
+pg = placement_group([{"GPU": 2, "CPU": 1}, {"GPU": 2, "CPU": 1}], strategy="SPREAD")
+assert pg.wait(90), "no nodes came up for the placement group"
+print(json.dumps(sorted(int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"])))
+"""
+
+
+@pytest.mark.slow
+def test_the_local_config_drives_rays_autoscaler_on_this_machine(tmp_path):
+    """Two ranks of 2 GPUs each: nothing holds them until the fake autoscaler starts
+    worker nodes of local.yaml's types (the head has no GPU)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "RAY_FAKE_CLUSTER": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "disabled",
+    }
+    temp = Path("/tmp") / f"okray{port}"  # Unix socket paths must stay short
+    # On a port other than 6379 the fake provider must be told where the head is.
+    from ray.util import get_node_ip_address
+
+    address = f"{get_node_ip_address()}:{port}"
+    config = yaml.safe_load((CLUSTER / "local.yaml").read_text())
+    config["provider"]["gcs_address"] = address
+    (tmp_path / "local.yaml").write_text(yaml.safe_dump(config))
+    start = [
+        "ray", "start", "--head", f"--port={port}", f"--temp-dir={temp}",
+        f"--autoscaling-config={tmp_path / 'local.yaml'}",
+        "--object-store-memory=100000000", "--include-dashboard=false",
+    ]  # fmt: skip
+    try:
+        subprocess.run(start, env=env, check=True, capture_output=True, timeout=120)
+        driver = subprocess.run(
+            [sys.executable, "-c", SPREAD_OVER_FAKE_V100_NODES, address],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        assert driver.returncode == 0, driver.stderr[-2000:]
+        gpus = json.loads(driver.stdout.strip().splitlines()[-1])
+        assert gpus[0] == 0 and set(gpus[1:]) <= {1, 4, 8} and sum(gpus) >= 4
+    finally:
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=60)
