@@ -226,3 +226,14 @@ def test_on_a_gpu_the_clock_never_waits_for_the_device_and_records_arrive_later(
         assert record["step_time_s"] > 0
     # Events go back to the pool: those of the few steps in flight, not four per step (25).
     assert clock.marks.created <= 16
+
+
+def test_every_summary_records_the_machines_it_ran_on():
+    from overlapkit.runtime.hardware import describe_node, nodes_of
+
+    node = describe_node(torch.device("cpu"))
+    assert node["cpu_cores"] >= 1 and node["torch"] == torch.__version__
+    assert node["device"] == "cpu" and node["gpus"] == []
+    other = {**node, "host": "elsewhere"}
+    nodes = nodes_of([node, node, other])
+    assert [n["ranks"] for n in nodes] == [[0, 1], [2]]

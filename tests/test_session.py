@@ -89,6 +89,8 @@ def test_steps_cycle_epochs_of_a_plain_loader_and_record_warmup():
     summary = session.finish()
     assert summary["steps"] == 3 and summary["samples"] == 9
     assert [r["warmup"] for r in session.records] == [True, True, False, False, False]
+    (node,) = summary["hardware"]["nodes"]  # what it ran on, for comparing machines
+    assert node["ranks"] == [0] and node["cpu_cores"] >= 1 and node["torch"] == torch.__version__
 
 
 def test_fp16_needs_a_gpu_and_bf16_autocasts_on_cpu():

@@ -35,6 +35,7 @@ from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
 from .events import Event
 from .gradsync import FlatAllReduce, broadcast_model
+from .hardware import describe_node, nodes_of
 from .metrics import PhaseClock, summarize
 from .optimization import COMM_WAIT, Optimization, needed_environment
 from .persist import atomic_torch_save
@@ -428,13 +429,15 @@ class Session:
             (
                 self.records,
                 self.scheduler.trace.chrome_events(self.world.rank) if self._trace else None,
+                describe_node(self.world.device),
             ),
             self.world,
         )
         records = sorted(
-            (r for rs, _ in gathered for r in rs), key=lambda r: (r["step"], r["rank"])
+            (r for rs, _, _ in gathered for r in rs), key=lambda r: (r["step"], r["rank"])
         )
         summary = {"name": self.name, **summarize(records, self.world.world_size)}
+        summary["hardware"] = {"nodes": nodes_of([node for _, _, node in gathered])}
         summary["optimizations"] = self.scheduler.summary()
         summary["scheduler"] = {
             "policy": self.scheduler.policy.name,
@@ -455,7 +458,7 @@ class Session:
             }
         run_dir = self.state.run_dir
         if run_dir is not None and self.world.is_main:
-            trace = [e for _, events in gathered for e in (events or [])] if self._trace else None
+            trace = [e for _, events, _ in gathered for e in (events or [])] if self._trace else None
             write_run_files(run_dir, records, summary, trace)
         if self._print_summary:
             print_summary(summary)

@@ -1,0 +1,69 @@
+"""What a run ran on, recorded in every summary so that results from different
+machines can be told apart and compared."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from typing import Any
+
+import torch
+
+
+def describe_node(device: torch.device) -> dict[str, Any]:
+    """This machine as this rank sees it: cores it may use, GPUs, library versions."""
+    node: dict[str, Any] = {
+        "host": platform.node(),
+        "cpu_model": _cpu_model(),
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_gib": _memory_gib(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "ray": _version("ray"),
+        "device": device.type,
+        "gpus": [],
+        "nccl": None,
+    }
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        node["gpus"] = [torch.cuda.get_device_name(i) for i in range(count)]
+        node["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        if torch.distributed.is_nccl_available():
+            node["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return node
+
+
+def nodes_of(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per machine (by host name), with the ranks that ran there."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for rank, node in enumerate(per_rank):
+        entry = nodes.setdefault(node["host"], {**node, "ranks": []})
+        entry["ranks"].append(rank)
+    return list(nodes.values())
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _memory_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
