@@ -483,10 +483,14 @@ def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
         while time.monotonic() < deadline:
             time.sleep(0.5)
             try:
-                states = [t.state for t in load(out).trials]
+                trials = load(out).trials
             except (KeyError, OSError, sqlalchemy.exc.SQLAlchemyError):
                 continue  # the study is not there yet
-            if states.count(TrialState.COMPLETE) >= 1 and TrialState.RUNNING in states:
+            states = [t.state for t in trials]
+            # Killed once a trial runs under a worker that recorded itself (a trial killed
+            # in the milliseconds before is an orphan only once it is old: see fail_orphans).
+            running = [t for t in trials if t.state == TrialState.RUNNING and "pid" in t.user_attrs]
+            if states.count(TrialState.COMPLETE) >= 1 and running:
                 break
         else:
             pytest.fail("the first tune never got one trial done")
@@ -513,3 +517,14 @@ def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
         == 4
     )
     assert not [t for t in study.trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+
+
+def test_a_trial_whose_worker_died_before_recording_itself_is_an_orphan_once_old(monkeypatch):
+    from overlapkit.tuning import study as study_module
+
+    optuna_study = optuna.create_study()
+    optuna_study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})  # RUNNING, no pid
+    assert study_module.fail_orphans(optuna_study) == []  # it may be starting right now
+    monkeypatch.setattr(study_module, "UNCLAIMED_ORPHAN_S", 0)
+    assert study_module.fail_orphans(optuna_study) == [0]
+    assert optuna_study.trials[0].user_attrs["failure"] == "interrupted"

@@ -22,6 +22,7 @@ again on the same folder (or storage) continues where it stopped.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -272,13 +273,23 @@ def worker_main(
 
 
 # --------------------------------------------------------------------- phases
+UNCLAIMED_ORPHAN_S = 120  # a running trial with no worker recorded after this long is lost
+
+
 def fail_orphans(study: optuna.Study) -> list[int]:
     """Trials left running by a worker of this machine that is gone (an interrupted
     tune): mark them failed and queue their settings again. Returns their numbers."""
     host, orphans = socket.gethostname(), []
+    now = datetime.datetime.now()
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         pid = trial.user_attrs.get("pid")
-        if trial.user_attrs.get("host") != host or pid is None or _alive(pid):
+        if pid is None:
+            # Its worker died before recording itself (that takes milliseconds): an
+            # orphan once it is old, wherever it ran.
+            started = trial.datetime_start or now
+            if (now - started).total_seconds() < UNCLAIMED_ORPHAN_S:
+                continue
+        elif trial.user_attrs.get("host") != host or _alive(pid):
             continue
         storage = study._storage
         storage.set_trial_user_attr(trial._trial_id, "failure", "interrupted")
