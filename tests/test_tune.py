@@ -471,17 +471,17 @@ def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
     )
     out = tmp_path / "tune"
     command = [sys.executable, "-m", "overlapkit", "tune", str(path), "--out", str(out)]
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    log = tmp_path / "first-tune.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=sink, stderr=sink, start_new_session=True
+        )
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline:
             time.sleep(0.5)
+            if process.poll() is not None:
+                pytest.fail(f"the first tune ended before it was killed:\n{log.read_text()}")
             try:
                 trials = load(out).trials
             except (KeyError, OSError, sqlalchemy.exc.SQLAlchemyError):
@@ -493,7 +493,8 @@ def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
             if states.count(TrialState.COMPLETE) >= 1 and running:
                 break
         else:
-            pytest.fail("the first tune never got one trial done")
+            states = {t.number: (t.state.name, sorted(t.user_attrs)) for t in load(out).trials}
+            pytest.fail(f"the first tune never got one trial done: {states}\n{log.read_text()}")
     finally:
         os.killpg(process.pid, signal.SIGKILL)  # the tuner and the trial it is running
         process.wait()
