@@ -17,7 +17,9 @@ from rich.table import Table
 from . import __version__
 from .data import DataNotFoundError
 from .launch.cluster import ClusterConfigError
-from .launch.local import RankFailedError
+from .launch.local import NodePlace, RankFailedError
+from .launch.ray_nodes import RayClusterError
+from .launch.ray_run import RayRunFailed
 from .models import MODEL_NAMES
 from .optimizations import registered_optimizations
 from .optimizations.checkpoint import CheckpointError
@@ -42,6 +44,16 @@ def _scenario_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _ray_argument(parser: argparse.ArgumentParser, text: str) -> None:
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        metavar="ADDRESS",
+        help=f"{text} (default: auto, the cluster this machine belongs to)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="overlapkit", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"overlapkit {__version__}")
@@ -57,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
         help="start over instead of resuming from the run folder's newest checkpoint",
     )
     run.add_argument("--json", action="store_true", help="print summary.json to stdout")
+    _ray_argument(run, "run its world.nodes machines on the Ray cluster at ADDRESS")
+    run.add_argument(
+        "--node-rank",
+        type=int,
+        help="this machine's place (0..world.nodes-1) when starting each machine by hand",
+    )
+    run.add_argument("--master", help="HOST:PORT where node 0 waits for the other machines")
 
     tune = commands.add_parser(
         "tune", help="search the optimizations' knobs with Optuna and report where overlap pays"
@@ -73,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
     tune.add_argument("--out", type=Path, help="tune folder (default: runs/<name>-tune)")
     tune.add_argument("--json", action="store_true", help="print report.json to stdout")
+    _ray_argument(tune, "run each trial in a placement group on the Ray cluster at ADDRESS")
+    tune.add_argument(
+        "--max-concurrent",
+        type=int,
+        help="with --ray: trials in flight at most (default: as many as the cluster holds)",
+    )
 
     report = commands.add_parser("report", help="the report of a study (written by tune too)")
     report.add_argument("study", help="a tune folder, or an Optuna storage URL")
@@ -221,9 +246,22 @@ def main(argv: list[str] | None = None) -> int:
                 "resume": False,
             }
 
-        summary = run_scenario(
-            scenario, args.out, progress=not args.quiet, print_summary=not (args.quiet or args.json)
-        )
+        if args.ray:
+            from .launch.ray_run import run_on_cluster
+
+            summary = run_on_cluster(
+                scenario, args.out, args.ray, args.fresh, args.quiet, args.json
+            )
+        else:
+            summary = run_scenario(
+                scenario,
+                args.out,
+                progress=not args.quiet,
+                print_summary=not (args.quiet or args.json),
+                node=_node_place(args, scenario.world.nodes),
+            )
+        if summary is None:  # a machine other than node 0: its part is in its run folder
+            return 0
         if args.json:
             print(json.dumps(summary, indent=2))
         return 0
@@ -237,12 +275,17 @@ def main(argv: list[str] | None = None) -> int:
         GPUSetupError,
         TuneError,
         ClusterConfigError,
+        RayClusterError,
     ) as error:
         errors.print("[bold red]error:[/] ", end="")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
     except CheckpointError as error:
         errors.print("[bold red]run failed:[/] ", end="")
+        errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
+        return 1
+    except RayRunFailed as error:
+        errors.print("[bold red]run failed on the cluster:[/] ", end="")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 1
     except RankFailedError as error:
@@ -252,6 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         errors.print("interrupted")
         return 130
+
+
+def _node_place(args: argparse.Namespace, nodes: int) -> NodePlace | None:
+    if args.node_rank is None and args.master is None:
+        return None
+    if args.node_rank is None or args.master is None:
+        raise CombinationError("--node-rank and --master go together")
+    try:
+        return NodePlace(nodes, args.node_rank, args.master)
+    except ValueError as error:
+        raise CombinationError(str(error)) from None
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from .data import build_loaders
-from .launch.local import launch_local, under_torchrun
-from .runtime import Session
+from .launch.local import NodePlace, launch_local, under_torchrun
+from .runtime import CombinationError, Session
 from .runtime.distributed import close_world, init_world
 from .runtime.loop import train
 from .runtime.optimization import needed_environment
@@ -89,17 +89,28 @@ def run_scenario(
     *,
     progress: bool = True,
     print_summary: bool = True,
+    node: NodePlace | None = None,
 ) -> dict[str, Any]:
-    """Run ``scenario``; return rank 0's summary (also written to ``run_dir/summary.json``)."""
+    """Run ``scenario``; return rank 0's summary (also written to ``run_dir/summary.json``).
+    ``node``: this machine's place when ``world.nodes`` > 1 (`launch.ray_nodes` gives
+    each machine its own); the summary then comes back on node 0 only (None elsewhere)."""
+    world = scenario.world
+    if node is None and world.nodes > 1 and not under_torchrun():
+        raise CombinationError(
+            f"world.nodes: {world.nodes} asks for {world.nodes} machines: run it with --ray "
+            "ADDRESS on a Ray cluster, or on each machine with --node-rank K --master HOST:PORT"
+        )
+    if node is not None and node.nodes != world.nodes:
+        raise CombinationError(f"world.nodes is {world.nodes}, but this run has {node.nodes} nodes")
     scenario.data.check()
-    scenario.check_setup(int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
+    scenario.check_setup(int(os.environ["WORLD_SIZE"]) if under_torchrun() else world.ranks)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(scenario)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not under_torchrun() or int(os.environ.get("RANK", 0)) == 0:
         (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
-    if under_torchrun() or scenario.world.nprocs == 1:
+    if under_torchrun() or world.ranks == 1:
         return rank_main(scenario, run_dir, progress, print_summary)
     results = launch_local(
-        rank_main, scenario.world.nprocs, scenario, run_dir, progress, print_summary
+        rank_main, world.nprocs, scenario, run_dir, progress, print_summary, node=node
     )
-    return results[0]
+    return results.get(0)

@@ -158,9 +158,7 @@ def build_loaders(
     if eval_max_samples is not None and eval_max_samples < len(eval_set):
         eval_set = Subset(eval_set, range(eval_max_samples))
     shard = ShardedSampler(len(eval_set), rank, world_size, shuffle=False, drop_last=False)
-    return train, DataLoader(
-        eval_set, batch_size=batch_size, sampler=shard, pin_memory=pin_memory
-    )
+    return train, DataLoader(eval_set, batch_size=batch_size, sampler=shard, pin_memory=pin_memory)
 
 
 __all__ = [

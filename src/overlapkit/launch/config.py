@@ -10,7 +10,12 @@ from ..config import Config
 
 
 class WorldConfig(Config):
-    nprocs: int = Field(1, ge=1)  # local ranks (ignored under torchrun, which sets its own)
+    nprocs: int = Field(1, ge=1)  # ranks per machine (ignored under torchrun, which sets its own)
+    nodes: int = Field(1, ge=1)  # machines: more than one needs --ray, or --node-rank on each
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(None, ge=1)  # per rank; default: cores / local ranks
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.nprocs

@@ -1,4 +1,5 @@
-"""Start N local ranks with PyTorch's elastic launcher (the engine behind torchrun).
+"""Start N local ranks with PyTorch's elastic launcher (the engine behind torchrun),
+alone or as one machine of several (`NodePlace`: static rendezvous at node 0).
 
 The ranks get the same environment torchrun gives them, so a rank's entry
 point cannot tell the two apart. When any rank fails, the launcher stops the
@@ -9,14 +10,18 @@ later, and is not the cause.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
+import sys
 import tempfile
 import time
 import traceback
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +40,40 @@ class RankFailedError(RuntimeError):
         super().__init__(f"rank {rank} failed:\n{self.details}")
 
 
+@dataclass(frozen=True)
+class NodePlace:
+    """This machine's place in a run over several: node ``rank`` of ``nodes``, meeting
+    the others at ``master`` ("host:port", where node 0 listens)."""
+
+    nodes: int
+    rank: int
+    master: str
+
+    def __post_init__(self) -> None:
+        host, _, port = self.master.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--master must be HOST:PORT, not {self.master!r}")
+        if not 0 <= self.rank < self.nodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nodes - 1}, not {self.rank}")
+
+
 def under_torchrun() -> bool:
     """True when this process is one rank of a torchrun (or elastic) launch."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
+def die_with_parent() -> None:
+    """Linux kills this process when its parent dies: ranks never outlive their
+    launcher, nor a launcher the Ray actor that started it (a lost machine, a killed
+    driver). Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
     """Runs ``fn`` in a rank; on an exception writes when and what failed, then re-raises."""
+    die_with_parent()
     try:
         return fn(*args)
     except BaseException as error:
@@ -66,14 +98,9 @@ def _quiet_launcher_logs() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any) -> dict[int, Any]:
-    """Run ``fn(*args)`` in ``nprocs`` local ranks; return each rank's result.
-
-    Raises `RankFailedError` naming the first rank that failed, with its traceback.
-    """
-    _quiet_launcher_logs()
-    with tempfile.TemporaryDirectory(prefix="overlapkit-ranks-") as failures:
-        config = LaunchConfig(
+def _launch_config(nprocs: int, node: NodePlace | None) -> LaunchConfig:
+    if node is None or node.nodes == 1:
+        return LaunchConfig(
             min_nodes=1,
             max_nodes=1,
             nproc_per_node=nprocs,
@@ -84,6 +111,36 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any) -> dict[int, A
             monitor_interval=0.1,
             start_method="spawn",
         )
+    # Static: node ranks are given (node 0 holds the store), so every node knows which
+    # ranks are its own before they meet, and no node can take another's place.
+    return LaunchConfig(
+        min_nodes=node.nodes,
+        max_nodes=node.nodes,
+        nproc_per_node=nprocs,
+        run_id="overlapkit-" + node.master.replace(":", "-"),
+        rdzv_backend="static",
+        rdzv_endpoint=node.master,
+        rdzv_configs={"rank": node.rank, "timeout": RENDEZVOUS_TIMEOUT_S},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+
+
+RENDEZVOUS_TIMEOUT_S = 300  # how long node 0 waits for the others (machines boot slowly)
+
+
+def launch_local(
+    fn: Callable[..., Any], nprocs: int, *args: Any, node: NodePlace | None = None
+) -> dict[int, Any]:
+    """Run ``fn(*args)`` in ``nprocs`` local ranks; return each rank's result (by global
+    rank). ``node``: this machine's place when the run spans several.
+
+    Raises `RankFailedError` naming the first rank that failed, with its traceback.
+    """
+    _quiet_launcher_logs()
+    with tempfile.TemporaryDirectory(prefix="overlapkit-ranks-") as failures:
+        config = _launch_config(nprocs, node)
         previous = os.environ.get(_FAILURE_DIR_ENV)
         os.environ[_FAILURE_DIR_ENV] = failures  # inherited by the ranks
         try:

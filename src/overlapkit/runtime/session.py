@@ -458,7 +458,9 @@ class Session:
             }
         run_dir = self.state.run_dir
         if run_dir is not None and self.world.is_main:
-            trace = [e for _, events, _ in gathered for e in (events or [])] if self._trace else None
+            trace = (
+                [e for _, events, _ in gathered for e in (events or [])] if self._trace else None
+            )
             write_run_files(run_dir, records, summary, trace)
         if self._print_summary:
             print_summary(summary)

@@ -61,9 +61,7 @@ class StepLog:
     def ready(self) -> Iterator[dict[str, Any]]:
         """The records of the oldest steps that are ready (in order), and of any step
         more than ``max_lag`` behind."""
-        while self._pending and (
-            len(self._pending) > self.max_lag or self._pending[0].ready()
-        ):
+        while self._pending and (len(self._pending) > self.max_lag or self._pending[0].ready()):
             yield self._pending.popleft().record()
 
     def drain(self) -> Iterator[dict[str, Any]]:

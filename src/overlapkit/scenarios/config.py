@@ -125,15 +125,16 @@ class Scenario(Config):
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def check_setup(self, world_size: int | None = None) -> None:
+    def check_setup(self, world_size: int | None = None, gpus_here: bool = True) -> None:
         """Let every optimization check this set-up before any process starts
         (``world_size`` when something else, like torchrun, decides it), and on GPUs
-        whether this machine and torch build can run it."""
-        if self.device_type == "cuda":
+        whether this machine and torch build can run it (``gpus_here``: False on a
+        Ray driver, whose trials run on other machines that check their own)."""
+        if self.device_type == "cuda" and gpus_here:
             local = os.environ.get("LOCAL_WORLD_SIZE") if world_size else None
             check_gpu_setup(int(local) if local else self.world.nprocs, self.train.precision)
         Scheduler(self.build_optimizations(), self.scheduler.policy).check(
-            world_size or self.world.nprocs,
+            world_size or self.world.ranks,
             self.device_type,
             self.backend,
             batch_size=self.train.batch_size,

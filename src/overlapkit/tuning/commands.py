@@ -26,7 +26,21 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     from ..scenarios import dump_scenario
 
     scenario.data.check()
-    scenario.check_setup()
+    ray = None
+    if args.ray:
+        from .on_ray import RayTrials
+
+        ray = RayTrials(scenario.world, args.ray, args.max_concurrent)
+        scenario.world = ray.world  # the device the cluster decided, for every trial
+        scenario.check_setup(gpus_here=False)  # each machine checks its own GPUs
+    else:
+        if args.max_concurrent is not None:
+            raise TuneError("--max-concurrent bounds trials on a Ray cluster: add --ray")
+        if scenario.world.nodes > 1:
+            raise TuneError(
+                f"world.nodes: {scenario.world.nodes}: trials over several machines need --ray"
+            )
+        scenario.check_setup()
     base = yaml.safe_load(dump_scenario(scenario))
     settings = scenario.tune.model_dump()
     if args.trials is not None:
@@ -47,13 +61,15 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     if args.workers < 1:
         raise TuneError("--workers must be at least 1")
     cores = os.cpu_count() or 1
-    if args.workers * scenario.world.nprocs > cores:
+    gpus = None
+    if ray is not None:
+        Console(stderr=True).print(ray.describe())
+    elif args.workers * scenario.world.ranks > cores:
         Console(stderr=True).print(
-            f"note: {args.workers} workers x {scenario.world.nprocs} ranks on {cores} cores: "
+            f"note: {args.workers} workers x {scenario.world.ranks} ranks on {cores} cores: "
             "trials running side by side take cores from each other and measure lower"
         )
-    gpus = None
-    if scenario.device_type == "cuda":
+    if ray is None and scenario.device_type == "cuda":
         # Before any worker starts, so that a machine with too few GPUs is told at once.
         gpus = split_gpus(args.workers, scenario.world.nprocs, visible_gpus())
     space = job.space
@@ -63,7 +79,9 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
         f"study {job.study_name} in {job.storage_url}"
     )
     progress = Console(stderr=True)  # trial lines: stdout keeps the table (or the JSON)
-    analysis = tune(job, workers=args.workers, timeout_s=args.timeout, console=progress, gpus=gpus)
+    analysis = tune(
+        job, workers=args.workers, timeout_s=args.timeout, console=progress, gpus=gpus, ray=ray
+    )
     return _write(analysis, base, folder, args.json, console)
 
 

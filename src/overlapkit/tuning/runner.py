@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -28,6 +30,9 @@ from .study import (
     worker_main,
 )
 
+if TYPE_CHECKING:
+    from .on_ray import RayTrials
+
 POLL_S = 1.0
 
 
@@ -37,14 +42,18 @@ def tune(
     timeout_s: float | None = None,
     console: Console | None = None,
     gpus: list[list[str]] | None = None,
+    ray: RayTrials | None = None,
 ) -> Analysis:
     """Run (or continue) the study of ``job``; return its analysis. ``gpus``: one list
-    of GPU ids per worker (`gpus.split_gpus`), the only GPUs its trials see."""
+    of GPU ids per worker (`gpus.split_gpus`), the only GPUs its trials see. ``ray``:
+    run the trials on a Ray cluster instead (``workers`` and ``gpus`` unused)."""
     console = console or Console(stderr=True)
     quiet_optuna()
     job.save()
     study = open_study(job)
     deadline = None if timeout_s is None else time.time() + timeout_s
+    pool = Pool(workers, gpus, ray)
+    queue = lambda: waiting(study)  # noqa: E731
     orphans = fail_orphans(study)
     if orphans:
         console.print(f"trials {orphans} were interrupted: marked failed and queued again")
@@ -53,58 +62,87 @@ def tune(
         console.print(f"study {job.study_name}: {len(shown)} trials already done, continuing")
     if job.tune.references:
         enqueue(study, reference_settings(job.space))
-        _phase("references", job, study, waiting(study), workers, deadline, shown, console, gpus)
-    remaining = job.tune.trials - search_done(study)
-    _phase("search", job, study, remaining, workers, deadline, shown, console, gpus)
+        _phase("references", job, study, queue, pool, deadline, shown, console)
+    budget = lambda: job.tune.trials - search_done(study)  # noqa: E731
+    _phase("search", job, study, budget, pool, deadline, shown, console)
     if job.tune.repeats > 1:
         repeats = confirm_settings(study, Analysis.of(study, job.space), job.tune)
         enqueue(study, repeats, again=True)
-        _phase("confirm", job, study, waiting(study), workers, deadline, shown, console, gpus)
+        _phase("confirm", job, study, queue, pool, deadline, shown, console)
     if job.tune.references:
         analysis = Analysis.of(study, job.space)
         if analysis.center is not None:
             around = analysis_settings(job.space, analysis.center.params, analysis.alone_best())
             enqueue(study, around)
-            _phase("analysis", job, study, waiting(study), workers, deadline, shown, console, gpus)
+            _phase("analysis", job, study, queue, pool, deadline, shown, console)
             if job.tune.repeats > 1:  # the curves from medians too
                 measured = Analysis.of(study, job.space).measurements
                 again = [params for _, params in around if measured(params)]
                 repeats = repeat_settings(study, again, job.tune.repeats, "repeat:analysis")
                 enqueue(study, repeats, again=True)
-                _phase(
-                    "confirm curves",
-                    job,
-                    study,
-                    waiting(study),
-                    workers,
-                    deadline,
-                    shown,
-                    console,
-                    gpus,
-                )
+                _phase("confirm curves", job, study, queue, pool, deadline, shown, console)
     return Analysis.of(study, job.space)
+
+
+@dataclass
+class Pool:
+    """Where trials run: ``workers`` local processes (their GPUs), or a Ray cluster."""
+
+    workers: int = 1
+    gpus: list[list[str]] | None = None
+    ray: RayTrials | None = None
+
+    def describe(self, trials: int) -> str:
+        if self.ray is not None:
+            return f"up to {min(self.ray.concurrency, trials)} at once on the Ray cluster"
+        return f"on {min(self.workers, trials)} worker(s)"
 
 
 def _phase(
     name: str,
     job: TuneJob,
     study: optuna.Study,
-    trials: int,
-    workers: int,
+    todo: Callable[[], int],
+    pool: Pool,
     deadline: float | None,
     shown: set[int],
     console: Console,
-    gpus: list[list[str]] | None = None,
 ) -> None:
-    if trials <= 0 or (deadline is not None and time.time() >= deadline):
+    """Run the phase's trials until ``todo()`` says none are left (a trial whose
+    machine was lost queues its setting again), the deadline passes, or a round
+    finishes no trial."""
+    first = True
+    while (trials := todo()) > 0 and (deadline is None or time.time() < deadline):
+        if first:
+            console.print(f"[bold]{name}[/]: {trials} trials {pool.describe(trials)}")
+            first = False
+        before = len(study.get_trials(deepcopy=False, states=FINISHED))
+        _round(job, study, trials, pool, deadline, shown, console, queued=name != "search")
+        if len(study.get_trials(deepcopy=False, states=FINISHED)) == before:
+            return
+
+
+def _round(
+    job: TuneJob,
+    study: optuna.Study,
+    trials: int,
+    pool: Pool,
+    deadline: float | None,
+    shown: set[int],
+    console: Console,
+    queued: bool,
+) -> None:
+    """Up to ``trials`` trials (``queued``: every one with its setting queued)."""
+
+    def show(study: optuna.Study, trial: FrozenTrial) -> None:
+        _show_new(study, shown, console)
+
+    if pool.ray is not None:  # in this process, one thread per trial in flight
+        in_flight = min(pool.ray.concurrency, trials)
+        worker_main(job, trials, deadline, [show], queued, runner=pool.ray.run, in_flight=in_flight)
         return
-    console.print(f"[bold]{name}[/]: {trials} trials on {min(workers, trials)} worker(s)")
-    queued = name != "search"  # every trial of the other phases is queued with its setting
+    workers, gpus = pool.workers, pool.gpus
     if workers == 1:  # in this process: no start-up cost
-
-        def show(study: optuna.Study, trial: FrozenTrial) -> None:
-            _show_new(study, shown, console)
-
         ids = gpus[0] if gpus else None
         worker_main(job, trials, deadline, callbacks=[show], queued=queued, gpus=ids)
         return

@@ -23,6 +23,7 @@ again on the same folder (or storage) continues where it stopped.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import socket
@@ -41,7 +42,7 @@ from .analysis import UNUSED, Analysis, setting_key
 from .config import TuneConfig
 from .goodput import checkpoint_figures, goodput, priced_efficiency
 from .space import SearchSpace, apply_params, build_space
-from .trial import TrialFailed, TrialStopped, run_trial, trial_scenario
+from .trial import NODE_LOST, TrialFailed, TrialStopped, run_trial, trial_scenario
 
 TUNE_FILE = "tune.json"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -174,9 +175,19 @@ def trial_metrics(summary: dict[str, Any], tune: TuneConfig) -> dict[str, Any]:
     }
 
 
+Runner = Callable[..., dict[str, Any]]  # `trial.run_trial`'s shape: (data, folder, timeout, watch)
+
+
 class Objective:
-    def __init__(self, job: TuneJob, queued: bool = False, gpus: list[str] | None = None) -> None:
-        self.job, self.space, self.queued, self.gpus = job, job.space, queued, gpus
+    def __init__(
+        self,
+        job: TuneJob,
+        queued: bool = False,
+        gpus: list[str] | None = None,
+        runner: Runner | None = None,
+    ) -> None:
+        self.job, self.space, self.queued = job, job.space, queued
+        self.runner = runner or functools.partial(run_trial, gpus=gpus)
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, ...]:
         job = self.job
@@ -209,12 +220,17 @@ class Objective:
                 return trial.should_prune()
 
         try:
-            summary = run_trial(data, folder, job.tune.trial_timeout_s, watch, self.gpus)
+            summary = self.runner(data, folder, job.tune.trial_timeout_s, watch)
         except TrialStopped:
             raise optuna.TrialPruned() from None
         except TrialFailed as failure:
             trial.set_user_attr("failure", failure.kind)
             trial.set_user_attr("reason", failure.reason)
+            if failure.kind == NODE_LOST and not trial.user_attrs.get("retry"):
+                # Not the setting's fault: run it once more, on machines still there.
+                trial.set_user_attr("queued_again", True)
+                role = trial.user_attrs["role"]
+                trial.study.enqueue_trial(params, user_attrs={"role": role, "retry": True})
             raise
         metrics = trial_metrics(summary, job.tune)
         for key, value in metrics.items():
@@ -229,11 +245,17 @@ def _over_budget(trial: optuna.Trial, budget: int) -> bool:
     earlier = sum(
         1
         for t in trial.study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
-        if t.number < trial.number
-        and t.user_attrs.get("role") == "search"
-        and t.user_attrs.get("failure") != "interrupted"
+        if t.number < trial.number and t.user_attrs.get("role") == "search" and not _queued_again(t)
     )
     return earlier >= budget
+
+
+def _queued_again(trial: FrozenTrial) -> bool:
+    """An interrupted trial or one whose machine was lost: its setting runs again, so
+    it does not count against the search budget."""
+    return trial.user_attrs.get("failure") == "interrupted" or bool(
+        trial.user_attrs.get("queued_again")
+    )
 
 
 def quiet_optuna() -> None:
@@ -248,12 +270,16 @@ def worker_main(
     callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] | None = None,
     queued: bool = False,
     gpus: list[str] | None = None,
+    runner: Runner | None = None,
+    in_flight: int = 1,
 ) -> None:
     """One worker: run up to ``n_trials`` trials of the study (queued ones first;
     ``queued``: only those). It also stops when the study, which other machines may
     share, has its search budget (counting trials running elsewhere), or, with
     ``queued``, when nothing is left in the queue. ``gpus``: the GPUs its trials
-    run on (its own, see `gpus.split_gpus`), else all they see."""
+    run on (its own, see `gpus.split_gpus`), else all they see. ``runner``: how a
+    trial runs (default: `run_trial` here); ``in_flight``: trials at once, each
+    from a thread of its own (for runners that run them elsewhere, as on Ray)."""
     quiet_optuna()
     study = open_study(job, queued)
     timeout = None if deadline is None else max(1.0, deadline - time.time())
@@ -264,8 +290,9 @@ def worker_main(
             study.stop()
 
     study.optimize(
-        Objective(job, queued, gpus),
+        Objective(job, queued, gpus, runner),
         n_trials=n_trials,
+        n_jobs=in_flight,
         timeout=timeout,
         catch=(TrialFailed,),
         callbacks=[*(callbacks or []), enough],
@@ -321,7 +348,7 @@ def search_done(study: optuna.Study, running: bool = False) -> int:
     return sum(
         1
         for t in study.get_trials(deepcopy=False, states=states)
-        if t.user_attrs.get("role") == "search" and t.user_attrs.get("failure") != "interrupted"
+        if t.user_attrs.get("role") == "search" and not _queued_again(t)
     )
 
 

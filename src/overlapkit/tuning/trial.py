@@ -27,8 +27,12 @@ CHECKPOINTS = "checkpoints"  # a trial's checkpoint folder, inside its run folde
 REASON_CHARS = 1500
 
 
+NODE_LOST = "node_lost"  # a machine of the trial's run went away (its setting runs again)
+
+
 class TrialFailed(RuntimeError):
-    """The trial's run failed; ``kind`` is invalid, crashed, killed or timeout."""
+    """The trial's run failed; ``kind`` is invalid, crashed, killed, out_of_memory,
+    timeout or node_lost."""
 
     def __init__(self, kind: str, reason: str) -> None:
         super().__init__(f"{kind}: {reason}")
@@ -82,7 +86,7 @@ def run_trial(
             _kill_group(process)
     _remove_checkpoints(run_dir)
     if process.returncode != 0:
-        raise _failure(process.returncode, stderr_path.read_text(errors="replace"))
+        raise failure_of(process.returncode, stderr_path.read_text(errors="replace"))
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -96,6 +100,31 @@ def _child_env(gpus: list[str] | None = None) -> dict[str, str]:
     return env
 
 
+class StepWatch:
+    """Reads the live step log as it grows and asks ``on_step(measured_steps,
+    samples_per_s_so_far)`` after each measured step whether to stop."""
+
+    def __init__(self, on_step: Callable[[int, float], bool] | None) -> None:
+        self.on_step = on_step
+        self.seen, self.samples, self.seconds = 0, 0.0, 0.0
+
+    def feed(self, text: str) -> bool:
+        """Complete lines of the log; True when the run should stop."""
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if record["warmup"]:
+                continue
+            self.seen += 1
+            self.samples += record["samples_per_s"] * record["step_time_s"]
+            self.seconds += record["step_time_s"]
+            if self.on_step and self.seconds > 0:
+                if self.on_step(self.seen, self.samples / self.seconds):
+                    return True
+        return False
+
+
 def _watch(
     process: subprocess.Popen[bytes],
     live: Path,
@@ -103,7 +132,7 @@ def _watch(
     on_step: Callable[[int, float], bool] | None,
 ) -> None:
     deadline = time.monotonic() + timeout_s
-    seen, samples, seconds, offset = 0, 0.0, 0.0, 0
+    watch, offset = StepWatch(on_step), 0
     while process.poll() is None:
         if time.monotonic() > deadline:
             _kill_group(process)
@@ -111,22 +140,14 @@ def _watch(
         time.sleep(POLL_S)
         if on_step is None or not live.exists():
             continue
-        with open(live) as f:
+        with open(live, "rb") as f:
             f.seek(offset)
-            lines = f.readlines()
-            if lines and not lines[-1].endswith("\n"):
-                lines.pop()  # half written: read it next time
-            offset += sum(len(line) for line in lines)
-        for line in lines:
-            record = json.loads(line)
-            if record["warmup"]:
-                continue
-            seen += 1
-            samples += record["samples_per_s"] * record["step_time_s"]
-            seconds += record["step_time_s"]
-            if seconds > 0 and on_step(seen, samples / seconds):
-                _kill_group(process)
-                raise TrialStopped
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]  # a half-written line: read it next time
+        offset += len(complete)
+        if watch.feed(complete.decode()):
+            _kill_group(process)
+            raise TrialStopped
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
@@ -142,7 +163,7 @@ def _remove_checkpoints(run_dir: Path) -> None:
     shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
 
 
-def _failure(returncode: int, stderr: str) -> TrialFailed:
+def failure_of(returncode: int, stderr: str) -> TrialFailed:
     lines = [line for line in stderr.splitlines() if line.strip()]
     tail = "\n".join(lines[-12:])[-REASON_CHARS:] or "(nothing on stderr)"
     if returncode == 2:

@@ -63,9 +63,7 @@ def probe_domains(root: Path, world: World, shard: str) -> Domains:
     mine.write_text(token)
     all_gather_objects(None, world)  # every probe is written
     seen = frozenset(
-        rank
-        for rank in range(world.world_size)
-        if _read(root / PROBE.format(rank=rank)) == token
+        rank for rank in range(world.world_size) if _read(root / PROBE.format(rank=rank)) == token
     )
     everyone = all_gather_objects((seen, shard), world)  # every probe is read
     mine.unlink(missing_ok=True)

@@ -159,9 +159,7 @@ class Checkpoint(Optimization):
         with state.clock.phase("ckpt_stall"):
             start = self._marks.mark()
             deferrable = _deferrable_storages(state)
-            self._pending = self._snapshotter.take(
-                state.step, self._capture(state), deferrable
-            )
+            self._pending = self._snapshotter.take(state.step, self._capture(state), deferrable)
             self._stall_spans.append((start, self._marks.mark()))
         self._last_step = state.step
 

@@ -119,7 +119,9 @@ class Persister:
                 "step": snapshot.step,
                 "time": time.time(),
                 "world_size": self.world_size,
-                "files": {n: r for rank, _, fs in everyone if rank in domain for n, r in fs.items()},
+                "files": {
+                    n: r for rank, _, fs in everyone if rank in domain for n, r in fs.items()
+                },
             }
             self.manifest.add(entry, self.keep)
         self.bytes_written += sum(record["bytes"] for record in files.values())

@@ -1,0 +1,366 @@
+"""One run on a Ray cluster: a placement group with a bundle per machine of the
+scenario's world, one actor per machine that starts that machine's ranks with
+overlapkit's own launcher (`overlapkit run --node-rank K --master HOST:PORT`,
+rendezvous at the first actor), and every machine's run folder brought back to the
+driver. Both ``overlapkit tune --ray`` (one run per trial) and ``overlapkit run
+--ray`` use it.
+
+A bundle per machine, not per rank: Ray hands GPUs to an actor, and the actor that
+starts a machine's ranks must hold all of their GPUs so that Ray sets
+``CUDA_VISIBLE_DEVICES`` to exactly those. One machine: ``STRICT_PACK``; several:
+``STRICT_SPREAD`` (each bundle on a machine of its own).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import WorldConfig
+from .local import die_with_parent
+
+POLL_S = 0.5
+PLACEMENT_TIMEOUT_S = 900.0  # an autoscaler may have to start VMs first
+STRAGGLER_S = 20.0  # after one machine's ranks fail, how long the others get to fail too
+NODE_FOLDERS = "nodes"  # machine k > 0's run folder: <run folder>/nodes/node<k>
+
+
+class RayClusterError(RuntimeError):
+    """No cluster to run on, or one that cannot hold the run."""
+
+
+@dataclass
+class RayOutcome:
+    """How a run on the cluster ended: every machine's exit code (None: never ended),
+    the stderr of the machine that failed first, or the machine that was lost."""
+
+    returncodes: list[int | None] = field(default_factory=list)
+    stderr: str = ""
+    lost: str | None = None  # "node <ip> (<id>): <error>"
+    timed_out: bool = False
+    stopped: bool = False  # on_lines asked to stop
+
+    @property
+    def ok(self) -> bool:
+        ended = self.lost is None and not self.timed_out and not self.stopped
+        return ended and all(c == 0 for c in self.returncodes)
+
+    @property
+    def returncode(self) -> int:
+        return next((c for c in self.returncodes if c), 0) or 0
+
+
+# ------------------------------------------------------------------ the driver
+def connect(address: str | None) -> None:
+    """Join the cluster at ``address`` ("auto": the one this machine belongs to)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(
+            address=address or "auto",
+            namespace="overlapkit",
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            configure_logging=False,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise RayClusterError(
+            f"no Ray cluster at {address or 'auto'} ({error}); start one with "
+            "`ray start --head` or `ray up cluster/gcp-v100.yaml`, then pass its address"
+        ) from None
+
+
+def placed_world(world: WorldConfig) -> WorldConfig:
+    """``world`` as the cluster runs it: "auto" device decided by the cluster (GPUs
+    anywhere: cuda), not by the driver, which often has none; and ``threads`` (default
+    1) set, since each rank holds that many of a machine's CPUs and must use no more."""
+    import ray
+
+    device = world.device
+    if device == "auto":
+        device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    return world.model_copy(update={"device": device, "threads": world.threads or 1})
+
+
+def node_bundle(world: WorldConfig) -> dict[str, float]:
+    """What one machine of a `placed_world` run holds: its ranks' CPUs (``threads``
+    each) and, on cuda, a GPU per rank."""
+    bundle = {"CPU": float(world.nprocs * (world.threads or 1))}
+    if world.device == "cuda":
+        bundle["GPU"] = float(world.nprocs)
+    return bundle
+
+
+def concurrent_runs(world: WorldConfig) -> int:
+    """How many such runs the cluster's live machines hold at once (at least 1: a
+    cluster that must grow first still runs one, and its autoscaler sees the demand)."""
+    import ray
+
+    bundle = node_bundle(world)
+    fits = []
+    for node in ray.nodes():
+        if node.get("Alive"):
+            have = node.get("Resources", {})
+            fits.append(min(int(have.get(k, 0) // v) for k, v in bundle.items() if v > 0))
+    if world.nodes == 1:
+        return max(1, sum(fits))
+    # Each run needs `nodes` different machines: count rounds over the machines.
+    runs, fits = 0, sorted(fits, reverse=True)
+    while len([f for f in fits if f > 0]) >= world.nodes:
+        fits = sorted((f - 1 if i < world.nodes else f for i, f in enumerate(fits)), reverse=True)
+        runs += 1
+    return max(1, runs)
+
+
+def run_on_ray(
+    scenario_text: str,
+    world: WorldConfig,
+    run_dir: Path,
+    *,
+    run_args: list[str] | None = None,
+    timeout_s: float | None = None,
+    on_lines: Callable[[str], bool] | None = None,
+    checkpoints: bool = True,
+    resume: dict[int, Path] | None = None,
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
+) -> RayOutcome:
+    """Run the scenario (YAML text, with the `placed_world` ``world``) over
+    ``world.nodes`` machines of the cluster and
+    bring each machine's run folder to ``run_dir`` (node 0's) and
+    ``run_dir/nodes/node<k>``. ``on_lines(text)`` gets node 0's new live step records
+    as they are written; returning True stops the run. ``checkpoints``: bring those
+    back too. ``resume``: machine k's folder of an earlier run, sent to it first."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = node_bundle(world)
+    strategy = "STRICT_PACK" if world.nodes == 1 else "STRICT_SPREAD"
+    group = placement_group([bundle] * world.nodes, strategy=strategy)
+    actors: list[Any] = []
+    try:
+        ready, _ = ray.wait([group.ready()], timeout=placement_timeout_s)
+        if not ready:
+            raise RayClusterError(
+                f"the cluster found no room within {placement_timeout_s:g} s for "
+                f"{world.nodes} machine(s) holding {bundle} each ({strategy})"
+            )
+        runner = ray.remote(NodeRunner)
+        for k in range(world.nodes):
+            actors.append(
+                runner.options(
+                    num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0),
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=group, placement_group_bundle_index=k
+                    ),
+                ).remote()
+            )
+        places = ray.get([a.where.remote() for a in actors])
+        master = f"{places[0]['ip']}:{places[0]['port']}"
+        earlier = {k: pack(folder) for k, folder in (resume or {}).items()}
+        ray.get(
+            [
+                a.start.remote(
+                    scenario_text, k, world.nodes, master, run_args or [], earlier.get(k)
+                )
+                for k, a in enumerate(actors)
+            ]
+        )
+        outcome = _watch(actors, places, timeout_s, on_lines)
+        if outcome.lost is None and not outcome.stopped:
+            _gather(actors, run_dir, checkpoints)
+        return outcome
+    finally:
+        for actor in actors:
+            try:
+                ray.get(actor.stop.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - a lost machine: nothing left to stop there
+                pass
+            ray.kill(actor)
+        remove_placement_group(group)
+
+
+def _watch(
+    actors: list[Any],
+    places: list[dict[str, Any]],
+    timeout_s: float | None,
+    on_lines: Callable[[str], bool] | None,
+) -> RayOutcome:
+    import ray
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failed_at, offset = None, 0
+    outcome = RayOutcome()
+    while True:
+        pending = [a.poll.remote(offset if k == 0 else None) for k, a in enumerate(actors)]
+        states: list[Any] = []
+        for k, ref in enumerate(pending):
+            try:
+                states.append(ray.get(ref, timeout=120))
+            except (RayActorError, ActorUnavailableError, GetTimeoutError) as error:
+                place = places[k]
+                first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                outcome.lost = (
+                    f"node {place['ip']} ({place['node_id'][:12]}, machine {k} of the run) "
+                    f"was lost: {type(error).__name__}: {first_line[:300]}"
+                )
+                return outcome
+        outcome.returncodes = [code for code, _, _ in states]
+        _, text, offset = states[0]
+        if text and on_lines is not None and on_lines(text):
+            outcome.stopped = True  # `finally` of run_on_ray stops the ranks
+            return outcome
+        codes = outcome.returncodes
+        if all(c is not None for c in codes):
+            break
+        if failed_at is None and any(c for c in codes if c is not None):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > STRAGGLER_S:
+            break  # the rest would wait for their lost peers until a time-out
+        if deadline is not None and time.monotonic() > deadline:
+            outcome.timed_out = True
+            break
+        time.sleep(POLL_S)
+    failing = [k for k, c in enumerate(outcome.returncodes) if c]
+    if failing:
+        outcome.stderr = ray.get(actors[failing[0]].stderr.remote())
+    return outcome
+
+
+def _gather(actors: list[Any], run_dir: Path, checkpoints: bool) -> None:
+    import ray
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    archives = ray.get([a.collect.remote(checkpoints) for a in actors])
+    for k, archive in enumerate(archives):
+        target = run_dir if k == 0 else run_dir / NODE_FOLDERS / f"node{k}"
+        unpack(archive, target)
+
+
+def pack(folder: Path, skip: tuple[str, ...] = ()) -> bytes:
+    """A folder's files as gzipped tar bytes (those named in ``skip`` left out)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for path in sorted(folder.iterdir()):
+            if path.name not in skip:
+                tar.add(path, arcname=path.name)
+    return buffer.getvalue()
+
+
+def unpack(archive: bytes, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        tar.extractall(folder, filter="data")
+
+
+# ------------------------------------------------------------ on each machine
+class NodeRunner:
+    """Lives on one machine of the run (a Ray actor): starts that machine's ranks as
+    ``overlapkit run`` in a process group of its own, reports on them, stops them,
+    and packs their run folder."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="overlapkit-node-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        with socket.socket() as s:  # node 0's rendezvous port (free now; taken in a moment)
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "port": port,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "host": socket.gethostname(),
+        }
+
+    def start(
+        self,
+        scenario_text: str,
+        node_rank: int,
+        nodes: int,
+        master: str,
+        run_args: list[str],
+        earlier: bytes | None = None,
+    ) -> None:
+        if earlier is not None:
+            unpack(earlier, self.folder / "run")
+        scenario = self.folder / "scenario.yaml"
+        scenario.write_text(scenario_text)
+        command = [sys.executable, "-m", "overlapkit", "run", str(scenario)]
+        command += ["--out", str(self.folder / "run"), "--quiet", *run_args]
+        if nodes > 1:
+            command += ["--node-rank", str(node_rank), "--master", master]
+        env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+        env["PYTHONUNBUFFERED"] = "1"
+        with (
+            open(self.folder / "stdout.txt", "wb") as out,
+            open(self.folder / "stderr.txt", "wb") as err,
+        ):
+            self.process = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+
+    def poll(self, offset: int | None) -> tuple[int | None, str, int]:
+        """The exit code (None while running) and, from ``offset`` on, the complete
+        lines of the live step log."""
+        from ..runtime.report import LIVE_STEPS
+
+        assert self.process is not None
+        code = self.process.poll()
+        if offset is None:
+            return code, "", 0
+        live = self.folder / "run" / LIVE_STEPS
+        if not live.exists():
+            return code, "", offset
+        with open(live, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        return code, complete.decode(), offset + len(complete)
+
+    def stderr(self) -> str:
+        return (self.folder / "stderr.txt").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.process.wait()
+
+    def collect(self, checkpoints: bool) -> bytes:
+        """The run folder with the run's stdout and stderr, packed; then removed here."""
+        run = self.folder / "run"
+        run.mkdir(exist_ok=True)
+        for name in ("stdout.txt", "stderr.txt"):
+            shutil.copy(self.folder / name, run / name)
+        archive = pack(run, skip=() if checkpoints else ("checkpoints",))
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return archive

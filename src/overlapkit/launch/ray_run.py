@@ -1,0 +1,108 @@
+"""``overlapkit run SCENARIO --ray [ADDRESS]``: one run over ``world.nodes`` machines
+of a Ray cluster, its progress on the driver, every machine's run folder gathered
+into the run folder here (machine k > 0 under ``nodes/node<k>``). A run folder that
+already has checkpoints is sent back to its machines first, so the run resumes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ..runtime.report import print_summary
+from ..scenarios import Scenario, dump_scenario
+from .ray_nodes import NODE_FOLDERS, RayClusterError, connect, placed_world, run_on_ray
+
+
+class RayRunFailed(RuntimeError):
+    """The run on the cluster failed: a machine was lost, or its ranks failed."""
+
+
+def run_on_cluster(
+    scenario: Scenario,
+    run_dir: Path | None,
+    address: str,
+    fresh: bool,
+    quiet: bool,
+    as_json: bool,
+) -> dict[str, Any]:
+    scenario.data.check()
+    connect(None if address == "auto" else address)
+    world = scenario.world = placed_world(scenario.world)  # one decision for all machines
+    scenario.check_setup(world.ranks, gpus_here=False)
+    run_dir = run_dir or Path("runs") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    errors = Console(stderr=True)
+    resume = {} if fresh else _earlier_folders(run_dir, world.nodes)
+    if fresh:
+        _move_aside(run_dir, world.nodes)
+    if resume:
+        errors.print(f"resuming from the checkpoints in {run_dir} ({len(resume)} machine(s))")
+    progress = None if quiet or as_json else _progress(scenario.train.steps)
+    task = None if progress is None else progress.add_task("steps", total=scenario.train.steps)
+
+    def on_lines(text: str) -> bool:
+        if progress is not None:
+            steps = [json.loads(line)["step"] for line in text.splitlines() if line.strip()]
+            if steps:
+                progress.update(task, completed=max(steps) + 1)
+        return False
+
+    if progress is not None:
+        progress.start()
+    try:
+        outcome = run_on_ray(
+            dump_scenario(scenario),
+            world,
+            run_dir,
+            run_args=["--fresh"] if fresh else [],
+            on_lines=on_lines,
+            resume=resume,
+        )
+    finally:
+        if progress is not None:
+            progress.stop()
+    if outcome.lost:
+        raise RayRunFailed(f"{outcome.lost}; the checkpoints written before are in {run_dir}")
+    if not outcome.ok:
+        tail = "\n".join(outcome.stderr.strip().splitlines()[-15:])
+        raise RayRunFailed(f"exit codes per machine {outcome.returncodes}\n{tail}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if not (quiet or as_json):
+        print_summary(summary)
+        errors.print(f"run folder: {run_dir}")
+    return summary
+
+
+def _earlier_folders(run_dir: Path, nodes: int) -> dict[int, Path]:
+    """The machines' folders of an earlier run into ``run_dir`` that hold checkpoints."""
+    folders = {0: run_dir, **{k: run_dir / NODE_FOLDERS / f"node{k}" for k in range(1, nodes)}}
+    found = {k: f for k, f in folders.items() if (f / "checkpoints").is_dir()}
+    if found and len(found) != nodes:
+        raise RayClusterError(
+            f"{run_dir} holds checkpoints of {len(found)} machine(s), not {nodes}: "
+            "run with --fresh to start over (they are kept)"
+        )
+    return found
+
+
+def _move_aside(run_dir: Path, nodes: int) -> None:
+    """A fresh start into a folder with checkpoints keeps them, beside the new ones."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for k in range(nodes):
+        folder = run_dir if k == 0 else run_dir / NODE_FOLDERS / f"node{k}"
+        if (folder / "checkpoints").is_dir():
+            (folder / "checkpoints").rename(folder / f"checkpoints.old-{stamp}")
+
+
+def _progress(total: int) -> Progress:
+    return Progress(
+        TextColumn("[bold]training on the cluster[/]"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )

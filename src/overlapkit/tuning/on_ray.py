@@ -1,0 +1,77 @@
+"""Trials on a Ray cluster (``overlapkit tune --ray``): each trial is the same
+``overlapkit run`` as on one machine, placed by `launch.ray_nodes` (a placement
+group, an actor per machine), its run folder brought back into the tune folder.
+The driver keeps the study: Optuna asks and tells here, from one thread per trial
+in flight."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..launch.config import WorldConfig
+from ..launch.ray_nodes import (
+    RayClusterError,
+    concurrent_runs,
+    connect,
+    placed_world,
+    run_on_ray,
+)
+from .trial import NODE_LOST, StepWatch, TrialFailed, TrialStopped, failure_of
+
+
+class RayTrials:
+    """Where and how many trials run at once; `run` has `trial.run_trial`'s shape."""
+
+    def __init__(self, world: WorldConfig, address: str, max_concurrent: int | None) -> None:
+        connect(None if address == "auto" else address)
+        self.world = placed_world(world)
+        if max_concurrent is not None and max_concurrent < 1:
+            raise RayClusterError("--max-concurrent must be at least 1")
+        self.concurrency = max_concurrent or concurrent_runs(self.world)
+
+    def describe(self) -> str:
+        import ray
+
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        total = ray.cluster_resources()
+        return (
+            f"Ray cluster: {len(nodes)} machines, {total.get('CPU', 0):g} CPUs, "
+            f"{total.get('GPU', 0):g} GPUs; up to {self.concurrency} trial(s) in flight, "
+            f"each on {self.world.nodes} machine(s) x {self.world.nprocs} rank(s)"
+        )
+
+    def run(
+        self,
+        data: dict[str, Any],
+        folder: Path,
+        timeout_s: float,
+        on_step: Any = None,
+    ) -> dict[str, Any]:
+        folder.mkdir(parents=True, exist_ok=True)
+        world = self.world.model_dump(include={"device", "threads"})
+        data = {**data, "world": {**(data.get("world") or {}), **world}}
+        text = yaml.safe_dump(data, sort_keys=False)
+        (folder / "scenario.yaml").write_text(text)
+        watch = StepWatch(on_step)
+        outcome = run_on_ray(
+            text,
+            self.world,
+            folder / "run",
+            run_args=["--fresh"],
+            timeout_s=timeout_s,
+            on_lines=watch.feed if on_step is not None else None,
+            checkpoints=False,
+        )
+        if outcome.lost:
+            raise TrialFailed(NODE_LOST, outcome.lost)
+        if outcome.timed_out:
+            raise TrialFailed("timeout", f"no result within {timeout_s:g} s")
+        if outcome.stopped:
+            raise TrialStopped
+        if not outcome.ok:
+            raise failure_of(outcome.returncode, outcome.stderr)
+        return json.loads((folder / "run" / "summary.json").read_text())
