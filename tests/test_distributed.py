@@ -139,3 +139,73 @@ def test_the_same_entry_point_runs_under_torchrun(tiny_scenario, tmp_path):
     assert summary["world_size"] == 2  # torchrun's environment wins over world.nprocs=1
     probes = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in (0, 1)]
     assert probes[0]["param_sum"] == pytest.approx(probes[1]["param_sum"], rel=1e-6)
+
+
+# ------------------------------------------------------- several machines, by hand
+def final_loss(folder):
+    return json.loads((folder / "summary.json").read_text())["final_loss"]
+
+
+def two_local_ranks(tiny_scenario, tmp_path, *overrides):
+    out = tmp_path / "local"
+    result = run_cli(
+        "run", tiny_scenario(), "--out", out, "--quiet", "--set", "world.nprocs=2", *overrides
+    )
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_two_machines_started_by_hand_train_as_two_local_ranks(tiny_scenario, tmp_path):
+    """What each Ray actor does, without Ray: node k of 2, rendezvous at node 0."""
+    from conftest import free_port
+
+    master = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "overlapkit", "run", str(tiny_scenario()), "--quiet"]
+    command += ["--set", "world.nodes=2", "--set", "optimizations.ddp_overlap.intensity=0.5"]
+    nodes = [
+        subprocess.Popen(
+            [*command, "--out", str(tmp_path / f"node{k}"), "--node-rank", str(k)]
+            + ["--master", master],
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in (0, 1)
+    ]
+    errors = [node.communicate(timeout=240)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], errors
+    summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert not (tmp_path / "node1" / "summary.json").exists()  # rank 0 writes it
+    local = two_local_ranks(
+        tiny_scenario, tmp_path, "--set", "optimizations.ddp_overlap.intensity=0.5"
+    )
+    assert summary["final_loss"] == pytest.approx(final_loss(local), rel=1e-6)
+
+
+def test_a_run_trains_in_a_process_group_started_before_it_and_leaves_it(tiny_scenario, tmp_path):
+    """Ray Train's TorchTrainer starts the group before the training function runs."""
+    from rank_programs import run_in_a_group_started_before
+
+    from overlapkit.launch.local import launch_local
+
+    path = tiny_scenario()
+    results = launch_local(run_in_a_group_started_before, 2, str(path), str(tmp_path / "adopted"))
+    assert all(r["group_kept"] for r in results.values())
+    local = two_local_ranks(tiny_scenario, tmp_path)
+    assert results[0]["final_loss"] == pytest.approx(final_loss(local), rel=1e-6)
+    assert final_loss(tmp_path / "adopted") == results[0]["final_loss"]
+
+
+def test_several_machines_need_a_cluster_or_a_place_each(tiny_scenario, tmp_path):
+    path = tiny_scenario()
+    result = run_cli("run", path, "--set", "world.nodes=2", "--out", tmp_path / "a")
+    assert result.returncode == 2
+    assert "world.nodes: 2 asks for 2 machines" in result.stderr and "--ray" in result.stderr
+    result = run_cli("run", path, "--set", "world.nodes=2", "--node-rank", "0")
+    assert result.returncode == 2 and "--node-rank and --master go together" in result.stderr
+    bad = run_cli("run", path, "--set", "world.nodes=2", "--node-rank", "2", "--master", "h:1")
+    assert bad.returncode == 2 and "--node-rank must be in 0..1" in bad.stderr
+    result = run_cli("tune", path, "--set", "world.nodes=2", "--out", tmp_path / "t")
+    assert result.returncode == 2 and "need --ray" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -79,7 +79,7 @@ def rank_main(
         close_world(world)
         return result
     finally:
-        if world.world_size > 1 and dist.is_initialized():
+        if world.world_size > 1 and dist.is_initialized() and not world.adopted:
             dist.destroy_process_group()  # after a failure: no barrier, a peer may be gone
 
 

@@ -228,3 +228,21 @@ def node_local_checkpoints(
         }
     finally:
         torch.distributed.destroy_process_group()
+
+
+def run_in_a_group_started_before(scenario_file: str, run_dir: str) -> dict[str, Any]:
+    """As under Ray Train's TorchTrainer: the process group exists before overlapkit's
+    rank starts; overlapkit must train in it and leave it to its owner."""
+    from pathlib import Path
+
+    from overlapkit.run import rank_main
+    from overlapkit.scenarios import load_scenario
+
+    torch.distributed.init_process_group("gloo")  # env://, from the launcher's variables
+    try:
+        summary = rank_main(load_scenario(Path(scenario_file)), Path(run_dir), False, False)
+        still_there = torch.distributed.is_initialized()
+        torch.distributed.barrier()  # the group still works after the run
+        return {"final_loss": summary["final_loss"], "group_kept": still_there}
+    finally:
+        torch.distributed.destroy_process_group()

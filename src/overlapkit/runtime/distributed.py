@@ -28,6 +28,7 @@ class World:
     local_world_size: int
     device: torch.device
     backend: str
+    adopted: bool = False  # the process group was started by someone else (Ray Train)
 
     @property
     def is_main(self) -> bool:
@@ -68,16 +69,22 @@ def init_world(
     timeout_s: float = 300,
     environment: Callable[[str], Mapping[str, str]] | None = None,
 ) -> World:
-    """Join the process group described by the environment (none for one rank).
+    """Join the process group described by the environment (none for one rank), or
+    adopt the one already started in this process (Ray Train's ``TorchTrainer`` starts
+    it before the training function): then its owner also tears it down.
 
     ``environment(backend)`` gives variables to set first: a communication library
-    reads some when its communicator starts (NCCL_ALGO, NCCL_PROTO)."""
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    reads some when its communicator starts (NCCL_ALGO, NCCL_PROTO; NCCL starts its
+    communicators at the first collective, so an adopted group still reads them)."""
+    adopted = dist.is_initialized()
+    rank = dist.get_rank() if adopted else int(os.environ.get("RANK", 0))
+    world_size = dist.get_world_size() if adopted else int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     torch_device = pick_device(device, local_rank)
     backend = resolve_backend(backend, torch_device.type)
+    if adopted:
+        backend = _adopt_backend(backend)
     if environment is not None:
         os.environ.update(environment(backend))
     if torch_device.type == "cuda":
@@ -85,7 +92,7 @@ def init_world(
     # Ranks on one host share its cores; oversubscribing them slows every rank.
     cores = os.cpu_count() or 1
     torch.set_num_threads(threads or max(1, cores // local_world_size))
-    if world_size > 1 and not dist.is_initialized():
+    if world_size > 1 and not adopted:
         dist.init_process_group(
             process_group_backend(backend),
             rank=rank,
@@ -93,13 +100,28 @@ def init_world(
             timeout=timedelta(seconds=timeout_s),
             device_id=torch_device if torch_device.type == "cuda" else None,
         )
-    return World(rank, world_size, local_rank, local_world_size, torch_device, backend)
+    return World(rank, world_size, local_rank, local_world_size, torch_device, backend, adopted)
+
+
+def _adopt_backend(wanted: str) -> str:
+    """The adopted group's backend; an error when the scenario asked for another."""
+    found = str(dist.get_backend())
+    have = "nccl" if "nccl" in found else "gloo" if "gloo" in found else found
+    if have != wanted:
+        raise GPUSetupError(
+            f"this process already belongs to a process group on {found}, but the scenario "
+            f"asks for {wanted}: set world.backend to {have} (or auto)"
+        )
+    return have
 
 
 def close_world(world: World) -> None:
-    """Tear the process group down once every rank is done with it. Without the
-    barrier, gloo aborted a finished rank now and then (2 of 16 torchrun runs):
-    its peer was still talking to it, or the group outlived the interpreter."""
+    """Tear the process group down once every rank is done with it (unless it was
+    adopted: its owner does). Without the barrier, gloo aborted a finished rank now
+    and then (2 of 16 torchrun runs): its peer was still talking to it, or the group
+    outlived the interpreter."""
+    if world.adopted:
+        return
     if world.world_size > 1 and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
