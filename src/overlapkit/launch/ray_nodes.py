@@ -70,6 +70,8 @@ def connect(address: str | None) -> None:
 
     if ray.is_initialized():
         return
+    if address and address != "auto":
+        _reachable(address)  # ray.init retries an unreachable address for minutes
     try:
         ray.init(
             address=address or "auto",
@@ -81,6 +83,19 @@ def connect(address: str | None) -> None:
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise RayClusterError(
             f"no Ray cluster at {address or 'auto'} ({error}); start one with "
+            "`ray start --head` or `ray up cluster/gcp-v100.yaml`, then pass its address"
+        ) from None
+
+
+def _reachable(address: str) -> None:
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise RayClusterError(f"--ray takes HOST:PORT (the head's GCS address), not {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as error:
+        raise RayClusterError(
+            f"no Ray cluster answers at {address} ({error.strerror or error}); start one with "
             "`ray start --head` or `ray up cluster/gcp-v100.yaml`, then pass its address"
         ) from None
 

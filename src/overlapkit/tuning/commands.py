@@ -63,7 +63,7 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     cores = os.cpu_count() or 1
     gpus = None
     if ray is not None:
-        Console(stderr=True).print(ray.describe())
+        Console(stderr=True).print(ray.describe(), soft_wrap=True)
     elif args.workers * scenario.world.ranks > cores:
         Console(stderr=True).print(
             f"note: {args.workers} workers x {scenario.world.ranks} ranks on {cores} cores: "

@@ -1,0 +1,271 @@
+"""overlapkit on a real Ray cluster on this machine (a head without CPUs and two worker
+nodes of 2 CPUs, Ray's cluster_utils): studies whose trials span two machines, a
+machine lost mid-trial, a driver killed and started again, and one run over two
+machines against two local ranks. No mocks: real raylets, actors, placement groups."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import optuna
+import pytest
+import sqlalchemy
+from conftest import ROOT, TINY_SCENARIO, run_cli
+from optuna.trial import TrialState
+from pg_server import throwaway_postgres
+
+from overlapkit.tuning.study import open_storage
+
+pytestmark = pytest.mark.slow
+
+NODE = {"num_cpus": 2, "object_store_memory": 80_000_000}
+TUNE = "{trials: %d, references: false, sampler: random, prune: false, steps: %d, warmup_steps: 1, repeats: 1}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    short = Path(tempfile.mkdtemp(prefix="okr", dir="/tmp"))  # Unix socket paths stay short
+    scratch = tmp_path_factory.mktemp("machines")  # where the actors keep their run folders
+    env = {
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_TMPDIR": str(short),
+        "TMPDIR": str(scratch),
+    }
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # the raylets, their actors and the drivers below inherit it
+    ray_cluster = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={"num_cpus": 0, "object_store_memory": 80_000_000},
+    )
+    workers = [ray_cluster.add_node(**NODE) for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    try:
+        yield SimpleNamespace(
+            cluster=ray_cluster, workers=workers, address=ray_cluster.address, scratch=scratch
+        )
+    finally:
+        ray_cluster.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def two_machine_scenario(tiny_scenario, optimizations: str, tune: str = ""):
+    text = TINY_SCENARIO.replace("world: {nprocs: 1}", "world: {nprocs: 1, nodes: 2, device: cpu}")
+    text += f"optimizations: {optimizations}\n" + (f"tune: {tune}\n" if tune else "")
+    return tiny_scenario(text)
+
+
+def trials_of(storage_url: str, name: str = "tiny"):
+    return optuna.load_study(study_name=name, storage=open_storage(storage_url)).trials
+
+
+def sqlite(folder: Path) -> str:
+    return f"sqlite:///{folder / 'study.db'}"
+
+
+def wait_for(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"waited {seconds:g} s for {what}")
+
+
+def most_at_once(trials) -> int:
+    events = sorted(
+        [(t.datetime_start, 1) for t in trials] + [(t.datetime_complete, -1) for t in trials],
+        key=lambda e: (e[0], e[1]),
+    )
+    now = best = 0
+    for _, change in events:
+        now += change
+        best = max(best, now)
+    return best
+
+
+# ------------------------------------------------------------------ studies
+def test_a_study_of_two_machine_trials_runs_two_at_once_in_postgresql(
+    cluster, tiny_scenario, tmp_path
+):
+    path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (4, 4))
+    out = tmp_path / "tune"
+    with throwaway_postgres() as url:
+        result = run_cli(
+            "tune", path, "--ray", cluster.address, "--max-concurrent", "2",
+            "--storage", url, "--out", out, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "up to 2 trial(s) in flight, each on 2 machine(s)" in result.stderr
+        trials = trials_of(url)
+    search = [t for t in trials if t.user_attrs.get("role") == "search"]
+    assert len(search) == 4 and all(t.state == TrialState.COMPLETE for t in search)
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    assert most_at_once(search) == 2
+    # Each trial's run folder came back: node 0's summary of both ranks, node 1's folder.
+    folders = sorted(p.name for p in (out / "trials").iterdir())
+    assert folders == [f"{t.number:05d}" for t in sorted(search, key=lambda t: t.number)]
+    for trial in search:
+        run = Path(trial.user_attrs["folder"]) / "run"
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["world_size"] == 2
+        assert summary["samples_per_s"] == pytest.approx(trial.user_attrs["throughput"])
+        assert (run / "nodes" / "node1" / "stderr.txt").exists()
+        assert summary["hardware"]["nodes"][0]["ray"] == "2.60.0"
+
+
+def test_a_machine_lost_mid_trial_fails_that_trial_and_the_study_completes(
+    cluster, tiny_scenario, tmp_path
+):
+    path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (2, 200))
+    out = tmp_path / "tune"
+    started = set(cluster.scratch.glob("overlapkit-node-*"))
+    log = tmp_path / "tune.log"
+    with log.open("wb") as sink:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "overlapkit", "tune", str(path), "--ray", cluster.address]
+            + ["--max-concurrent", "1", "--out", str(out)],
+            cwd=ROOT,
+            stdout=sink,
+            stderr=sink,
+        )
+    try:
+
+        def training():  # a trial's ranks have written measured steps on its machines
+            folders = set(cluster.scratch.glob("overlapkit-node-*")) - started
+            lives = [f / "run" / "live-steps.jsonl" for f in folders]
+            return any(p.exists() and p.stat().st_size > 0 for p in lives)
+
+        wait_for(training, 240, "the first trial to train")
+        victim = cluster.workers.pop()
+        cluster.cluster.remove_node(victim, allow_graceful=False)
+        # What an autoscaler does: a new machine in its place, for the setting's retry.
+        cluster.workers.append(cluster.cluster.add_node(**NODE))
+        assert driver.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        driver.kill()
+        driver.wait()
+    trials = trials_of(sqlite(out))
+    lost = [t for t in trials if t.user_attrs.get("failure") == "node_lost"]
+    assert len(lost) == 1 and lost[0].state == TrialState.FAIL, log.read_text()[-3000:]
+    assert "was lost" in lost[0].user_attrs["reason"]
+    retry = [t for t in trials if t.user_attrs.get("retry")]
+    assert len(retry) == 1 and retry[0].params == lost[0].params
+    assert retry[0].state == TrialState.COMPLETE
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == 2  # the budget, filled
+    assert "node_lost" in log.read_text()  # the trial line says why
+    # Its placement group was freed: every CPU of the cluster is free again.
+    import ray
+
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        wait_for(
+            lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"],
+            60,
+            "the trials' CPUs to be given back",
+        )
+    finally:
+        ray.shutdown()
+
+
+def test_a_driver_killed_and_started_again_resumes_the_study(cluster, tiny_scenario, tmp_path):
+    path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (3, 30))
+    out = tmp_path / "tune"
+    command = ["tune", str(path), "--ray", cluster.address, "--max-concurrent", "1"]
+    command += ["--out", str(out)]
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "overlapkit", *command],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+
+        def one_done_one_running():
+            try:
+                trials = trials_of(sqlite(out))
+            except (KeyError, sqlalchemy.exc.SQLAlchemyError):
+                return False  # the study is not there yet
+            states = [t.state for t in trials]
+            running = [t for t in trials if t.state == TrialState.RUNNING and "pid" in t.user_attrs]
+            return states.count(TrialState.COMPLETE) >= 1 and running
+
+        wait_for(one_done_one_running, 300, "one trial done and the next one running")
+    finally:
+        driver.send_signal(signal.SIGKILL)  # the driver alone: Ray cleans up after it
+        driver.wait()
+    done_before = {t.number for t in trials_of(sqlite(out)) if t.state == TrialState.COMPLETE}
+    result = run_cli(*command, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "were interrupted: marked failed and queued again" in result.stderr
+    trials = trials_of(sqlite(out))
+    interrupted = [t for t in trials if t.user_attrs.get("failure") == "interrupted"]
+    assert len(interrupted) == 1 and interrupted[0].number not in done_before
+    complete = {t.number for t in trials if t.state == TrialState.COMPLETE}
+    assert complete >= done_before and len(complete) == 3
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+
+
+# ------------------------------------------------------------------- one run
+def test_a_run_on_two_machines_matches_two_local_ranks_and_resumes(
+    cluster, tiny_scenario, tmp_path
+):
+    path = two_machine_scenario(
+        tiny_scenario, "{ddp_overlap: {intensity: 0.5}, checkpoint: {every: 3}}"
+    )
+    on_ray = tmp_path / "ray"
+    result = run_cli("run", path, "--ray", cluster.address, "--out", on_ray, "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["world_size"] == 2 and summary["steps"] == 6
+    # Every machine's folder is here: node 0's run folder, node 1's beside it.
+    assert (on_ray / "summary.json").exists() and (on_ray / "steps.jsonl").exists()
+    assert sorted(p.name for p in (on_ray / "nodes").iterdir()) == ["node1"]
+    # Each machine kept its own checkpoints (no shared file system between them).
+    for folder in (on_ray, on_ray / "nodes" / "node1"):
+        assert list((folder / "checkpoints").glob("*")), folder
+    local = tmp_path / "local"
+    two = ["--set", "world.nodes=1", "--set", "world.nprocs=2"]
+    assert run_cli("run", path, "--out", local, "--quiet", *two).returncode == 0
+    local_summary = json.loads((local / "summary.json").read_text())
+    assert summary["final_loss"] == pytest.approx(local_summary["final_loss"], rel=1e-6)
+    # Three more steps: each machine gets its checkpoints back and resumes.
+    more = ["--set", "train.steps=9"]
+    result = run_cli("run", path, "--ray", cluster.address, "--out", on_ray, "--json", *more)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from the checkpoints" in result.stderr
+    straight = tmp_path / "straight"
+    assert run_cli("run", path, "--out", straight, "--quiet", *two, *more).returncode == 0
+    resumed = json.loads(result.stdout)["final_loss"]
+    assert resumed == pytest.approx(
+        json.loads((straight / "summary.json").read_text())["final_loss"], rel=1e-6
+    )
+
+
+def test_no_cluster_at_the_address_is_a_clear_error_at_once(tiny_scenario):
+    from conftest import free_port
+
+    path = two_machine_scenario(tiny_scenario, "{}")
+    result = run_cli("run", path, "--ray", f"127.0.0.1:{free_port()}", timeout=60)
+    assert result.returncode == 2
+    assert "no Ray cluster answers at 127.0.0.1:" in result.stderr
+    assert "Traceback" not in result.stderr
