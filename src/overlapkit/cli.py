@@ -100,7 +100,13 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     report = commands.add_parser("report", help="the report of a study (written by tune too)")
-    report.add_argument("study", help="a tune folder, or an Optuna storage URL")
+    report.add_argument("study", nargs="?", help="a tune folder, or an Optuna storage URL")
+    report.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="STUDY",
+        help="studies (tune folders or URLs) side by side, e.g. from different hardware",
+    )
     report.add_argument("--study", dest="study_name", help="the study's name in that storage")
     report.add_argument("--out", type=Path, help="where to write it (default: the tune folder)")
     report.add_argument("--json", action="store_true", help="print report.json to stdout")

@@ -67,3 +67,23 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def hardware_label(hardware: dict[str, Any] | None) -> str:
+    """One line for a run's machines (`summary["hardware"]`): how many, their CPUs
+    or GPUs, and the library versions that move the numbers."""
+    nodes = (hardware or {}).get("nodes") or []
+    if not nodes:
+        return "unknown hardware"
+    first = nodes[0]
+    machines = f"{len(nodes)} machine{'s' if len(nodes) > 1 else ''}"
+    gpus = [g for n in nodes for g in n.get("gpus") or []]
+    if gpus:
+        counts = sorted({len(n.get("gpus") or []) for n in nodes})
+        per = "/".join(map(str, counts))
+        what = f"{per} x {gpus[0]} (sm {first.get('gpu_capability')}) each"
+        libs = f"torch {first.get('torch')}, CUDA {first.get('cuda')}, NCCL {first.get('nccl')}"
+    else:
+        what = f"{first.get('cpu_cores')} cores {first.get('cpu_model')} each"
+        libs = f"torch {first.get('torch')}"
+    return f"{machines}, {what}; {libs}"

@@ -30,6 +30,8 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     if args.ray:
         from .on_ray import RayTrials
 
+        if args.workers != 1:
+            raise TuneError("--workers runs trials here; on a Ray cluster use --max-concurrent")
         ray = RayTrials(scenario.world, args.ray, args.max_concurrent)
         scenario.world = ray.world  # the device the cluster decided, for every trial
         scenario.check_setup(gpus_here=False)  # each machine checks its own GPUs
@@ -86,37 +88,59 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
 
 
 def report_command(args: argparse.Namespace, console: Console) -> int:
-    target = Path(args.study)
-    if (target / TUNE_FILE).exists():
-        job = TuneJob.load(target)
-        study = optuna.load_study(
-            study_name=args.study_name or job.study_name, storage=open_storage(job.storage_url)
+    if args.compare:
+        from .compare import compare_command
+
+        return compare_command(
+            [*([args.study] if args.study else []), *args.compare], args, console
         )
-        folder = args.out or target
+    if not args.study:
+        raise TuneError("name a study: a tune folder or a storage URL (or --compare A B ...)")
+    study, folder = load_target(args.study, args.study_name)
+    folder = args.out or folder
+    base = study.user_attrs["scenario"]
+    return _write(study_analysis(study, args), base, folder, args.json, console)
+
+
+def load_target(target: str, name: str | None = None) -> tuple[optuna.Study, Path]:
+    """The study a tune folder or a storage URL names ("URL#NAME" picks one of several),
+    and the folder its report goes to by default."""
+    if (Path(target) / TUNE_FILE).exists():
+        job = TuneJob.load(Path(target))
+        study = optuna.load_study(
+            study_name=name or job.study_name, storage=open_storage(job.storage_url)
+        )
+        folder = Path(target)
     else:
-        if "://" not in args.study and not args.study.startswith("journal:"):
+        if "://" not in target and not target.startswith("journal:"):
             raise TuneError(
-                f"{args.study} is neither a tune folder (with {TUNE_FILE}) nor a storage URL"
+                f"{target} is neither a tune folder (with {TUNE_FILE}) nor a storage URL"
             )
-        storage = open_storage(args.study)
+        url, _, named = target.partition("#")
+        storage = open_storage(url)
         names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
-        name = args.study_name or (names[0] if len(names) == 1 else None)
+        name = name or named or (names[0] if len(names) == 1 else None)
         if name not in names:
             raise TuneError(
-                f"choose a study with --study: {', '.join(names) or 'the storage holds none'}"
+                f"choose a study of {url} with --study (or URL#NAME): "
+                f"{', '.join(names) or 'the storage holds none'}"
             )
         study = optuna.load_study(study_name=name, storage=storage)
-        folder = args.out or Path("runs") / f"{name}-report"
+        folder = Path("runs") / f"{name}-report"
     if "scenario" not in study.user_attrs:
         raise TuneError(f"study {study.study_name} was not made by overlapkit tune")
-    base = study.user_attrs["scenario"]
+    return study, folder
+
+
+def study_analysis(study: optuna.Study, args: argparse.Namespace) -> Analysis:
+    """The study's analysis, goodput priced at the figures ``args`` give (if any)."""
     settings = dict(study.user_attrs["tune"])
     for figure in ("mtbf_hours", "restart_s", "job_hours"):  # goodput priced at other figures
         if getattr(args, figure, None) is not None:
             settings[figure] = getattr(args, figure)
     config = TuneConfig(**settings)
-    space = build_space(base.get("optimizations") or {}, config)
-    return _write(Analysis.of(study, space, config), base, folder, args.json, console)
+    space = build_space(study.user_attrs["scenario"].get("optimizations") or {}, config)
+    return Analysis.of(study, space, config)
 
 
 def _write(

@@ -194,7 +194,7 @@ def _plots(analysis: Analysis, document: dict[str, Any], folder: Path) -> dict[s
             ax.set_xlabel(curve["level"])
             ax.set_ylabel(f"{analysis.metric} (samples/s)")
             ax.legend(fontsize=7)
-        files["contention_plot"] = _save(fig, folder / "contention.png")
+        files["contention_plot"] = save_figure(fig, folder / "contention.png")
     if analysis.measured:
         fig, ax = plt.subplots(figsize=(6, 3.4))
         ordered = sorted(analysis.measured, key=lambda m: m.number)
@@ -205,13 +205,13 @@ def _plots(analysis: Analysis, document: dict[str, Any], folder: Path) -> dict[s
         ax.set_xlabel("trial")
         ax.set_ylabel(f"{analysis.metric} (samples/s)")
         ax.legend(fontsize=7)
-        files["history_plot"] = _save(fig, folder / "history.png")
+        files["history_plot"] = save_figure(fig, folder / "history.png")
     if document["importances"]:
         fig, ax = plt.subplots(figsize=(6, 0.5 + 0.4 * len(document["importances"])))
         names = list(document["importances"])[::-1]
         ax.barh(names, [document["importances"][n] for n in names])
         ax.set_xlabel("importance")
-        files["importance_plot"] = _save(fig, folder / "importances.png")
+        files["importance_plot"] = save_figure(fig, folder / "importances.png")
     pareto = analysis.pareto()
     if pareto:
         fig, ax = plt.subplots(figsize=(5, 3.6))
@@ -232,11 +232,11 @@ def _plots(analysis: Analysis, document: dict[str, Any], folder: Path) -> dict[s
         ax.set_xlabel("throughput (samples/s)")
         ax.set_ylabel("goodput (samples/s)")
         ax.legend(fontsize=7)
-        files["pareto_plot"] = _save(fig, folder / "pareto.png")
+        files["pareto_plot"] = save_figure(fig, folder / "pareto.png")
     return files
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

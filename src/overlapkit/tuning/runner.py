@@ -108,14 +108,17 @@ def _phase(
     shown: set[int],
     console: Console,
 ) -> None:
-    """Run the phase's trials until ``todo()`` says none are left (a trial whose
-    machine was lost queues its setting again), the deadline passes, or a round
-    finishes no trial."""
+    """Run the phase's ``todo()`` trials; then again while settings wait in the queue
+    (a trial whose machine was lost queued its setting again) and ``todo()`` says
+    trials are left, until the deadline, or a round that finishes no trial. (Not
+    otherwise: a grid sampler ends the search when its grid is done.)"""
     first = True
     while (trials := todo()) > 0 and (deadline is None or time.time() < deadline):
         if first:
             console.print(f"[bold]{name}[/]: {trials} trials {pool.describe(trials)}")
-            first = False
+        elif waiting(study) == 0:
+            return
+        first = False
         before = len(study.get_trials(deepcopy=False, states=FINISHED))
         _round(job, study, trials, pool, deadline, shown, console, queued=name != "search")
         if len(study.get_trials(deepcopy=False, states=FINISHED)) == before:

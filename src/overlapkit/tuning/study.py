@@ -38,6 +38,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from ..runtime.hardware import hardware_label
 from .analysis import UNUSED, Analysis, setting_key
 from .config import TuneConfig
 from .goodput import checkpoint_figures, goodput, priced_efficiency
@@ -172,6 +173,7 @@ def trial_metrics(summary: dict[str, Any], tune: TuneConfig) -> dict[str, Any]:
         "step_time_s": summary["step_time_s"]["mean"],
         "phase_shares": summary["phase_shares"],
         "background_chunks_yielded": summary["scheduler"].get("background_chunks_yielded", 0),
+        "hardware": hardware_label(summary.get("hardware")),
     }
 
 

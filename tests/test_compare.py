@@ -1,0 +1,122 @@
+"""report --compare: two studies of one scenario "on different hardware", built with
+the tuner's own phases (references, search, analysis around the best) in real Optuna
+storages, their trials' throughput a known function of the knobs."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+import yaml
+from conftest import TINY_SCENARIO, run_cli
+
+from overlapkit.runtime.hardware import hardware_label
+from overlapkit.tuning.analysis import Analysis
+from overlapkit.tuning.config import TuneConfig
+from overlapkit.tuning.study import (
+    TuneJob,
+    analysis_settings,
+    default_storage,
+    enqueue,
+    open_study,
+    reference_settings,
+    waiting,
+)
+
+OPTIMIZATIONS = {"ddp_overlap": {"intensity": 1}, "toy_sleep": {"intensity": 1}}
+
+
+def build_study(folder, hardware: str, ddp_peak: float):
+    """Throughput rises with ddp_overlap's intensity up to ``ddp_peak``, then falls;
+    toy_sleep only costs."""
+    base = yaml.safe_load(TINY_SCENARIO)
+    base["optimizations"] = OPTIMIZATIONS
+    config = TuneConfig(trials=6, references=True, repeats=1, sampler="random", prune=False)
+    job = TuneJob(base, config, folder, default_storage(folder), "tiny")
+    job.save()
+    study = open_study(job)
+    space = job.space
+
+    def throughput(params):
+        ddp = params.get("ddp_overlap.intensity", 0.0) if params.get("ddp_overlap.on", True) else 0
+        sleep = params.get("toy_sleep.intensity", 0.0) if params.get("toy_sleep.on", True) else 0
+        return (
+            100
+            * (1 + ddp if ddp <= ddp_peak else 1 + ddp_peak - 2 * (ddp - ddp_peak))
+            * (1 - 0.5 * sleep)
+        )
+
+    def run(trial_count=None):
+        done = 0
+        while waiting(study) if trial_count is None else done < trial_count:
+            trial = study.ask()
+            params = space.suggest(trial)
+            trial.set_user_attr("role", trial.user_attrs.get("role", "search"))
+            value = throughput(params)
+            for key, attr in {"throughput": value, "goodput": value, "hardware": hardware}.items():
+                trial.set_user_attr(key, attr)
+            study.tell(trial, value)
+            done += 1
+
+    enqueue(study, reference_settings(space))
+    run()
+    run(6)
+    analysis = Analysis.of(study, space)
+    enqueue(study, analysis_settings(space, analysis.center.params, analysis.alone_best()))
+    run()
+    return folder
+
+
+def test_two_studies_side_by_side_show_both_hardware_and_where_overlap_stops(tmp_path):
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    small = build_study(tmp_path / "small", "1 machine, 2 cores CPU A each; torch 2.13", 0.5)
+    large = build_study(tmp_path / "large", "2 machines, 4 x V100 (sm 7.0) each; torch 2.13", 1.0)
+    out = tmp_path / "compare"
+    result = run_cli("report", "--compare", small, large, "--out", out, "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document == json.loads((out / "compare.json").read_text())
+    by_hardware = {s["hardware"]: s for s in document["studies"]}
+    assert set(by_hardware) == {
+        "1 machine, 2 cores CPU A each; torch 2.13",
+        "2 machines, 4 x V100 (sm 7.0) each; torch 2.13",
+    }
+    small_doc = by_hardware["1 machine, 2 cores CPU A each; torch 2.13"]
+    large_doc = by_hardware["2 machines, 4 x V100 (sm 7.0) each; torch 2.13"]
+    # Where ddp_overlap stops paying moved with the hardware.
+    assert small_doc["contention_points"]["ddp_overlap"] == 0.5
+    assert large_doc["contention_points"]["ddp_overlap"] == 1.0
+    assert small_doc["best"]["params"]["ddp_overlap.intensity"] == 0.5
+    # Naive (everything at full) against tuned: tuning gains more where overlap stops
+    # paying earlier (6x against 2x by the formula above).
+    assert small_doc["tuned_vs_naive"] == pytest.approx(6.0)
+    assert large_doc["tuned_vs_naive"] == pytest.approx(2.0)
+    # The people's version: a table with both, the markdown and a plot.
+    table = run_cli("report", "--compare", small, large, "--out", out)
+    assert table.returncode == 0, table.stderr
+    text = " ".join(table.stdout.split())
+    assert "V100" in text and "CPU A" in text and "contention point" in text
+    assert (out / "compare.png").stat().st_size > 10_000
+    markdown = (out / "compare.md").read_text()
+    assert "| | tiny (small) | tiny (large) |" in markdown  # one name, told apart
+    assert "| ddp_overlap: contention point | 0.5 | 1.0 |" in markdown
+
+
+def test_compare_needs_two_studies_and_says_so(tmp_path):
+    result = run_cli("report", "--compare", tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_the_hardware_line_names_machines_gpus_and_versions():
+    gpu_node = {
+        "host": "a", "cpu_model": "Xeon", "cpu_cores": 8, "torch": "2.13.0", "cuda": "12.6",
+        "nccl": "2.27.3", "gpus": ["Tesla V100-SXM2-16GB"] * 4, "gpu_capability": "7.0",
+    }  # fmt: skip
+    label = hardware_label({"nodes": [gpu_node, {**gpu_node, "host": "b"}]})
+    assert label == (
+        "2 machines, 4 x Tesla V100-SXM2-16GB (sm 7.0) each; torch 2.13.0, CUDA 12.6, NCCL 2.27.3"
+    )
+    cpu = {"host": "a", "cpu_model": "AMD EPYC", "cpu_cores": 2, "torch": "2.13.0", "gpus": []}
+    assert hardware_label({"nodes": [cpu]}) == "1 machine, 2 cores AMD EPYC each; torch 2.13.0"
+    assert hardware_label(None) == "unknown hardware"
