@@ -187,17 +187,22 @@ def run_on_ray(
                     ),
                 ).remote()
             )
-        places = ray.get([a.where.remote() for a in actors])
-        master = f"{places[0]['ip']}:{places[0]['port']}"
-        earlier = {k: pack(folder) for k, folder in (resume or {}).items()}
-        ray.get(
-            [
-                a.start.remote(
-                    scenario_text, k, world.nodes, master, run_args or [], earlier.get(k)
-                )
-                for k, a in enumerate(actors)
-            ]
-        )
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        try:
+            places = ray.get([a.where.remote() for a in actors])
+            master = f"{places[0]['ip']}:{places[0]['port']}"
+            earlier = {k: pack(folder) for k, folder in (resume or {}).items()}
+            ray.get(
+                [
+                    a.start.remote(
+                        scenario_text, k, world.nodes, master, run_args or [], earlier.get(k)
+                    )
+                    for k, a in enumerate(actors)
+                ]
+            )
+        except (RayActorError, ActorUnavailableError) as error:  # lost while starting
+            return RayOutcome(lost=f"a machine was lost while the run started: {error}"[:600])
         outcome = _watch(actors, places, timeout_s, on_lines)
         if outcome.lost is None and not outcome.stopped:
             _gather(actors, run_dir, checkpoints)
