@@ -62,3 +62,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def dashboard_get(storage_url: str, path: str):
+    """One GET request to optuna-dashboard's WSGI app over the study's storage."""
+    import io
+
+    from optuna_dashboard import wsgi
+
+    from overlapkit.tuning.study import open_storage
+
+    app = wsgi(open_storage(storage_url))
+    status = []
+    environ = {
+        "REQUEST_METHOD": "GET", "PATH_INFO": path, "QUERY_STRING": "",
+        "SERVER_NAME": "localhost", "SERVER_PORT": "80", "wsgi.url_scheme": "http",
+        "wsgi.input": io.BytesIO(), "wsgi.errors": sys.stderr,
+    }  # fmt: skip
+    body = b"".join(app(environ, lambda s, headers, exc=None: status.append(s)))
+    return status[0], body

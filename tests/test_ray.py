@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import optuna
 import pytest
 import sqlalchemy
-from conftest import ROOT, TINY_SCENARIO, run_cli
+from conftest import ROOT, TINY_SCENARIO, dashboard_get, run_cli
 from optuna.trial import TrialState
 from pg_server import throwaway_postgres
 
@@ -116,6 +116,8 @@ def test_a_study_of_two_machine_trials_runs_two_at_once_in_postgresql(
         assert result.returncode == 0, result.stderr[-3000:]
         assert "up to 2 trial(s) in flight, each on 2 machine(s)" in result.stderr
         trials = trials_of(url)
+        status, body = dashboard_get(url, "/api/studies")  # what optuna-dashboard serves
+        assert status.startswith("200") and b'"study_name": "tiny"' in body.replace(b'":"', b'": "')
     search = [t for t in trials if t.user_attrs.get("role") == "search"]
     assert len(search) == 4 and all(t.state == TrialState.COMPLETE for t in search)
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]

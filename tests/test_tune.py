@@ -3,7 +3,6 @@ workers sharing a study, failed trials, an interrupted study, the report."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -18,7 +17,7 @@ import optuna
 import pytest
 import sqlalchemy
 import yaml
-from conftest import ROOT, TINY_SCENARIO, run_cli
+from conftest import ROOT, TINY_SCENARIO, dashboard_get, run_cli
 from optuna.trial import TrialState
 from pg_server import throwaway_postgres
 
@@ -47,26 +46,6 @@ def load(folder, name="tiny"):
     return optuna.load_study(
         study_name=name, storage=open_storage(f"sqlite:///{folder / 'study.db'}")
     )
-
-
-def dashboard_get(folder, path):
-    """One GET request to optuna-dashboard's WSGI app over the study's storage."""
-    from optuna_dashboard import wsgi
-
-    app = wsgi(open_storage(f"sqlite:///{folder / 'study.db'}"))
-    status = []
-    environ = {
-        "REQUEST_METHOD": "GET",
-        "PATH_INFO": path,
-        "QUERY_STRING": "",
-        "SERVER_NAME": "localhost",
-        "SERVER_PORT": "80",
-        "wsgi.url_scheme": "http",
-        "wsgi.input": io.BytesIO(),
-        "wsgi.errors": sys.stderr,
-    }
-    body = b"".join(app(environ, lambda s, headers, exc=None: status.append(s)))
-    return status[0], body
 
 
 # --------------------------------------------------------------------- goodput
@@ -317,7 +296,7 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     assert all("forward" in t.user_attrs["phase_shares"] for t in complete)
     assert run_cli("check", out / "best.yaml").returncode == 0
     # optuna-dashboard reads the study as it is, trials and their attributes.
-    status, body = dashboard_get(out, "/api/studies/1")
+    status, body = dashboard_get(f"sqlite:///{out / 'study.db'}", "/api/studies/1")
     assert status == "200 OK"
     page = json.loads(body)
     assert page["name"] == "tiny" and len(page["trials"]) == len(study.trials)

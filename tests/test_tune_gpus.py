@@ -140,7 +140,7 @@ def test_parallel_workers_are_started_with_disjoint_gpus(monkeypatch):
     monkeypatch.setattr(runner, "_show_new", lambda *args: None)
     split = split_gpus(3, 2, UUIDS)
     console = Console(quiet=True)
-    runner._phase("search", None, None, 7, 3, None, set(), console, split)
+    runner._round(None, None, 7, runner.Pool(3, split), None, set(), console, queued=False)
     gpus = [args[-1] for args in FakeProcess.started]  # worker_main's last argument
     assert gpus == split
     every = [gpu for ids in gpus for gpu in ids]
@@ -150,7 +150,15 @@ def test_parallel_workers_are_started_with_disjoint_gpus(monkeypatch):
 # ------------------------------------------------------------------ tune command
 def tune_args(out: Path, workers: int) -> argparse.Namespace:
     return argparse.Namespace(
-        trials=None, storage=None, study=None, workers=workers, timeout=None, out=out, json=False
+        trials=None,
+        storage=None,
+        study=None,
+        workers=workers,
+        timeout=None,
+        out=out,
+        json=False,
+        ray=None,
+        max_concurrent=None,
     )
 
 
@@ -161,10 +169,10 @@ def cuda_scenario(tiny_scenario, monkeypatch):
     text = TINY_SCENARIO.replace("world: {nprocs: 1}", "world: {nprocs: 2, device: cuda}")
     text += "optimizations: {prefetch: {workers: 2}}\n"
     scenario = load_scenario(tiny_scenario(text))
-    monkeypatch.setattr(Scenario, "check_setup", lambda self, world_size=None: None)
+    monkeypatch.setattr(Scenario, "check_setup", lambda self, world_size=None, gpus_here=True: None)
     given = {}
 
-    def fake_tune(job, workers, timeout_s, console, gpus):
+    def fake_tune(job, workers, timeout_s, console, gpus, ray=None):
         given.update(workers=workers, gpus=gpus)
         raise SystemExit("ran")
 

@@ -108,21 +108,23 @@ def _phase(
     shown: set[int],
     console: Console,
 ) -> None:
-    """Run the phase's ``todo()`` trials; then again while settings wait in the queue
-    (a trial whose machine was lost queued its setting again) and ``todo()`` says
-    trials are left, until the deadline, or a round that finishes no trial. (Not
-    otherwise: a grid sampler ends the search when its grid is done.)"""
+    """Run the phase's ``todo()`` trials; again while ``todo()`` says trials are left
+    and the last round lost a machine under a trial (its setting was queued again and
+    it does not count), until the deadline. Not otherwise: a grid sampler ends the
+    search when its grid is done, and other machines may have filled the budget."""
     first = True
     while (trials := todo()) > 0 and (deadline is None or time.time() < deadline):
         if first:
             console.print(f"[bold]{name}[/]: {trials} trials {pool.describe(trials)}")
-        elif waiting(study) == 0:
-            return
         first = False
-        before = len(study.get_trials(deepcopy=False, states=FINISHED))
+        lost = _queued_again_count(study)
         _round(job, study, trials, pool, deadline, shown, console, queued=name != "search")
-        if len(study.get_trials(deepcopy=False, states=FINISHED)) == before:
+        if _queued_again_count(study) == lost:
             return
+
+
+def _queued_again_count(study: optuna.Study) -> int:
+    return sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("queued_again"))
 
 
 def _round(
