@@ -113,10 +113,12 @@ def test_the_hardware_line_names_machines_gpus_and_versions():
         "host": "a", "cpu_model": "Xeon", "cpu_cores": 8, "torch": "2.13.0", "cuda": "12.6",
         "nccl": "2.27.3", "gpus": ["Tesla V100-SXM2-16GB"] * 4, "gpu_capability": "7.0",
     }  # fmt: skip
-    label = hardware_label({"nodes": [gpu_node, {**gpu_node, "host": "b"}]})
+    label = hardware_label({"nodes": [gpu_node, {**gpu_node, "host": "b", "node_type": "x"}]})
     assert label == (
         "2 machines, 4 x Tesla V100-SXM2-16GB (sm 7.0) each; torch 2.13.0, CUDA 12.6, NCCL 2.27.3"
     )
     cpu = {"host": "a", "cpu_model": "AMD EPYC", "cpu_cores": 2, "torch": "2.13.0", "gpus": []}
     assert hardware_label({"nodes": [cpu]}) == "1 machine, 2 cores AMD EPYC each; torch 2.13.0"
+    typed = {"nodes": [{**cpu, "node_type": "gpu_4x_v100"}]}
+    assert hardware_label(typed).startswith("1 machine (gpu_4x_v100), 2 cores")
     assert hardware_label(None) == "unknown hardware"

@@ -42,6 +42,7 @@ def cluster(tmp_path_factory):
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_TMPDIR": str(short),
         "TMPDIR": str(scratch),
+        "RAY_NODE_TYPE_NAME": "fake_cpu_node",  # as the cluster launcher starts its nodes
     }
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)  # the raylets, their actors and the drivers below inherit it
@@ -132,6 +133,8 @@ def test_a_study_of_two_machine_trials_runs_two_at_once_in_postgresql(
         assert summary["samples_per_s"] == pytest.approx(trial.user_attrs["throughput"])
         assert (run / "nodes" / "node1" / "stderr.txt").exists()
         assert summary["hardware"]["nodes"][0]["ray"] == "2.60.0"
+        assert summary["hardware"]["nodes"][0]["node_type"] == "fake_cpu_node"
+        assert trial.user_attrs["hardware"].startswith("1 machine (fake_cpu_node), 2 cores")
 
 
 def test_a_machine_lost_mid_trial_fails_that_trial_and_the_study_completes(

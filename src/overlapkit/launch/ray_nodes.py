@@ -331,8 +331,18 @@ class NodeRunner:
         command += ["--out", str(self.folder / "run"), "--quiet", *run_args]
         if nodes > 1:
             command += ["--node-rank", str(node_rank), "--master", master]
+        import ray
+
+        from ..runtime.hardware import NODE_TYPE_ENV
+
         env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
         env["PYTHONUNBUFFERED"] = "1"
+        # The launcher's node type (it starts each node with RAY_NODE_TYPE_NAME, which
+        # Ray turns into this label), recorded in the run's hardware.
+        labels = ray.get_runtime_context().get_node_labels()
+        node_type = labels.get("ray.io/node-group") or os.environ.get("RAY_NODE_TYPE_NAME")
+        if node_type:
+            env[NODE_TYPE_ENV] = str(node_type)
         with (
             open(self.folder / "stdout.txt", "wb") as out,
             open(self.folder / "stderr.txt", "wb") as err,

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+NODE_TYPE_ENV = "OVERLAPKIT_NODE_TYPE"  # set by the Ray actor that started this machine's ranks
+
 
 def describe_node(device: torch.device) -> dict[str, Any]:
     """This machine as this rank sees it: cores it may use, GPUs, library versions."""
@@ -23,8 +25,10 @@ def describe_node(device: torch.device) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "ray": _version("ray"),
         "device": device.type,
+        "node_type": os.environ.get(NODE_TYPE_ENV),  # a Ray cluster's node type, if any
         "gpus": [],
         "nccl": None,
+        "gpu_peer_access": None,
     }
     if device.type == "cuda":
         count = torch.cuda.device_count()
@@ -32,6 +36,10 @@ def describe_node(device: torch.device) -> dict[str, Any]:
         node["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
         if torch.distributed.is_nccl_available():
             node["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        # The interconnect as far as a process sees it: can each GPU read the others'
+        # memory directly (NVLink or PCIe peer-to-peer), or only through the host.
+        pairs = [(a, b) for a in range(count) for b in range(count) if a != b]
+        node["gpu_peer_access"] = all(torch.cuda.can_device_access_peer(a, b) for a, b in pairs)
     return node
 
 
@@ -77,6 +85,8 @@ def hardware_label(hardware: dict[str, Any] | None) -> str:
         return "unknown hardware"
     first = nodes[0]
     machines = f"{len(nodes)} machine{'s' if len(nodes) > 1 else ''}"
+    if first.get("node_type"):
+        machines += f" ({first['node_type']})"
     gpus = [g for n in nodes for g in n.get("gpus") or []]
     if gpus:
         counts = sorted({len(n.get("gpus") or []) for n in nodes})
