@@ -508,3 +508,16 @@ def test_a_trial_whose_worker_died_before_recording_itself_is_an_orphan_once_old
     monkeypatch.setattr(study_module, "UNCLAIMED_ORPHAN_S", 0)
     assert study_module.fail_orphans(optuna_study) == [0]
     assert optuna_study.trials[0].user_attrs["failure"] == "interrupted"
+
+
+def test_the_live_step_log_is_read_a_complete_line_at_a_time(tmp_path):
+    from overlapkit.runtime.report import LiveSteps
+
+    path = tmp_path / "live-steps.jsonl"
+    assert LiveSteps.read_new(path, 0) == ("", 0)  # not written yet
+    path.write_text('{"step": 0}\n{"step": 1')  # the second line is half written
+    text, offset = LiveSteps.read_new(path, 0)
+    assert text == '{"step": 0}\n' and offset == len(text)
+    with path.open("a") as f:
+        f.write("}\n")
+    assert LiveSteps.read_new(path, offset) == ('{"step": 1}\n', offset + len('{"step": 1}\n'))

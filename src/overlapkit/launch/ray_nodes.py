@@ -33,6 +33,9 @@ from .config import WorldConfig
 from .local import die_with_parent
 
 POLL_S = 0.5
+START_ONE = (
+    "start one with `ray start --head` or `ray up cluster/gcp-v100.yaml`, then pass its address"
+)
 PLACEMENT_TIMEOUT_S = 900.0  # an autoscaler may have to start VMs first
 STRAGGLER_S = 20.0  # after one machine's ranks fail, how long the others get to fail too
 NODE_FOLDERS = "nodes"  # machine k > 0's run folder: <run folder>/nodes/node<k>
@@ -82,8 +85,7 @@ def connect(address: str | None) -> None:
         )
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise RayClusterError(
-            f"no Ray cluster at {address or 'auto'} ({error}); start one with "
-            "`ray start --head` or `ray up cluster/gcp-v100.yaml`, then pass its address"
+            f"no Ray cluster at {address or 'auto'} ({error}); {START_ONE}"
         ) from None
 
 
@@ -95,8 +97,7 @@ def _reachable(address: str) -> None:
         socket.create_connection((host, int(port)), timeout=10).close()
     except OSError as error:
         raise RayClusterError(
-            f"no Ray cluster answers at {address} ({error.strerror or error}); start one with "
-            "`ray start --head` or `ray up cluster/gcp-v100.yaml`, then pass its address"
+            f"no Ray cluster answers at {address} ({error.strerror or error}); {START_ONE}"
         ) from None
 
 
@@ -271,8 +272,13 @@ def _gather(actors: list[Any], run_dir: Path, checkpoints: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     archives = ray.get([a.collect.remote(checkpoints) for a in actors])
     for k, archive in enumerate(archives):
-        target = run_dir if k == 0 else run_dir / NODE_FOLDERS / f"node{k}"
-        unpack(archive, target)
+        unpack(archive, machine_folder(run_dir, k))
+
+
+def machine_folder(run_dir: Path, k: int) -> Path:
+    """Where machine ``k``'s run folder lives on the driver: node 0's is the run
+    folder itself, the others' beside it under ``nodes/node<k>``."""
+    return run_dir if k == 0 else run_dir / NODE_FOLDERS / f"node{k}"
 
 
 def pack(folder: Path, skip: tuple[str, ...] = ()) -> bytes:
@@ -359,20 +365,13 @@ class NodeRunner:
     def poll(self, offset: int | None) -> tuple[int | None, str, int]:
         """The exit code (None while running) and, from ``offset`` on, the complete
         lines of the live step log."""
-        from ..runtime.report import LIVE_STEPS
+        from ..runtime.report import LIVE_STEPS, LiveSteps
 
         assert self.process is not None
         code = self.process.poll()
         if offset is None:
             return code, "", 0
-        live = self.folder / "run" / LIVE_STEPS
-        if not live.exists():
-            return code, "", offset
-        with open(live, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-        complete = data[: data.rfind(b"\n") + 1]
-        return code, complete.decode(), offset + len(complete)
+        return code, *LiveSteps.read_new(self.folder / "run" / LIVE_STEPS, offset)
 
     def stderr(self) -> str:
         return (self.folder / "stderr.txt").read_text(errors="replace")

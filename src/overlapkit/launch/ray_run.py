@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..runtime.report import print_summary
 from ..scenarios import Scenario, dump_scenario
-from .ray_nodes import NODE_FOLDERS, RayClusterError, connect, placed_world, run_on_ray
+from .ray_nodes import RayClusterError, connect, machine_folder, placed_world, run_on_ray
 
 
 class RayRunFailed(RuntimeError):
@@ -31,7 +31,7 @@ def run_on_cluster(
     as_json: bool,
 ) -> dict[str, Any]:
     scenario.data.check()
-    connect(None if address == "auto" else address)
+    connect(address)
     world = scenario.world = placed_world(scenario.world)  # one decision for all machines
     scenario.check_setup(world.ranks, gpus_here=False)
     run_dir = run_dir or Path("runs") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -79,7 +79,7 @@ def run_on_cluster(
 
 def _earlier_folders(run_dir: Path, nodes: int) -> dict[int, Path]:
     """The machines' folders of an earlier run into ``run_dir`` that hold checkpoints."""
-    folders = {0: run_dir, **{k: run_dir / NODE_FOLDERS / f"node{k}" for k in range(1, nodes)}}
+    folders = {k: machine_folder(run_dir, k) for k in range(nodes)}
     found = {k: f for k, f in folders.items() if (f / "checkpoints").is_dir()}
     if found and len(found) != nodes:
         raise RayClusterError(
@@ -93,7 +93,7 @@ def _move_aside(run_dir: Path, nodes: int) -> None:
     """A fresh start into a folder with checkpoints keeps them, beside the new ones."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for k in range(nodes):
-        folder = run_dir if k == 0 else run_dir / NODE_FOLDERS / f"node{k}"
+        folder = machine_folder(run_dir, k)
         if (folder / "checkpoints").is_dir():
             (folder / "checkpoints").rename(folder / f"checkpoints.old-{stamp}")
 

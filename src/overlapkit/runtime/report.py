@@ -51,6 +51,18 @@ class LiveSteps:
     def close(self) -> None:
         self._file.close()
 
+    @staticmethod
+    def read_new(path: Path, offset: int) -> tuple[str, int]:
+        """For a watcher: the complete lines of ``path`` from byte ``offset`` on (a
+        half-written last line waits for the next read) and the offset after them."""
+        if not path.exists():
+            return "", offset
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        return complete.decode(), offset + len(complete)
+
 
 def summary_tables(summary: dict[str, Any]) -> list[Table]:
     """Readable tables: throughput and efficiency, where the step time went, extras."""

@@ -27,7 +27,7 @@ class RayTrials:
     """Where and how many trials run at once; `run` has `trial.run_trial`'s shape."""
 
     def __init__(self, world: WorldConfig, address: str, max_concurrent: int | None) -> None:
-        connect(None if address == "auto" else address)
+        connect(address)
         self.world = placed_world(world)
         if max_concurrent is not None and max_concurrent < 1:
             raise RayClusterError("--max-concurrent must be at least 1")

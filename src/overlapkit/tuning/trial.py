@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from ..runtime.report import LIVE_STEPS
+from ..runtime.report import LIVE_STEPS, LiveSteps
 
 POLL_S = 0.2
 CHECKPOINTS = "checkpoints"  # a trial's checkpoint folder, inside its run folder
@@ -138,14 +138,10 @@ def _watch(
             _kill_group(process)
             raise TrialFailed("timeout", f"no result within {timeout_s:g} s")
         time.sleep(POLL_S)
-        if on_step is None or not live.exists():
+        if on_step is None:
             continue
-        with open(live, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-        complete = data[: data.rfind(b"\n") + 1]  # a half-written line: read it next time
-        offset += len(complete)
-        if watch.feed(complete.decode()):
+        text, offset = LiveSteps.read_new(live, offset)
+        if watch.feed(text):
             _kill_group(process)
             raise TrialStopped
 
