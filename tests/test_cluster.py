@@ -138,7 +138,7 @@ from ray.util.placement_group import placement_group
 ray.init(address=sys.argv[1], logging_level="ERROR")
 pg = placement_group([{"GPU": 2, "CPU": 1}, {"GPU": 2, "CPU": 1}], strategy="SPREAD")
 assert pg.wait(90), "no nodes came up for the placement group"
-print(json.dumps(sorted(int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"])))
+print("NODE_GPUS", json.dumps(sorted(int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"])))
 """
 
 
@@ -160,6 +160,7 @@ def test_the_local_config_drives_rays_autoscaler_on_this_machine(tmp_path):
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "disabled",
     }
+    ray = str(Path(sys.executable).with_name("ray"))  # the venv's, activated or not
     temp = Path("/tmp") / f"okray{port}"  # Unix socket paths must stay short
     # On a port other than 6379 the fake provider must be told where the head is.
     from ray.util import get_node_ip_address
@@ -169,7 +170,7 @@ def test_the_local_config_drives_rays_autoscaler_on_this_machine(tmp_path):
     config["provider"]["gcs_address"] = address
     (tmp_path / "local.yaml").write_text(yaml.safe_dump(config))
     start = [
-        "ray", "start", "--head", f"--port={port}", f"--temp-dir={temp}",
+        ray, "start", "--head", f"--port={port}", f"--temp-dir={temp}",
         f"--autoscaling-config={tmp_path / 'local.yaml'}",
         "--object-store-memory=100000000", "--include-dashboard=false",
     ]  # fmt: skip
@@ -183,7 +184,9 @@ def test_the_local_config_drives_rays_autoscaler_on_this_machine(tmp_path):
             timeout=150,
         )
         assert driver.returncode == 0, driver.stderr[-2000:]
-        gpus = json.loads(driver.stdout.strip().splitlines()[-1])
+        # Ray's autoscaler also writes to the driver's stdout ("Resized to ..."), in any order.
+        (line,) = [x for x in driver.stdout.splitlines() if x.startswith("NODE_GPUS ")]
+        gpus = json.loads(line.removeprefix("NODE_GPUS "))
         assert gpus[0] == 0 and set(gpus[1:]) <= {1, 4, 8} and sum(gpus) >= 4
     finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=60)
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=60)
