@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from ..config import Config
 from .local import Cifar10, DataNotFoundError, ImageFolder, Imdb, hash_tokenize
 from .sampler import ResumableLoader, ShardedSampler
+from .script_loader import ScriptLoader, resume_problem, sampler_note
 from .synthetic import SyntheticImages, SyntheticTokens, spend
 
 
@@ -168,10 +169,13 @@ __all__ = [
     "ImageFolder",
     "Imdb",
     "ResumableLoader",
+    "ScriptLoader",
     "ShardedSampler",
     "SyntheticImages",
     "SyntheticTokens",
     "build_loaders",
     "hash_tokenize",
+    "resume_problem",
+    "sampler_note",
     "spend",
 ]

@@ -29,6 +29,7 @@ PHASES = (
     "other",
 )
 USEFUL_PHASES = ("forward", "backward", "optimizer")
+PAUSED = "paused"  # time inside a step that belongs to none (left out of the step)
 
 
 class StepTiming:
@@ -51,7 +52,8 @@ class StepTiming:
         if self._result is None:
             totals = dict.fromkeys(PHASES, 0.0)
             for phase, begin, end in self._spans:
-                totals[phase] += Marks.seconds(begin, end)
+                if phase != PAUSED:  # the script's own pause (Session.paused): no step's
+                    totals[phase] += Marks.seconds(begin, end)
             for source, target, seconds in self._moved:
                 seconds = min(max(resolve(seconds), 0.0), totals[source])
                 totals[source] -= seconds

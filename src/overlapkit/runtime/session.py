@@ -1,17 +1,27 @@
 """The Python API for your own training loop.
 
-    session = Session(optimizations, run_dir="runs/mine", warmup_steps=5)
+    session = Session(optimizations, run_dir="runs/mine")
     model, optimizer, loader = session.prepare(model, optimizer, loader)
-    for inputs, targets in session.steps(100):
-        with session.forward():
+    start = session.start(best=lambda: best_acc)   # resumes here, before your loop
+    for epoch in range(start.epoch, epochs):
+        for inputs, targets in loader:             # each batch is a step
             loss = loss_fn(model(inputs), targets)
-        session.backward(loss)
-        session.optimizer_step()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with session.paused("evaluation"):
+            accuracy = test(model)
     summary = session.finish()
 
-``session.forward_backward(inputs, targets, loss_fn)`` does the three middle
-lines in one call, and is the form that also runs under ``pipeline`` (where
-each rank holds only some layers and the last one computes the loss).
+Iterating the loader `prepare` returns is `session.epoch(loader)`: one epoch,
+each batch a step with its events. The script's own ``model(x)``,
+``loss.backward()`` and ``optimizer.step()`` fire the forward, backward and
+optimizer events (see `script.PlainCalls`); ``session.forward()``,
+``session.backward(loss)`` and ``session.optimizer_step()`` do the same
+explicitly and are needed for fp16 loss scaling and ``accumulate``.
+``session.steps(n)`` runs n steps in all, across epochs, instead of an epoch
+loop. ``session.forward_backward(inputs, targets, loss_fn)`` is the form that
+also runs under ``pipeline``.
 
 The built-in loop (`overlapkit.runtime.loop`) is written on this same API, so
 the optimizations see identical events in both.
@@ -19,6 +29,7 @@ the optimizations see identical events in both.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -29,7 +40,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
+from ..data import ScriptLoader, resume_problem, sampler_note
 from .arbitration import ArbitrationPolicy
 from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
@@ -37,13 +51,13 @@ from .events import Event
 from .gradsync import FlatAllReduce, broadcast_model
 from .hardware import describe_node, nodes_of
 from .metrics import PhaseClock, summarize
-from .optimization import COMM_WAIT, Optimization, needed_environment
-from .persist import atomic_torch_save
+from .optimization import COMM_WAIT, REGISTRY, Optimization, needed_environment
 from .precision import Precision, PrecisionName
 from .progress import ProgressBar
 from .report import LiveSteps, print_summary, write_run_files
 from .rng import capture_rng, restore_rng
 from .scheduler import Scheduler
+from .script import PlainCalls, PlainValues, Start, StepLoader, note, warn
 from .state import State
 from .steplog import PendingStep, StepLog
 from .timing import AsyncScalar
@@ -82,6 +96,8 @@ class Session:
         self.world = world or init_world(
             device, environment=partial(needed_environment, optimizations)
         )
+        self.notes: list[str] = []
+        optimizations = self._drop_single_process_noops(optimizations)
         self.scheduler = Scheduler(optimizations, policy)
         self.scheduler.check(
             self.world.world_size, self.world.device.type, self.world.backend, precision=precision
@@ -112,7 +128,15 @@ class Session:
         self._grad_sync: FlatAllReduce | None = None
         self._epoch = 0
         self._started = False
+        self._start: Start | None = None
         self._in_step = False
+        self._paused = 0
+        self._outside_s: dict[str, float] = defaultdict(float)  # time outside any step
+        self._gap_since: float | None = None  # between epochs, since
+        self._labelled_in_gap = 0.0
+        self._steps_this_run = 0
+        self._values = PlainValues()
+        self._plain_calls = PlainCalls(self)
         self._step_samples = 0
         self._micro_losses: list[torch.Tensor] = []
 
@@ -124,7 +148,16 @@ class Session:
         loader: Any = None,
         lr_scheduler: Any = None,
     ) -> tuple[Any, Any, Any]:
-        """Move the model to the device and apply every optimization's wrappers."""
+        """Move the model to the device and apply every optimization's wrappers.
+
+        A model already wrapped in DistributedDataParallel is unwrapped: the session
+        syncs gradients itself (``ddp_overlap``, or one flat all-reduce). A map-style
+        DataLoader is made resumable in its own order (`ScriptLoader`). The loader
+        returned runs one epoch of steps when iterated (`epoch`); ``lr_scheduler`` is
+        stepped after every optimizer step (register one stepped per epoch with
+        `register_for_checkpointing` or `start` instead)."""
+        model = self._unwrapped(model)
+        loader = self._resumable(loader)
         model = model.to(self.world.device)
         state = self.state
         state.model, state.optimizer, state.loader = model, optimizer, loader
@@ -136,7 +169,52 @@ class Session:
             broadcast_model(state.local_model, dp.src, dp.group)
             self._grad_sync = FlatAllReduce(state.local_model, dp.size, dp.group)
             state.zero_grad_in_place = True
-        return state.model, state.optimizer, state.loader
+        self._plain_calls.install(state.model, state.optimizer)
+        loader = StepLoader(self, state.loader) if state.loader is not None else None
+        return state.model, state.optimizer, loader
+
+    def _drop_single_process_noops(
+        self, optimizations: Sequence[Optimization]
+    ) -> list[Optimization]:
+        """One process has nothing to overlap its gradients with: such an optimization
+        is left out, with a note, so one script runs alone and under torchrun."""
+        kept = []
+        for opt in optimizations:
+            if getattr(opt, "noop_alone", False) and self.world.world_size == 1:
+                self._note(f"{opt.name} is off: one process has no gradients to exchange")
+            else:
+                kept.append(opt)
+        return kept
+
+    def _note(self, message: str) -> None:
+        self.notes.append(message)
+        if self.world.is_main:
+            note(message)
+
+    def _unwrapped(self, model: nn.Module) -> nn.Module:
+        if not isinstance(model, DistributedDataParallel):
+            return model
+        self._note(
+            "the model came wrapped in DistributedDataParallel: unwrapped; gradients are "
+            "synced by overlapkit (ddp_overlap, or one flat all-reduce)"
+        )
+        return model.module
+
+    @property
+    def checkpointing(self) -> bool:
+        return any(opt.name == "checkpoint" for opt in self.scheduler.optimizations)
+
+    def _resumable(self, loader: Any) -> Any:
+        if loader is None:
+            return None
+        problem = resume_problem(loader)
+        if problem is None and isinstance(loader, DataLoader):
+            if self.checkpointing and (hint := sampler_note(loader)):
+                self._note(hint)
+            return ScriptLoader(loader)
+        if problem is not None and self.checkpointing:
+            self._note(f"cannot resume exactly: {problem}")
+        return loader
 
     @property
     def data_shard(self) -> tuple[int, int]:
@@ -145,29 +223,144 @@ class Session:
         return self.scheduler.data_shard(self.world.rank, self.world.world_size)
 
     def register_for_checkpointing(self, name: str, obj: Any) -> None:
-        """Save and restore ``obj`` (anything with ``state_dict``/``load_state_dict``)."""
-        self._stateful[name] = obj
+        """Save and restore ``obj``: anything with ``state_dict``/``load_state_dict``
+        (an LR schedule stepped per epoch, an EMA...), a dict (restored in place), or a
+        function returning a plain value (``lambda: best_acc``; after a resume the
+        saved value is in ``session.start().values[name]``)."""
+        if self._started:
+            raise RuntimeError(
+                f"register {name!r} before the run starts (before start(), epoch() or steps()): "
+                "a resume has already restored the state"
+            )
+        if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+            self._stateful[name] = obj
+        elif isinstance(obj, dict):
+            self._stateful[name] = _DictState(obj)
+        elif callable(obj):
+            self._values.add(name, obj)
+        else:
+            raise TypeError(
+                f"cannot checkpoint {name}={obj!r}: pass a function that returns it "
+                f"({name}=lambda: {name}), a dict, or an object with state_dict()"
+            )
+
+    # ------------------------------------------------------------ epoch loops
+    def start(self, **state: Any) -> Start:
+        """Start the run now: resume from the newest checkpoint if there is one (and
+        say so), and return where the run starts (`Start`: epoch, batch, step).
+
+        Call it before the script's epoch loop: ``for epoch in range(start.epoch,
+        epochs)``. Keyword arguments are registered for checkpointing first (see
+        `register_for_checkpointing`): ``start(scheduler=scheduler, best=lambda:
+        best_acc)``; ``start.values["best"]`` is then the saved value after a resume,
+        the current one otherwise. Calling it again returns the same `Start`."""
+        for name, obj in state.items():
+            self.register_for_checkpointing(name, obj)
+        self._fit_start(None)
+        return self._start
+
+    def epoch(self, loader: Any = None) -> Iterator[Any]:
+        """Yield the rest of the loader's current epoch (all of it, unless a resume
+        stopped mid-way), one step per batch: the step events fire, its phases are
+        timed. A ``break`` closes the step. Iterating the loader `prepare` returned
+        does the same."""
+        loader = self._unwrap_loader(loader)
+        if self.state.accumulate > 1:
+            raise ValueError(
+                "Session(accumulate=k) runs with session.steps(n); in an epoch loop, "
+                "accumulate in the script"
+            )
+        self._fit_start(None)
+        state = self.state
+        iterator: Iterator[Any] | None = None
+        try:
+            while True:
+                self.start_step()
+                state.micro_step = 0
+                with state.clock.phase("data_wait"):
+                    if iterator is None:
+                        iterator = iter(loader)
+                    batch = next(iterator, _END)
+                if batch is _END:
+                    self._end_of_epoch()
+                    return
+                if self.world.device.type != "cpu":
+                    batch = to_device(batch, self.world.device)
+                state.batch = batch
+                self._step_samples += batch_size(batch)
+                self.scheduler.fire(Event.AFTER_DATA, state)
+                yield batch
+                if self._in_step:
+                    self.end_step()
+        finally:
+            if self._in_step:  # a break in the script's loop
+                self.end_step()
+
+    def _end_of_epoch(self) -> None:
+        """The step begun for a batch the epoch did not have: nothing ran in it. What
+        follows (the script's evaluation, its LR schedule...) is outside every step."""
+        self._in_step = False
+        self.state.clock.pause()
+        self._gap_since = perf_counter()
+        self._labelled_in_gap = 0.0
+
+    @contextmanager
+    def paused(self, label: str = "evaluation") -> Iterator[None]:
+        """Leave the time inside out of every step (the script's own evaluation, a
+        save...) and report it in the summary under ``outside_steps_s[label]``."""
+        start = perf_counter()
+        self._paused += 1
+        clock = self.state.clock
+        previous = clock.switch("paused") if self._in_step else None
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            seconds = perf_counter() - start
+            self._outside_s[label] += seconds
+            if previous is not None:
+                clock.switch(previous)
+            else:
+                clock.pause()
+                if self._gap_since is not None:
+                    self._labelled_in_gap += seconds
+
+    @property
+    def paused_now(self) -> bool:
+        return self._paused > 0
+
+    @property
+    def in_step(self) -> bool:
+        return self._in_step
+
+    def _unwrap_loader(self, loader: Any) -> Any:
+        loader = loader if loader is not None else self.state.loader
+        return loader.inner if isinstance(loader, StepLoader) else loader
 
     # ------------------------------------------------------------------ steps
     def steps(self, total_steps: int, loader: Any = None) -> Iterator[Any]:
         """Yield one batch per step until ``total_steps`` steps are done (counting
         resumed ones), starting a new epoch whenever the loader runs out."""
-        loader = loader if loader is not None else self.state.loader
+        loader = self._unwrap_loader(loader)
         self.state.total_steps = total_steps
         self._fit_start(total_steps)
         state = self.state
         iterator: Iterator[Any] | None = None
-        while state.step < total_steps:
-            self.start_step()
-            for micro_step in range(state.accumulate):
-                state.micro_step = micro_step
-                with state.clock.phase("data_wait"):
-                    batch, iterator = self._next_batch(loader, iterator)
-                state.batch = batch
-                self._step_samples += batch_size(batch)
-                self.scheduler.fire(Event.AFTER_DATA, state)
-                yield batch
-            if self._in_step:
+        try:
+            while state.step < total_steps:
+                self.start_step()
+                for micro_step in range(state.accumulate):
+                    state.micro_step = micro_step
+                    with state.clock.phase("data_wait"):
+                        batch, iterator = self._next_batch(loader, iterator)
+                    state.batch = batch
+                    self._step_samples += batch_size(batch)
+                    self.scheduler.fire(Event.AFTER_DATA, state)
+                    yield batch
+                if self._in_step:
+                    self.end_step()
+        finally:
+            if self._in_step:  # a break in the script's loop
                 self.end_step()
 
     def _next_batch(self, loader: Any, iterator: Iterator[Any] | None) -> tuple[Any, Iterator[Any]]:
@@ -194,17 +387,36 @@ class Session:
                 sampler.set_epoch(self._epoch)
         return iter(loader)
 
-    def _fit_start(self, total_steps: int) -> None:
+    def _fit_start(self, total_steps: int | None) -> None:
         if self._started:
             return
         self._started = True
         self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
+        self._start = self._where()
+        if self._start.resumed_from is not None and self.world.is_main:
+            note(self._start.describe())
         if self._show_progress and ProgressBar.wanted():
             self._progress = ProgressBar(self.name, total_steps, done=self.state.step)
         if self.world.is_main and self.state.run_dir is not None:
             self._live = LiveSteps(self.state.run_dir)
 
+    def _where(self) -> Start:
+        loader = self.state.loader
+        position = getattr(loader, "position", None)
+        epoch = getattr(loader, "epoch", None) if position is not None else None
+        return Start(
+            step=self.state.step,
+            epoch=self._epoch if epoch is None else int(epoch),
+            batch=int(position or 0),
+            resumed_from=self.state.resumed_from,
+            values=self._values.current(),
+        )
+
     def start_step(self) -> None:
+        if self._gap_since is not None:  # the time since the last epoch ended
+            gap = perf_counter() - self._gap_since - self._labelled_in_gap
+            self._outside_s["between_epochs"] += max(gap, 0.0)
+            self._gap_since = None
         self.state.clock.start_step()
         self._in_step = True
         self._step_samples = 0
@@ -217,10 +429,20 @@ class Session:
         self.scheduler.fire(Event.BEFORE_FORWARD, self.state)
         clock = self.state.clock
         clock.switch("forward")
-        with self.precision.autocast():
+        with self.precision.autocast(), self._session_call():
             yield
         clock.switch("other")
         self.scheduler.fire(Event.AFTER_FORWARD, self.state)
+
+    @contextmanager
+    def _session_call(self) -> Iterator[None]:
+        """The session fires this call's events itself: the script-call hooks stand aside."""
+        calls = self._plain_calls
+        outer, calls.in_session_call = calls.in_session_call, True
+        try:
+            yield
+        finally:
+            calls.in_session_call = outer
 
     def forward_backward(
         self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
@@ -240,7 +462,7 @@ class Session:
         state = self.state
         self.scheduler.fire(Event.BEFORE_FORWARD, state)
         state.clock.switch("forward")
-        with self.precision.autocast():
+        with self.precision.autocast(), self._session_call():
             loss = runner.forward_backward(state, inputs, targets, loss_fn)
         state.clock.switch("other")
         state.loss = loss
@@ -257,7 +479,8 @@ class Session:
         self.scheduler.fire(Event.BEFORE_BACKWARD, state)
         clock = state.clock
         clock.switch("backward")
-        self.precision.backward(loss / state.accumulate if state.accumulate > 1 else loss)
+        with self._session_call():
+            self.precision.backward(loss / state.accumulate if state.accumulate > 1 else loss)
         clock.switch("other")
         self.scheduler.fire(Event.AFTER_BACKWARD, self.state)
 
@@ -267,6 +490,15 @@ class Session:
         state = self.state
         if not state.is_sync_step:
             return
+        self.before_optimizer_step()
+        with self._session_call():
+            self.precision.step(state.optimizer)
+        state.optimizer.zero_grad(set_to_none=not state.zero_grad_in_place)
+        self.after_optimizer_step()
+
+    def before_optimizer_step(self) -> None:
+        """Sync gradients if nothing else does; BEFORE_OPTIMIZER_STEP."""
+        state = self.state
         if self._grad_sync is not None:
             with (
                 state.clock.phase("comm_exposed"),
@@ -275,12 +507,48 @@ class Session:
                 self._grad_sync()
         self.scheduler.fire(Event.BEFORE_OPTIMIZER_STEP, state)
         state.clock.switch("optimizer")
-        self.precision.step(state.optimizer)
-        state.optimizer.zero_grad(set_to_none=not state.zero_grad_in_place)
+
+    def after_optimizer_step(self) -> None:
+        """Step the LR schedule given to `prepare`; AFTER_OPTIMIZER_STEP."""
+        state = self.state
         if state.lr_scheduler is not None:
             state.lr_scheduler.step()
         state.clock.switch("other")
         self.scheduler.fire(Event.AFTER_OPTIMIZER_STEP, state)
+
+    def check_plain_step(self) -> None:
+        """A script's own ``optimizer.step()`` inside a step: what it cannot do."""
+        if self.precision.scaler is not None:
+            raise RuntimeError(
+                "under fp16 call session.backward(loss) and session.optimizer_step(): a plain "
+                "loss.backward() and optimizer.step() skip the loss scaling"
+            )
+        if self.state.accumulate > 1:
+            raise RuntimeError(
+                "with Session(accumulate=k) call session.backward(loss) and "
+                "session.optimizer_step(), which accumulate k micro-batches per step"
+            )
+        if self.scheduler.provider("forward_backward") is not None:
+            raise RuntimeError(
+                "under pipeline call session.forward_backward(inputs, targets, loss_fn) and "
+                "session.optimizer_step(): each rank holds only some layers"
+            )
+
+    def check_plain_forward(self) -> None:
+        """A script's own ``model(x)`` inside a step: autocast needs `forward`."""
+        if self.precision.name != "fp32":
+            raise RuntimeError(
+                f"precision {self.precision.name}: run the forward pass inside "
+                "`with session.forward():`, which autocasts"
+            )
+
+    def warn_loop_unseen(self) -> None:
+        saving = " and no checkpoint is taken" if self.checkpointing else ""
+        warn(
+            "optimizer.step() ran outside any step of the session: the summary counts no "
+            f"steps{saving}. Iterate the loader session.prepare() returned (or "
+            "session.epoch(loader), session.steps(n))"
+        )
 
     def end_step(
         self, loss: torch.Tensor | float | None = None, samples: int | None = None
@@ -310,6 +578,7 @@ class Session:
         for record in self._step_log.ready():
             self._record(record)
         state.step += 1
+        self._steps_this_run += 1
         self._in_step = False
 
     def _record(self, record: dict[str, Any]) -> None:
@@ -325,8 +594,11 @@ class Session:
     def evaluate(self, loader: Any) -> dict[str, Any]:
         """Classification accuracy and loss over ``loader`` (each rank passes its
         own shard); the counts are summed across ranks."""
+        with self.paused("evaluation"):  # reported on its own, not in any step
+            return self._evaluate(loader)
+
+    def _evaluate(self, loader: Any) -> dict[str, Any]:
         state = self.state
-        state.clock.pause()  # evaluation time is reported on its own, not in any step
         self.scheduler.fire(Event.EVAL_START, state)
         start = perf_counter()
         model = state.model
@@ -370,6 +642,7 @@ class Session:
             "precision": self.precision.state_dict(),
             "optimizations": self.scheduler.state_dict(),
             "user": {name: obj.state_dict() for name, obj in self._stateful.items()},
+            "values": self._values.state_dict(),
         }
         if self._raw_model is not None:
             out["model"] = self._raw_model.state_dict()
@@ -392,31 +665,48 @@ class Session:
         for name, obj in self._stateful.items():
             if name in saved.get("user", {}):
                 obj.load_state_dict(saved["user"][name])
+        self._values.load_state_dict(saved.get("values", {}))
         state.step = saved["progress"]["step"]
         self._epoch = saved["progress"]["epoch"]
         restore_rng(saved["rng"])
 
-    def checkpoint_path(self, directory: str | Path) -> Path:
-        return Path(directory) / f"rank{self.world.rank:05d}.pt"
+    def save(self, directory: str | Path | None = None) -> Path:
+        """Checkpoint now, in the checkpoint optimization's format and folder: the
+        optimization's own folder by default (``run_dir/checkpoints`` without it), or
+        ``directory``. Durable when it returns; call it on every rank. Returns the
+        checkpoint's step folder."""
+        checkpointer = REGISTRY["checkpoint"]
+        own = next((o for o in self.scheduler.optimizations if o.name == "checkpoint"), None)
+        if own is not None and self._started and (
+            directory is None or Path(directory).resolve() == own.root.resolve()
+        ):
+            return own.save_now(self.state)
+        if directory is None:
+            if self.state.run_dir is None:
+                raise ValueError("session.save() needs a folder: Session(run_dir=...) or save(dir)")
+            directory = self.state.run_dir / "checkpoints"
+        return checkpointer.save_to(self.state, Path(directory))
 
-    def save(self, directory: str | Path) -> Path:
-        """Write this rank's full state durably (atomic rename, fsync) under ``directory``."""
-        path = self.checkpoint_path(directory)
-        atomic_torch_save(self.state_dict(), path)
-        return path
-
-    def load(self, directory: str | Path) -> None:
-        """Restore this rank's state saved by `save` (tensors and plain values only)."""
-        # To the CPU: RNG states must stay there; load_state_dict copies onto the device.
-        saved = torch.load(self.checkpoint_path(directory), map_location="cpu", weights_only=True)
-        self.load_state_dict(saved)
+    def load(self, directory: str | Path) -> Start:
+        """Restore the newest intact checkpoint in ``directory`` (a folder written by
+        `save` or by the checkpoint optimization), or the one step folder
+        (``.../step-00000120``) given. Returns where the run continues."""
+        path = REGISTRY["checkpoint"].load_from(self.state, Path(directory))
+        self.state.resumed_from = str(path)
+        where = self._where()
+        if self.world.is_main:
+            note(where.describe())
+        return where
 
     # ---------------------------------------------------------------- finish
     def finish(self) -> dict[str, Any]:
         """Drain background work (FIT_END), gather metrics from all ranks, write
         ``steps.jsonl`` and ``summary.json`` to the run folder; return the summary.
         A process group the session started itself is closed: call it last."""
+        if self._in_step:  # a loop left mid-step (an exception, a generator not closed)
+            self.end_step()
         self.scheduler.fire(Event.FIT_END, self.state)
+        self._warn_if_no_steps()
         for record in self._step_log.drain():
             self._record(record)
         if self._progress is not None:
@@ -450,6 +740,10 @@ class Session:
                 "mode": "flat_allreduce",
                 "bytes": self._grad_sync.bytes_per_call,
             }
+        if self._outside_s:
+            summary["outside_steps_s"] = dict(self._outside_s)
+        if self.notes:
+            summary["notes"] = self.notes
         if self.state.eval_results:
             summary["eval"] = {
                 "accuracy": self.state.eval_results[-1]["accuracy"],
@@ -464,6 +758,34 @@ class Session:
             write_run_files(run_dir, records, summary, trace)
         if self._print_summary:
             print_summary(summary)
+        self._plain_calls.remove()
         if self._owns_world:
             close_world(self.world)
         return summary
+
+    def _warn_if_no_steps(self) -> None:
+        if self._steps_this_run or not (self.checkpointing or self._plain_calls.steps_outside):
+            return
+        warn(
+            "no step ran through the session"
+            + (", so no checkpoint was taken" if self.checkpointing else "")
+            + f" ({self._plain_calls.steps_outside} optimizer steps outside it). Iterate the "
+            "loader session.prepare() returned (or session.epoch(loader), session.steps(n))"
+        )
+
+
+class _DictState:
+    """A plain dict registered for checkpointing: restored in place."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.values.clear()
+        self.values.update(state)
+
+
+_END = object()

@@ -74,6 +74,7 @@ class State:
     capture: Callable[[], dict[str, Any]] | None = None
     restore: Callable[[dict[str, Any]], None] | None = None
     eval_results: list[dict[str, Any]] = field(default_factory=list)
+    resumed_from: str | None = None  # the checkpoint a resume restored (its step folder)
 
     @property
     def replicated_shard(self) -> Shard:

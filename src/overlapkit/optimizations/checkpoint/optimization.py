@@ -21,9 +21,9 @@ from ...runtime.timing import Marks
 from .coordination import Collectives, Domains, probe_domains
 from .persister import Persister, split_state
 from .policy import AutoInterval
-from .restore import load, newest_common_step
+from .restore import load, newest_common_step, valid_steps
 from .snapshot import Snapshot, Snapshotter, tensor_layout
-from .store import CheckpointError
+from .store import MANIFEST, CheckpointError, step_dir
 
 # In auto mode the ranks agree on when to checkpoint by a vote cast this many
 # steps ahead, so that the training thread never waits for it.
@@ -100,13 +100,8 @@ class Checkpoint(Optimization):
     def on_fit_start(self, state: State) -> None:
         configured = Path(self.settings["dir"]).expanduser()
         base = state.run_dir if state.run_dir is not None else Path.cwd()
-        self.root = configured if configured.is_absolute() else base / configured
+        self._open(state, configured if configured.is_absolute() else base / configured)
         world = state.world
-        self._make_root()
-        # Collectives, in the same order on every rank: which ranks share a disk, the
-        # checkpoint's own groups, the resume.
-        self._domains = probe_domains(self.root, world, state.replicated_shard.name)
-        self._collectives = Collectives(world)
         if self.settings["resume"]:
             self._resume(state)
         elif self._domains.leader(world.rank) and (self.root / "manifest.json").exists():
@@ -114,6 +109,18 @@ class Checkpoint(Optimization):
             shutil.move(str(self.root), f"{self.root}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         all_gather_objects(None, world)  # no rank writes into a folder being moved away
         self._make_root()
+        self._start_writers(state)
+
+    def _open(self, state: State, root: Path) -> None:
+        self.root = root
+        self._make_root()
+        # Collectives, in the same order on every rank: which ranks share a disk, the
+        # checkpoint's own groups (then the resume).
+        self._domains = probe_domains(self.root, state.world, state.replicated_shard.name)
+        self._collectives = Collectives(state.world)
+
+    def _start_writers(self, state: State) -> None:
+        world = state.world
         self._marks = Marks(world.device)
         self._snapshotter = Snapshotter(world.device, self.settings["max_in_flight"])
         self._persister = Persister(
@@ -145,6 +152,56 @@ class Checkpoint(Optimization):
         saved = load(self.root, step, state.world.rank, state.replicated_shard)
         state.restore(saved)
         self.resumed_from = step
+        state.resumed_from = str(step_dir(self.root, step))
+
+    # ------------------------------------- on request (Session.save / load)
+    def save_now(self, state: State) -> Path:
+        """Checkpoint the current state now, durable on return (every rank calls it)."""
+        if self._pending is not None:  # taken at this step's start: the state moved on since
+            self._pending.wait()
+            self._pending.buffers.free.set()
+            self._pending = None
+        snapshot = self._snapshotter.take(state.step, self._capture(state), set())
+        snapshot.wait()
+        self._submit(snapshot)
+        self._persister.drain()
+        self._raise_if_failed()
+        self._last_step = state.step
+        return step_dir(self.root, state.step)
+
+    @classmethod
+    def save_to(cls, state: State, root: Path) -> Path:
+        """A checkpoint of the current state in ``root``, outside any run of this
+        optimization (what `Session.save` writes into a folder of its choice)."""
+        writer = cls(dir=str(root.resolve()), resume=False, final=False)
+        writer._open(state, root.resolve())
+        writer._start_writers(state)
+        try:
+            return writer.save_now(state)
+        finally:
+            writer._persister.close()
+            writer._collectives.close()
+
+    @staticmethod
+    def load_from(state: State, root: Path) -> Path:
+        """Restore the newest intact checkpoint in ``root``, or the step folder given."""
+        step = None
+        if not (root / MANIFEST).exists() and root.name.startswith("step-"):
+            root, step = root.parent, int(root.name.removeprefix("step-"))
+        if not (root / MANIFEST).exists():
+            raise CheckpointError(
+                f"no checkpoint in {root}: it has no {MANIFEST} (session.save() and the "
+                "checkpoint optimization write one, beside step-NNNNNNNN folders)"
+            )
+        shard = state.replicated_shard
+        if step is None:
+            step = newest_common_step(root, state.world, shard)
+        elif step not in valid_steps(root, state.world.rank, state.world.world_size, shard):
+            raise CheckpointError(f"the checkpoint at step {step} in {root} is not intact")
+        if step is None:
+            raise CheckpointError(f"no intact checkpoint in {root}")
+        state.restore(load(root, step, state.world.rank, shard))
+        return step_dir(root, step)
 
     # ----------------------------------------------------------------- hooks
     def on_step_start(self, state: State) -> None:
@@ -184,11 +241,17 @@ class Checkpoint(Optimization):
     def on_fit_end(self, state: State) -> None:
         if self._persister is None:
             return
-        if self.settings["final"] and state.step != self._last_step:
+        pending, self._pending = self._pending, None  # taken at a step that never ran
+        if self.settings["final"] and (state.step != self._last_step or pending is not None):
+            if pending is not None:  # the state moved on since (the script's epoch end)
+                pending.wait()
+                pending.buffers.free.set()
             snapshot = self._snapshotter.take(state.step, self._capture(state), set())
             snapshot.wait()
             self._submit(snapshot)
             self._last_step = state.step
+        elif pending is not None:
+            self._submit(pending)
         self._persister.close()
         self._collectives.close()
         self._raise_if_failed()

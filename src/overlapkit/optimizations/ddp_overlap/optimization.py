@@ -98,6 +98,7 @@ class DDPOverlap(Optimization):
     provides = frozenset({"grad_sync"})
     wrap_stage = WrapStage.DATA_PARALLEL
     min_world_size = 2
+    noop_alone = True  # the Python API leaves it out on one process (with a note)
     off_at_zero = False  # intensity 0 is the no-overlap baseline, still measured
 
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ...data import ResumableLoader
+from ...data import ResumableLoader, ScriptLoader
 from .feeder import Feeder
 
 
@@ -36,7 +36,7 @@ class PrefetchLoader:
 
     def __init__(
         self,
-        inner: ResumableLoader,
+        inner: ResumableLoader | ScriptLoader,
         backend: Backend,
         device: torch.device,
         feeder_depth: int,
@@ -68,9 +68,12 @@ class PrefetchLoader:
     def close(self) -> None:
         self.backend.close()
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+    def state_dict(self) -> dict[str, Any]:
+        # The inner loader's own state too (a ScriptLoader's RNG states of each epoch),
+        # with the position training has reached.
+        return {**self.inner.state_dict(), "epoch": self.epoch, "position": self.position}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ...data import ResumableLoader
+from ...data import ResumableLoader, ScriptLoader
 from ...runtime import (
     CombinationError,
     Knob,
@@ -32,7 +32,8 @@ BACKENDS = ("torch", "tfdata", "dali")
 
 
 class PrefetchError(TypeError):
-    """The loader cannot be prefetched (it is not a `ResumableLoader`)."""
+    """The loader cannot be prefetched (not a `ResumableLoader`, nor a DataLoader that
+    `Session.prepare` made resumable, for the torch back end)."""
 
 
 @register_optimization
@@ -101,13 +102,18 @@ class Prefetch(Optimization):
             # stage) or nothing it uses; prefetch feeds the stage that takes the inputs.
             self.fed = False
             return loader
-        if not isinstance(loader, ResumableLoader):
-            raise PrefetchError(
-                f"prefetch needs an overlapkit.data.ResumableLoader, got {type(loader).__name__}: "
-                "ResumableLoader(dataset, batch_size, ShardedSampler(len(dataset), rank, "
-                "world_size)) keeps the position that exact resume needs"
-            )
         s = self.settings
+        if isinstance(loader, ScriptLoader) and s["backend"] != "torch":
+            raise PrefetchError(
+                f"prefetch backend {s['backend']} reads an overlapkit.data.ResumableLoader; "
+                "your own DataLoader is prefetched by the torch back end (backend: torch)"
+            )
+        if not isinstance(loader, (ResumableLoader, ScriptLoader)):
+            raise PrefetchError(
+                f"prefetch needs a map-style torch DataLoader or an overlapkit.data."
+                f"ResumableLoader, got {type(loader).__name__}: either keeps the position "
+                "that exact resume needs"
+            )
         device = state.world.device
         pin = s["pin_memory"] and device.type == "cuda"
         # On a CPU, loading competes with the step for the cores: under the "priority"

@@ -1,0 +1,179 @@
+"""What a script's own loop needs from a `Session`: where a resumed run starts, a
+loader whose iteration is the steps, and the step events of the script's own
+``model(x)``, ``loss.backward()`` and ``optimizer.step()`` calls."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .events import Event
+
+if TYPE_CHECKING:
+    from .session import Session
+
+
+class LoopWarning(UserWarning):
+    """The script's loop is not seen by the session (no steps, so no checkpoints)."""
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where the run starts: ``epoch`` and ``batch`` (within that epoch) of the next
+    step, ``step`` the steps done; ``resumed_from`` the checkpoint (None: a fresh
+    start); ``values`` the plain values given to `Session.start`, as saved."""
+
+    step: int
+    epoch: int
+    batch: int
+    resumed_from: str | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        where = f"step {self.step} (epoch {self.epoch}, batch {self.batch})"
+        return f"resumed at {where} from {self.resumed_from}"
+
+
+class PlainValues:
+    """Plain values (numbers, strings, tensors...) checkpointed by name. Each is given
+    as a function returning its current value (``best=lambda: best_acc``), read when a
+    checkpoint is taken; after a resume the saved values are in `restored`."""
+
+    def __init__(self) -> None:
+        self.getters: dict[str, Callable[[], Any]] = {}
+        self.restored: dict[str, Any] = {}
+
+    def add(self, name: str, value: Any) -> None:
+        self.getters[name] = value if callable(value) else (lambda: value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getter() for name, getter in self.getters.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.restored = dict(state)
+
+    def current(self) -> dict[str, Any]:
+        return {**self.state_dict(), **self.restored}
+
+
+class StepLoader:
+    """The loader `Session.prepare` returns: iterating it is one epoch of steps
+    (`Session.epoch`). Everything else is the prepared loader's."""
+
+    def __init__(self, session: Session, inner: Any) -> None:
+        self._session, self.inner = session, inner
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._session.epoch(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class PlainCalls:
+    """Step events for the calls a ported script keeps: ``model(x)`` (forward),
+    ``loss.backward()`` (backward starts when it reaches the model's output) and
+    ``optimizer.step()`` (gradient sync, the optimizer events, the LR schedule
+    passed to `prepare`). Calls made through the session itself fire their events
+    there; these hooks stand aside then."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.in_session_call = False  # Session.forward/backward/optimizer_step running
+        self.steps_outside = 0  # optimizer steps taken outside any session step
+        self._handles: list[Any] = []
+
+    def install(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self._handles.append(model.register_forward_pre_hook(self._before_forward))
+        self._handles.append(model.register_forward_hook(self._after_forward))
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+            self._handles.append(optimizer.register_step_post_hook(self._after_step))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _plain(self, module: nn.Module | None = None) -> bool:
+        """A script's own call, inside a training step."""
+        session = self.session
+        if self.in_session_call or not session.in_step or session.paused_now:
+            return False
+        return module is None or (module.training and torch.is_grad_enabled())
+
+    # ----------------------------------------------------------- forward
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._plain(module):
+            return
+        self.session.check_plain_forward()
+        state = self.session.state
+        self.session.scheduler.fire(Event.BEFORE_FORWARD, state)
+        state.clock.switch("forward")
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._plain(module):
+            return
+        session = self.session
+        session.state.clock.switch("other")
+        session.scheduler.fire(Event.AFTER_FORWARD, session.state)
+        tensor = _first_tensor_with_grad(output)
+        if tensor is not None:
+            tensor.register_hook(self._backward_reaches_output)
+
+    def _backward_reaches_output(self, grad: torch.Tensor) -> None:
+        session = self.session
+        if session.in_step and not self.in_session_call:
+            session.scheduler.fire(Event.BEFORE_BACKWARD, session.state)
+            session.state.clock.switch("backward")
+
+    # --------------------------------------------------------- optimizer
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        session = self.session
+        if self.in_session_call:
+            return
+        if not session.in_step:
+            self.steps_outside += 1
+            if self.steps_outside == 1:
+                session.warn_loop_unseen()
+            return
+        session.check_plain_step()
+        if session.state.clock.current == "backward":
+            session.state.clock.switch("other")
+            session.scheduler.fire(Event.AFTER_BACKWARD, session.state)
+        session.before_optimizer_step()
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.in_session_call or not self.session.in_step:
+            return
+        self.session.after_optimizer_step()
+
+
+def _first_tensor_with_grad(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    values = output.values() if isinstance(output, dict) else output
+    if isinstance(values, (list, tuple)) or isinstance(output, dict):
+        for value in values:
+            found = _first_tensor_with_grad(value)
+            if found is not None:
+                return found
+    return None
+
+
+def note(message: str) -> None:
+    """One line for the person running the script (stderr, main rank by the caller)."""
+    print(f"overlapkit: {message}", file=sys.stderr, flush=True)
+
+
+def warn(message: str) -> None:
+    warnings.warn(message, LoopWarning, stacklevel=3)
