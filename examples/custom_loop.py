@@ -13,66 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+from waves import Waveforms, make_model
 
 import overlapkit
-
-
-class Waveforms(Dataset):
-    """Sine, square, sawtooth and triangle waves with random frequency, phase and noise."""
-
-    kinds = 4
-
-    def __init__(self, count: int, length: int = 128, seed: int = 0) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        t = torch.linspace(0, 1, length)
-        self.labels = torch.randint(self.kinds, (count,), generator=generator)
-        frequency = 2 + 6 * torch.rand(count, 1, generator=generator)
-        phase = torch.rand(count, 1, generator=generator)
-        cycles = frequency * t + phase
-        fraction = cycles - cycles.floor()
-        shapes = torch.stack(
-            [
-                torch.sin(2 * math.pi * cycles),
-                torch.sign(torch.sin(2 * math.pi * cycles)),
-                2 * fraction - 1,
-                4 * (fraction - 0.5).abs() - 1,
-            ]
-        )
-        waves = shapes[self.labels, torch.arange(count)]
-        self.waves = (waves + 0.3 * torch.randn(count, length, generator=generator)).unsqueeze(1)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.waves[i], self.labels[i]
-
-
-def make_model() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv1d(1, 16, 7, padding=3),
-        nn.ReLU(),
-        nn.MaxPool1d(2),
-        nn.Conv1d(16, 32, 5, padding=2),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool1d(8),
-        nn.Flatten(),
-        nn.Linear(32 * 8, Waveforms.kinds),
-    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", type=Path, default=Path("runs/waves"))
-    parser.add_argument("--resume", action="store_true", help="continue from --out/checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue from --out/checkpoints")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -98,7 +54,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, optimizer, loader = session.prepare(model, optimizer, loader)
     if args.resume:
-        session.load(args.out / "checkpoint")
+        session.load(args.out / "checkpoints")  # the newest checkpoint there
 
     loss_fn = nn.CrossEntropyLoss()
     for waves, labels in session.steps(args.steps):
@@ -107,7 +63,7 @@ def main() -> None:
         session.backward(loss)
         session.optimizer_step()
 
-    session.save(args.out / "checkpoint")
+    session.save()  # into run_dir/checkpoints
     result = session.evaluate(test_loader)
     summary = session.finish()
     if world.is_main:

@@ -30,7 +30,7 @@ def test_custom_loop_trains_saves_and_resumes(tmp_path):
     assert first["step"] == 40 and first["accuracy"] > 0.8  # four classes: chance is 0.25
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["name"] == "waveforms" and summary["steps"] == 37  # 3 warm-up steps
-    assert (tmp_path / "checkpoint" / "rank00000.pt").is_file()
+    assert (tmp_path / "checkpoints" / "step-00000040" / "rank00000.ckpt").is_file()
     resumed = run("--steps", "50", "--out", tmp_path, "--resume")
     assert resumed["step"] == 50
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]

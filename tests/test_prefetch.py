@@ -48,8 +48,8 @@ def make_loader(dataset=None, batch=8):
 def wrapped(intensity=1.0, loader=None, **knobs):
     """A prefetching loader, as the scheduler wraps it (through a Session)."""
     session = Session([Prefetch(intensity, **knobs)], device="cpu", progress=False)
-    _, _, prefetching = session.prepare(nn.Linear(1, 1), None, loader or make_loader())
-    return prefetching, session.scheduler.optimizations[0]
+    session.prepare(nn.Linear(1, 1), None, loader or make_loader())
+    return session.state.loader, session.scheduler.optimizations[0]  # iterated without steps
 
 
 def batches(loader, count):
@@ -209,7 +209,8 @@ def test_workers_wait_while_the_step_waits_on_communication_under_priority(
     dataset = LoggedSlowImages(log, SHAPE, num_classes=4, num_samples=512, seed=3)
     knobs = {"backend": backend, "workers": 2, "depth": 16, "device_depth": 0}
     session = Session([Prefetch(1.0, **knobs)], device="cpu", progress=False, policy=policy)
-    _, _, loader = session.prepare(nn.Linear(1, 1), None, make_loader(dataset))
+    session.prepare(nn.Linear(1, 1), None, make_loader(dataset))
+    loader = session.state.loader
     iterator = iter(loader)
     next(iterator)  # the workers are running and have 16 batches (5 s of loading) to do
     time.sleep(0.3)
@@ -231,9 +232,21 @@ def test_workers_wait_while_the_step_waits_on_communication_under_priority(
 
 
 def test_a_loader_that_cannot_resume_is_refused_with_the_fix():
-    plain = torch.utils.data.DataLoader(list(range(10)), batch_size=2)
-    with pytest.raises(PrefetchError, match="ResumableLoader"):
-        wrapped(1.0, plain)
+    with pytest.raises(PrefetchError, match="map-style torch DataLoader or .*ResumableLoader"):
+        wrapped(1.0, [torch.zeros(2)] * 5)
+
+
+def test_a_scripts_own_dataloader_is_prefetched_in_its_own_order_by_the_torch_back_end():
+    def loader():
+        torch.manual_seed(0)
+        return torch.utils.data.DataLoader(list(range(40)), batch_size=4, shuffle=True)
+
+    plain = [b.tolist() for b in loader()]
+    prefetching, _ = wrapped(1.0, loader(), backend="torch", workers=2)
+    torch.manual_seed(0)  # the epoch's shuffle is drawn when the epoch starts, as plainly
+    assert [b.tolist() for b in prefetching] == plain
+    with pytest.raises(PrefetchError, match="backend tfdata reads .*ResumableLoader"):
+        wrapped(1.0, loader(), backend="tfdata")
 
 
 def test_a_failing_source_raises_on_the_training_thread():

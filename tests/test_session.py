@@ -40,8 +40,9 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     first = Session()
     model, optimizer, loader = make_parts()
     before = train(first, model, optimizer, loader, total=7)
-    first.save(tmp_path / "ckpt")
-    assert (tmp_path / "ckpt" / "rank00000.pt").is_file()
+    saved = first.save(tmp_path / "ckpt")  # the checkpoint optimization's format
+    assert saved == tmp_path / "ckpt" / "step-00000007"
+    assert (saved / "rank00000.ckpt").is_file() and (tmp_path / "ckpt" / "manifest.json").is_file()
 
     seed_everything(123)  # the restored RNG state must win over whatever came before
     second = Session()

@@ -9,7 +9,9 @@ loader, and owns any state it needs to resume exactly.
 
 from __future__ import annotations
 
+
 import difflib
+import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -281,6 +283,15 @@ def register_optimization(cls: type[Optimization]) -> type[Optimization]:
         raise TypeError(f"{cls.__qualname__} must set a name")
     REGISTRY[cls.name] = cls
     return cls
+
+
+def optimization_class(name: str) -> type[Optimization]:
+    """A registered optimization's class (`Session.save` uses the checkpoint's format).
+    Built-ins register when their package loads: it is loaded by name, so that the
+    runtime never imports the optimizations."""
+    if name not in REGISTRY:
+        importlib.import_module("overlapkit.optimizations").registered_optimizations()
+    return REGISTRY[name]
 
 
 def needed_environment(optimizations: Sequence[Optimization], backend: str) -> dict[str, str]:

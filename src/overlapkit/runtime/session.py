@@ -51,7 +51,7 @@ from .events import Event
 from .gradsync import FlatAllReduce, broadcast_model
 from .hardware import describe_node, nodes_of
 from .metrics import PhaseClock, summarize
-from .optimization import COMM_WAIT, REGISTRY, Optimization, needed_environment
+from .optimization import COMM_WAIT, Optimization, needed_environment, optimization_class
 from .precision import Precision, PrecisionName
 from .progress import ProgressBar
 from .report import LiveSteps, print_summary, write_run_files
@@ -675,7 +675,7 @@ class Session:
         optimization's own folder by default (``run_dir/checkpoints`` without it), or
         ``directory``. Durable when it returns; call it on every rank. Returns the
         checkpoint's step folder."""
-        checkpointer = REGISTRY["checkpoint"]
+        checkpointer = optimization_class("checkpoint")
         own = next((o for o in self.scheduler.optimizations if o.name == "checkpoint"), None)
         if own is not None and self._started and (
             directory is None or Path(directory).resolve() == own.root.resolve()
@@ -691,7 +691,7 @@ class Session:
         """Restore the newest intact checkpoint in ``directory`` (a folder written by
         `save` or by the checkpoint optimization), or the one step folder
         (``.../step-00000120``) given. Returns where the run continues."""
-        path = REGISTRY["checkpoint"].load_from(self.state, Path(directory))
+        path = optimization_class("checkpoint").load_from(self.state, Path(directory))
         self.state.resumed_from = str(path)
         where = self._where()
         if self.world.is_main:

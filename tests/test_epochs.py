@@ -1,0 +1,377 @@
+"""The Python API over a script's own epoch loop: session.start(), the prepared loader
+as an epoch of steps, the script's own backward and optimizer calls, its own DataLoader
+resumed exactly, plain values, session.paused(), save/load in one format."""
+
+import json
+import sys
+import warnings
+
+import pytest
+import torch
+from conftest import ROOT, free_port
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from overlapkit import Session, get_optimization
+from overlapkit.data import ScriptLoader
+from overlapkit.optimizations.checkpoint.store import CheckpointError
+from overlapkit.runtime.script import LoopWarning
+
+Checkpoint = get_optimization("checkpoint")
+
+
+def parts(seed=0, samples=40, batch=8, **loader_kwargs):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = TensorDataset(torch.randn(samples, 6), torch.randint(3, (samples,)))
+    loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True, **loader_kwargs)
+    return model, optimizer, loader
+
+
+def one_epoch(model, loader, optimizer, stop_after=None):
+    """A script's own loop body: plain model(x), loss.backward(), optimizer.step()."""
+    losses = []
+    for i, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if stop_after is not None and i + 1 == stop_after:
+            break
+    return losses
+
+
+# ------------------------------------------------------------- the script's loader
+@pytest.mark.parametrize(
+    "workers", [{}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": True}]
+)
+def test_a_dataloader_resumes_mid_epoch_in_the_scripts_own_order(workers):
+    """The global RNG draws of each epoch (the workers' seed, RandomSampler's shuffle)
+    and the training's own draws (dropout here: torch.rand) interleave as in the
+    plain script, through a stop and a resume in a later epoch."""
+
+    def run(wrap, state=None, stop=None):
+        torch.manual_seed(0)
+        data = TensorDataset(torch.arange(50.0))
+        loader = DataLoader(data, batch_size=4, shuffle=True, drop_last=True, **workers)
+        loader = wrap(loader)
+        seen = []
+        if state is not None:
+            loader.load_state_dict(state[0])
+            torch.set_rng_state(state[1])
+        for epoch in range(loader.epoch if state else 0, 3):
+            for (x,) in loader:
+                seen.append((x.tolist(), torch.rand(1).item()))
+                if len(seen) == stop:
+                    return seen, (loader.state_dict(), torch.get_rng_state())
+        return seen, None
+
+    plain, _ = run(lambda loader: loader)
+    wrapped, _ = run(ScriptLoader)
+    assert wrapped == plain  # nothing changes without a resume
+    first, saved = run(ScriptLoader, stop=17)  # epoch 1 (12 batches an epoch), batch 5
+    assert saved[0]["epoch"] == 1 and saved[0]["position"] == 5
+    rest, _ = run(ScriptLoader, state=saved)
+    assert first + rest == plain
+
+
+def test_the_scripts_set_epoch_is_kept_and_restored():
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = TensorDataset(torch.arange(16.0))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=3)
+    loader = ScriptLoader(DataLoader(data, batch_size=4, sampler=sampler))
+    orders = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)  # the script's own call
+        orders.append([x.tolist() for (x,) in loader])
+    assert orders[0] != orders[1]
+    sampler.set_epoch(1)
+    iterator = iter(loader)
+    next(iterator)
+    saved = loader.state_dict()
+    again = ScriptLoader(DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 1, 0, seed=3)))
+    again.load_state_dict(saved)
+    assert [x.tolist() for (x,) in again] == orders[1][1:]
+
+
+# ------------------------------------------------------------------ epoch loops
+def test_epoch_loop_with_a_kill_free_resume_matches_an_uninterrupted_one(tmp_path):
+    """start() resumes before the script's epoch loop; a per-epoch StepLR and a plain
+    best value come back; the continued run equals the uninterrupted one bit for bit."""
+
+    def script(run_dir, epochs, stop_in_epoch=None):
+        model, optimizer, loader = parts()
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        session = Session([Checkpoint(every=2)], run_dir=run_dir)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        best = -1.0
+        start = session.start(schedule=schedule, best=lambda: best)
+        best = start.values["best"]
+        losses = []
+        for epoch in range(start.epoch, epochs):
+            stop = 3 if epoch == stop_in_epoch else None
+            losses += one_epoch(model, loader, optimizer, stop_after=stop)
+            if stop:
+                break
+            schedule.step()
+            best = max(best, -losses[-1])
+        session.finish()
+        return start, losses, best, model, schedule
+
+    _, straight, best, model, schedule = script(tmp_path / "a", 3)
+    first_start, before, _, _, _ = script(tmp_path / "b", 3, stop_in_epoch=1)
+    assert first_start.resumed_from is None
+    start, after, best_again, model_again, schedule_again = script(tmp_path / "b", 3)
+    # 5 batches an epoch; the break after batch 3 of epoch 1 wrote a final checkpoint.
+    assert (start.step, start.epoch, start.batch) == (8, 1, 3)
+    assert start.resumed_from.endswith("step-00000008")
+    assert before + after == straight and best_again == best
+    assert schedule_again.state_dict() == schedule.state_dict()
+    for a, b in zip(model.parameters(), model_again.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_break_closes_the_step_and_finish_writes_the_final_checkpoint(tmp_path):
+    model, optimizer, loader = parts()
+    session = Session([Checkpoint(every=1000)], run_dir=tmp_path)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    one_epoch(model, loader, optimizer, stop_after=2)
+    summary = session.finish()
+    assert [r["step"] for r in session.records] == [0, 1]
+    assert summary["optimizations"]["checkpoint"]["checkpoints"] == 1
+    manifest = json.loads((tmp_path / "checkpoints" / "manifest.json").read_text())
+    assert [c["step"] for c in manifest["checkpoints"]] == [2]
+
+
+def test_a_loop_the_session_cannot_see_is_told_not_silent(tmp_path):
+    model, optimizer, loader = parts()
+    session = Session([Checkpoint(every=1)], run_dir=tmp_path)
+    model, optimizer, _ = session.prepare(model, optimizer, loader)
+    with pytest.warns(LoopWarning, match="outside any step"):
+        one_epoch(model, loader, optimizer)  # the original loader: no steps
+    with pytest.warns(LoopWarning, match="no checkpoint was taken"):
+        summary = session.finish()
+    assert summary["steps"] == 0
+    assert not (tmp_path / "checkpoints" / "manifest.json").exists()
+
+
+def test_the_scripts_own_calls_fire_every_step_event_and_are_timed():
+    from overlapkit import Event, Optimization
+
+    class Events(Optimization):
+        name = "events"
+
+        def __init__(self):
+            super().__init__(1.0)
+            self.seen = []
+
+        def __getattr__(self, hook):
+            if not hook.startswith("on_"):
+                raise AttributeError(hook)
+            return lambda state: self.seen.append(hook.removeprefix("on_"))
+
+    spy = Events()
+    model, optimizer, loader = parts()
+    session = Session([spy])
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    one_epoch(model, loader, optimizer, stop_after=1)
+    summary = session.finish()
+    step = spy.seen[spy.seen.index("step_start") : spy.seen.index("step_end") + 1]
+    assert step == [e.value for e in Event][1:10]
+    for phase in ("forward", "backward", "optimizer"):
+        assert summary["phases_s"][phase] > 0, phase
+
+
+def test_paused_time_is_outside_every_step_and_reported():
+    model, optimizer, loader = parts()
+    session = Session()
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    for i, (x, y) in enumerate(loader):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i == 1:
+            with session.paused("evaluation"):  # inside a step
+                torch.ones(1).add_(1)
+                __import__("time").sleep(1.0)
+    with session.paused("evaluation"):  # between epochs
+        __import__("time").sleep(0.5)
+    one_epoch(model, loader, optimizer)
+    summary = session.finish()
+    assert summary["outside_steps_s"]["evaluation"] >= 1.5
+    assert max(r["step_time_s"] for r in session.records) < 1.0  # the sleep is in no step
+
+
+def test_save_and_load_use_the_checkpoint_format_and_folder(tmp_path):
+    model, optimizer, loader = parts()
+    session = Session([Checkpoint(every=2, keep=10)], run_dir=tmp_path)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    one_epoch(model, loader, optimizer)
+    saved = session.save()  # into the optimization's own folder
+    assert saved == tmp_path / "checkpoints" / "step-00000005"
+    session.finish()
+
+    def fresh():
+        session = Session()
+        session.prepare(*parts()[:2])
+        return session
+
+    assert fresh().load(tmp_path / "checkpoints").step == 5  # the newest
+    assert fresh().load(tmp_path / "checkpoints" / "step-00000002").step == 2
+    with pytest.raises(CheckpointError, match="no checkpoint in .*manifest.json"):
+        fresh().load(tmp_path / "nothing-here")
+
+
+def test_ddp_overlap_alone_is_off_with_a_note_and_a_ddp_model_is_unwrapped(capfd):
+    session = Session([get_optimization("ddp_overlap")(1.0)])
+    assert session.scheduler.optimizations == []
+    model, optimizer, loader = parts()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(model)
+        session = Session()
+        prepared, _, _ = session.prepare(wrapped, optimizer, loader)
+        assert prepared is model
+        session.finish()
+    finally:
+        dist.destroy_process_group()
+    err = capfd.readouterr().err
+    assert "ddp_overlap is off" in err and "unwrapped" in err
+
+
+def test_a_loader_that_cannot_resume_is_said_so_when_checkpointing(tmp_path, capfd):
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([(torch.randn(6), 0)] * 8)
+
+    session = Session([Checkpoint(every=1)], run_dir=tmp_path)
+    model, optimizer, _ = parts()
+    session.prepare(model, optimizer, DataLoader(Stream(), batch_size=4))
+    assert "IterableDataset" in capfd.readouterr().err
+    assert any("IterableDataset" in n for n in session.notes)
+
+
+def test_bf16_needs_the_forward_block_and_values_must_be_checkpointable():
+    session = Session(device="cpu", precision="bf16")
+    model, optimizer, loader = session.prepare(*parts())
+    with pytest.raises(TypeError, match="lambda"):
+        session.register_for_checkpointing("best", 0.5)
+    with pytest.raises(RuntimeError, match="session.forward"):
+        one_epoch(model, loader, optimizer)
+
+
+# ------------------------------------------------------------------ the examples
+PLAIN, PORT = ROOT / "examples" / "epochs_plain.py", ROOT / "examples" / "epochs_overlapkit.py"
+
+
+def changed_lines(a: str, b: str) -> list[str]:
+    """Lines the port changes, past the module docstring and without the lines that
+    choose optimizations (marked ``# optimizations``)."""
+    import difflib
+
+    def code(text):
+        body = text[text.index('"""', 3) + 3 :]
+        return [line for line in body.splitlines() if not line.endswith("# optimizations")]
+
+    before, after = code(a), code(b)
+    changed = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, before, after).get_opcodes():
+        if tag != "equal":
+            pairs = max(i2 - i1, j2 - j1)
+            changed += (after[j1:j2] + before[i1:i2])[:pairs]
+    return changed
+
+
+def test_the_port_changes_at_most_eight_lines():
+    changed = changed_lines(PLAIN.read_text(), PORT.read_text())
+    assert 0 < len(changed) <= 8, changed
+
+
+def run_example(script, out, *args, torchrun=False, env=None, check=True):
+    import os
+    import subprocess
+
+    prefix = [sys.executable]
+    if torchrun:
+        prefix += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = subprocess.run(
+        [*prefix, str(script), "--out", str(out), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def final_state(out):
+    return torch.load(out / "last.pt")
+
+
+def assert_same_state(a, b, exact=True):
+    assert a["best_acc"] == b["best_acc"] and a["epoch"] == b["epoch"]
+    for name, tensor in a["model"].items():
+        if exact:
+            assert torch.equal(tensor, b["model"][name]), name
+        else:
+            assert torch.allclose(tensor, b["model"][name], rtol=1e-4, atol=1e-5), name
+
+
+@pytest.mark.slow
+def test_the_port_without_optimizations_is_bit_identical_to_the_plain_script(tmp_path):
+    plain = run_example(PLAIN, tmp_path / "plain", "--epochs", 2, "--log-every", 1)
+    port = run_example(PORT, tmp_path / "port", "--epochs", 2, "--log-every", 1)
+    assert plain.stdout.count("loss") == 128 and port.stdout == plain.stdout  # every loss
+    assert_same_state(final_state(tmp_path / "plain"), final_state(tmp_path / "port"))
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_and_the_same_command_again_give_the_uninterrupted_result(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    args = ["--epochs", 3, "--optimize", "checkpoint", "prefetch", "--intensity", 0.6]
+    run_example(PORT, tmp_path / "straight", *args)
+    # 0.5 ms per sample: about 16 ms a batch, so the run is surely killed mid-way.
+    out = tmp_path / "killed"
+    slow = {**os.environ, "WAVES_DELAY_MS": "0.5"}
+    command = [sys.executable, str(PORT), "--out", str(out), *map(str, args)]
+    victim = subprocess.Popen(command, cwd=ROOT, env=slow, stdout=subprocess.DEVNULL)
+    manifest = out / "checkpoints" / "manifest.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and victim.poll() is None:
+        try:
+            steps = [c["step"] for c in json.loads(manifest.read_text())["checkpoints"]]
+        except (OSError, ValueError, KeyError):
+            steps = []
+        if any(64 < step < 128 and step % 64 for step in steps):  # inside epoch 1
+            os.kill(victim.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    assert victim.wait(30) == -signal.SIGKILL
+    again = run_example(PORT, out, *args)
+    assert "resumed at step" in again.stderr and "(epoch 1, batch" in again.stderr
+    assert_same_state(final_state(tmp_path / "straight"), final_state(out))
+
+
+@pytest.mark.slow
+def test_two_ranks_with_ddp_overlap_equal_the_flat_all_reduce(tmp_path):
+    flat = run_example(PORT, tmp_path / "flat", "--epochs", 2, torchrun=True)
+    ddp = run_example(PORT, tmp_path / "ddp", "--epochs", 2, "--optimize", "ddp_overlap", torchrun=True)
+    assert "unwrapped" in flat.stderr  # the script's own DDP wrapper
+    assert_same_state(final_state(tmp_path / "flat"), final_state(tmp_path / "ddp"), exact=False)
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and "grad_sync" not in summary  # DDP synced
+    assert json.loads((tmp_path / "flat" / "summary.json").read_text())["grad_sync"]
