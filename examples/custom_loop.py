@@ -19,9 +19,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
-from waves import Waveforms, make_model
 
 import overlapkit
+from waves import Waveforms, make_model
 
 
 def main() -> None:

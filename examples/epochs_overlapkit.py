@@ -13,7 +13,6 @@ import json
 import os
 from pathlib import Path
 
-import overlapkit
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -21,6 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+
+import overlapkit
 from waves import Waveforms, make_model
 
 
@@ -94,7 +95,8 @@ def main():
         model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = StepLR(optimizer, step_size=2, gamma=0.5)
-    chosen = [overlapkit.get_optimization(n)(args.intensity) for n in args.optimize]  # optimizations
+    get = overlapkit.get_optimization  # optimizations
+    chosen = [get(name)(args.intensity) for name in args.optimize]  # optimizations
     session = overlapkit.Session(chosen, run_dir=args.out)
     model, optimizer, loader = session.prepare(model, optimizer, loader)
 

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-
 # Emulates slow storage (the tests use it to stop a run mid-way).
 DELAY_S = float(os.environ.get("WAVES_DELAY_MS", "0")) / 1000
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
 from rank_programs import mlp
 
+from conftest import run_cli
 from overlapkit import Session, get_optimization
 from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
 from overlapkit.launch.local import launch_local

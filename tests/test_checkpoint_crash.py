@@ -3,6 +3,7 @@
 import sys
 
 import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

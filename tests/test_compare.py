@@ -9,8 +9,8 @@ import json
 import optuna
 import pytest
 import yaml
-from conftest import TINY_SCENARIO, run_cli
 
+from conftest import TINY_SCENARIO, run_cli
 from overlapkit.runtime.hardware import hardware_label
 from overlapkit.tuning.analysis import Analysis
 from overlapkit.tuning.config import TuneConfig

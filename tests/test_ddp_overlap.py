@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli
 from rank_programs import mlp, train_mlp
 
+from conftest import run_cli
 from overlapkit import get_optimization
 from overlapkit.launch.local import launch_local
 from overlapkit.optimizations.ddp_overlap import size_class

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+
 from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.slow

@@ -4,15 +4,14 @@ resumed exactly, plain values, session.paused(), save/load in one format."""
 
 import json
 import sys
-import warnings
 
 import pytest
 import torch
-from conftest import ROOT, free_port
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from conftest import ROOT, free_port
 from overlapkit import Session, get_optimization
 from overlapkit.data import ScriptLoader
 from overlapkit.optimizations.checkpoint.store import CheckpointError
@@ -62,7 +61,7 @@ def test_a_dataloader_resumes_mid_epoch_in_the_scripts_own_order(workers):
         if state is not None:
             loader.load_state_dict(state[0])
             torch.set_rng_state(state[1])
-        for epoch in range(loader.epoch if state else 0, 3):
+        for _epoch in range(loader.epoch if state else 0, 3):
             for (x,) in loader:
                 seen.append((x.tolist(), torch.rand(1).item()))
                 if len(seen) == stop:
@@ -93,7 +92,9 @@ def test_the_scripts_set_epoch_is_kept_and_restored():
     iterator = iter(loader)
     next(iterator)
     saved = loader.state_dict()
-    again = ScriptLoader(DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 1, 0, seed=3)))
+    again = ScriptLoader(
+        DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 1, 0, seed=3))
+    )
     again.load_state_dict(saved)
     assert [x.tolist() for (x,) in again] == orders[1][1:]
 
@@ -233,7 +234,9 @@ def test_ddp_overlap_alone_is_off_with_a_note_and_a_ddp_model_is_unwrapped(capfd
     model, optimizer, loader = parts()
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     try:
         wrapped = DistributedDataParallel(model)
         session = Session()
@@ -369,7 +372,7 @@ def test_sigkill_mid_epoch_and_the_same_command_again_give_the_uninterrupted_res
 @pytest.mark.slow
 def test_two_ranks_with_ddp_overlap_equal_the_flat_all_reduce(tmp_path):
     flat = run_example(PORT, tmp_path / "flat", "--epochs", 2, torchrun=True)
-    ddp = run_example(PORT, tmp_path / "ddp", "--epochs", 2, "--optimize", "ddp_overlap", torchrun=True)
+    run_example(PORT, tmp_path / "ddp", "--epochs", 2, "--optimize", "ddp_overlap", torchrun=True)
     assert "unwrapped" in flat.stderr  # the script's own DDP wrapper
     assert_same_state(final_state(tmp_path / "flat"), final_state(tmp_path / "ddp"), exact=False)
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import ROOT
 
 EXAMPLE = ROOT / "examples" / "custom_loop.py"

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli
 from rank_programs import SHAPE, first_batch, pipeline_runs, unequal_mlp
 
+from conftest import run_cli
 from overlapkit import get_optimization
 from overlapkit.data import ShardedSampler, SyntheticImages
 from overlapkit.launch.local import launch_local

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.slow

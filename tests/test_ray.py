@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import optuna
 import pytest
 import sqlalchemy
-from conftest import ROOT, TINY_SCENARIO, dashboard_get, run_cli
 from optuna.trial import TrialState
 from pg_server import throwaway_postgres
 
+from conftest import ROOT, TINY_SCENARIO, dashboard_get, run_cli
 from overlapkit.tuning.study import open_storage
 
 pytestmark = pytest.mark.slow

@@ -3,8 +3,8 @@
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
 
+from conftest import ROOT, run_cli
 from overlapkit.scenarios import ScenarioError, dump_scenario, load_scenario
 
 

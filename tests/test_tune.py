@@ -17,10 +17,10 @@ import optuna
 import pytest
 import sqlalchemy
 import yaml
-from conftest import ROOT, TINY_SCENARIO, dashboard_get, run_cli
 from optuna.trial import TrialState
 from pg_server import throwaway_postgres
 
+from conftest import ROOT, TINY_SCENARIO, dashboard_get, run_cli
 from overlapkit.tuning import TuneConfig
 from overlapkit.tuning.analysis import Analysis
 from overlapkit.tuning.goodput import efficiency, goodput

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TINY_SCENARIO
 from rich.console import Console
 
+from conftest import TINY_SCENARIO
 from overlapkit.scenarios import Scenario, load_scenario
 from overlapkit.tuning import TuneConfig, TuneError, commands, runner, trial
 from overlapkit.tuning.gpus import split_gpus, visible_gpus

@@ -9,7 +9,6 @@ loader, and owns any state it needs to resume exactly.
 
 from __future__ import annotations
 
-
 import difflib
 import importlib
 import math

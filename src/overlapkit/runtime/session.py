@@ -677,8 +677,10 @@ class Session:
         checkpoint's step folder."""
         checkpointer = optimization_class("checkpoint")
         own = next((o for o in self.scheduler.optimizations if o.name == "checkpoint"), None)
-        if own is not None and self._started and (
-            directory is None or Path(directory).resolve() == own.root.resolve()
+        if (
+            own is not None
+            and self._started
+            and (directory is None or Path(directory).resolve() == own.root.resolve())
         ):
             return own.save_now(self.state)
         if directory is None:
