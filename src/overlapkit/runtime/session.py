@@ -40,30 +40,28 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
-from ..data import ScriptLoader, resume_problem, sampler_note
 from .arbitration import ArbitrationPolicy
 from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
+from .epochs import EpochLoop
 from .events import Event
 from .gradsync import FlatAllReduce, broadcast_model
 from .hardware import describe_node, nodes_of
 from .metrics import PhaseClock, summarize
-from .optimization import COMM_WAIT, Optimization, needed_environment, optimization_class
+from .optimization import COMM_WAIT, Optimization, needed_environment
 from .precision import Precision, PrecisionName
 from .progress import ProgressBar
 from .report import LiveSteps, print_summary, write_run_files
-from .rng import capture_rng, restore_rng
+from .saved_state import SavedState
 from .scheduler import Scheduler
-from .script import PlainCalls, PlainValues, Start, StepLoader, note, warn
+from .script import PlainCalls, PlainValues, Start, StepLoader, note
 from .state import State
 from .steplog import PendingStep, StepLog
 from .timing import AsyncScalar
 
 
-class Session:
+class Session(EpochLoop, SavedState):
     """Runs the user's loop under the scheduler: events, phase times, metrics,
     gradient sync across ranks, save and resume.
 
@@ -173,169 +171,11 @@ class Session:
         loader = StepLoader(self, state.loader) if state.loader is not None else None
         return state.model, state.optimizer, loader
 
-    def _drop_single_process_noops(
-        self, optimizations: Sequence[Optimization]
-    ) -> list[Optimization]:
-        """One process has nothing to overlap its gradients with: such an optimization
-        is left out, with a note, so one script runs alone and under torchrun."""
-        kept = []
-        for opt in optimizations:
-            if getattr(opt, "noop_alone", False) and self.world.world_size == 1:
-                self._note(f"{opt.name} is off: one process has no gradients to exchange")
-            else:
-                kept.append(opt)
-        return kept
-
-    def _note(self, message: str) -> None:
-        self.notes.append(message)
-        if self.world.is_main:
-            note(message)
-
-    def _unwrapped(self, model: nn.Module) -> nn.Module:
-        if not isinstance(model, DistributedDataParallel):
-            return model
-        self._note(
-            "the model came wrapped in DistributedDataParallel: unwrapped; gradients are "
-            "synced by overlapkit (ddp_overlap, or one flat all-reduce)"
-        )
-        return model.module
-
-    @property
-    def checkpointing(self) -> bool:
-        return any(opt.name == "checkpoint" for opt in self.scheduler.optimizations)
-
-    def _resumable(self, loader: Any) -> Any:
-        if loader is None:
-            return None
-        problem = resume_problem(loader)
-        if problem is None and isinstance(loader, DataLoader):
-            if self.checkpointing and (hint := sampler_note(loader)):
-                self._note(hint)
-            return ScriptLoader(loader)
-        if problem is not None and self.checkpointing:
-            self._note(f"cannot resume exactly: {problem}")
-        return loader
-
     @property
     def data_shard(self) -> tuple[int, int]:
         """(index, count): the shard of the data this rank reads. Every rank its own,
         unless the model is split across ranks: then the ranks of one pipeline share one."""
         return self.scheduler.data_shard(self.world.rank, self.world.world_size)
-
-    def register_for_checkpointing(self, name: str, obj: Any) -> None:
-        """Save and restore ``obj``: anything with ``state_dict``/``load_state_dict``
-        (an LR schedule stepped per epoch, an EMA...), a dict (restored in place), or a
-        function returning a plain value (``lambda: best_acc``; after a resume the
-        saved value is in ``session.start().values[name]``)."""
-        if self._started:
-            raise RuntimeError(
-                f"register {name!r} before the run starts (before start(), epoch() or steps()): "
-                "a resume has already restored the state"
-            )
-        if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-            self._stateful[name] = obj
-        elif isinstance(obj, dict):
-            self._stateful[name] = _DictState(obj)
-        elif callable(obj):
-            self._values.add(name, obj)
-        else:
-            raise TypeError(
-                f"cannot checkpoint {name}={obj!r}: pass a function that returns it "
-                f"({name}=lambda: {name}), a dict, or an object with state_dict()"
-            )
-
-    # ------------------------------------------------------------ epoch loops
-    def start(self, **state: Any) -> Start:
-        """Start the run now: resume from the newest checkpoint if there is one (and
-        say so), and return where the run starts (`Start`: epoch, batch, step).
-
-        Call it before the script's epoch loop: ``for epoch in range(start.epoch,
-        epochs)``. Keyword arguments are registered for checkpointing first (see
-        `register_for_checkpointing`): ``start(scheduler=scheduler, best=lambda:
-        best_acc)``; ``start.values["best"]`` is then the saved value after a resume,
-        the current one otherwise. Calling it again returns the same `Start`."""
-        for name, obj in state.items():
-            self.register_for_checkpointing(name, obj)
-        self._fit_start(None)
-        return self._start
-
-    def epoch(self, loader: Any = None) -> Iterator[Any]:
-        """Yield the rest of the loader's current epoch (all of it, unless a resume
-        stopped mid-way), one step per batch: the step events fire, its phases are
-        timed. A ``break`` closes the step. Iterating the loader `prepare` returned
-        does the same."""
-        loader = self._unwrap_loader(loader)
-        if self.state.accumulate > 1:
-            raise ValueError(
-                "Session(accumulate=k) runs with session.steps(n); in an epoch loop, "
-                "accumulate in the script"
-            )
-        self._fit_start(None)
-        state = self.state
-        iterator: Iterator[Any] | None = None
-        try:
-            while True:
-                self.start_step()
-                state.micro_step = 0
-                with state.clock.phase("data_wait"):
-                    if iterator is None:
-                        iterator = iter(loader)
-                    batch = next(iterator, _END)
-                if batch is _END:
-                    self._end_of_epoch()
-                    return
-                if self.world.device.type != "cpu":
-                    batch = to_device(batch, self.world.device)
-                state.batch = batch
-                self._step_samples += batch_size(batch)
-                self.scheduler.fire(Event.AFTER_DATA, state)
-                yield batch
-                if self._in_step:
-                    self.end_step()
-        finally:
-            if self._in_step:  # a break in the script's loop
-                self.end_step()
-
-    def _end_of_epoch(self) -> None:
-        """The step begun for a batch the epoch did not have: nothing ran in it. What
-        follows (the script's evaluation, its LR schedule...) is outside every step."""
-        self._in_step = False
-        self.state.clock.pause()
-        self._gap_since = perf_counter()
-        self._labelled_in_gap = 0.0
-
-    @contextmanager
-    def paused(self, label: str = "evaluation") -> Iterator[None]:
-        """Leave the time inside out of every step (the script's own evaluation, a
-        save...) and report it in the summary under ``outside_steps_s[label]``."""
-        start = perf_counter()
-        self._paused += 1
-        clock = self.state.clock
-        previous = clock.switch("paused") if self._in_step else None
-        try:
-            yield
-        finally:
-            self._paused -= 1
-            seconds = perf_counter() - start
-            self._outside_s[label] += seconds
-            if previous is not None:
-                clock.switch(previous)
-            else:
-                clock.pause()
-                if self._gap_since is not None:
-                    self._labelled_in_gap += seconds
-
-    @property
-    def paused_now(self) -> bool:
-        return self._paused > 0
-
-    @property
-    def in_step(self) -> bool:
-        return self._in_step
-
-    def _unwrap_loader(self, loader: Any) -> Any:
-        loader = loader if loader is not None else self.state.loader
-        return loader.inner if isinstance(loader, StepLoader) else loader
 
     # ------------------------------------------------------------------ steps
     def steps(self, total_steps: int, loader: Any = None) -> Iterator[Any]:
@@ -399,18 +239,6 @@ class Session:
             self._progress = ProgressBar(self.name, total_steps, done=self.state.step)
         if self.world.is_main and self.state.run_dir is not None:
             self._live = LiveSteps(self.state.run_dir)
-
-    def _where(self) -> Start:
-        loader = self.state.loader
-        position = getattr(loader, "position", None)
-        epoch = getattr(loader, "epoch", None) if position is not None else None
-        return Start(
-            step=self.state.step,
-            epoch=self._epoch if epoch is None else int(epoch),
-            batch=int(position or 0),
-            resumed_from=self.state.resumed_from,
-            values=self._values.current(),
-        )
 
     def start_step(self) -> None:
         if self._gap_since is not None:  # the time since the last epoch ended
@@ -516,40 +344,6 @@ class Session:
         state.clock.switch("other")
         self.scheduler.fire(Event.AFTER_OPTIMIZER_STEP, state)
 
-    def check_plain_step(self) -> None:
-        """A script's own ``optimizer.step()`` inside a step: what it cannot do."""
-        if self.precision.scaler is not None:
-            raise RuntimeError(
-                "under fp16 call session.backward(loss) and session.optimizer_step(): a plain "
-                "loss.backward() and optimizer.step() skip the loss scaling"
-            )
-        if self.state.accumulate > 1:
-            raise RuntimeError(
-                "with Session(accumulate=k) call session.backward(loss) and "
-                "session.optimizer_step(), which accumulate k micro-batches per step"
-            )
-        if self.scheduler.provider("forward_backward") is not None:
-            raise RuntimeError(
-                "under pipeline call session.forward_backward(inputs, targets, loss_fn) and "
-                "session.optimizer_step(): each rank holds only some layers"
-            )
-
-    def check_plain_forward(self) -> None:
-        """A script's own ``model(x)`` inside a step: autocast needs `forward`."""
-        if self.precision.name != "fp32":
-            raise RuntimeError(
-                f"precision {self.precision.name}: run the forward pass inside "
-                "`with session.forward():`, which autocasts"
-            )
-
-    def warn_loop_unseen(self) -> None:
-        saving = " and no checkpoint is taken" if self.checkpointing else ""
-        warn(
-            "optimizer.step() ran outside any step of the session: the summary counts no "
-            f"steps{saving}. Iterate the loader session.prepare() returned (or "
-            "session.epoch(loader), session.steps(n))"
-        )
-
     def end_step(
         self, loss: torch.Tensor | float | None = None, samples: int | None = None
     ) -> None:
@@ -632,74 +426,6 @@ class Session:
         self.scheduler.fire(Event.EVAL_END, state)
         return result
 
-    # ---------------------------------------------------------- save / resume
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly, under one key per component."""
-        state = self.state
-        out: dict[str, Any] = {
-            "progress": {"step": state.step, "epoch": self._epoch},
-            "rng": capture_rng(),
-            "precision": self.precision.state_dict(),
-            "optimizations": self.scheduler.state_dict(),
-            "user": {name: obj.state_dict() for name, obj in self._stateful.items()},
-            "values": self._values.state_dict(),
-        }
-        if self._raw_model is not None:
-            out["model"] = self._raw_model.state_dict()
-        for key in ("optimizer", "lr_scheduler", "loader"):
-            component = getattr(state, key)
-            if component is not None and hasattr(component, "state_dict"):
-                out[key] = component.state_dict()
-        return out
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        state = self.state
-        if self._raw_model is not None and "model" in saved:
-            self._raw_model.load_state_dict(saved["model"])
-        for key in ("optimizer", "lr_scheduler", "loader"):
-            component = getattr(state, key)
-            if key in saved and component is not None:
-                component.load_state_dict(saved[key])
-        self.precision.load_state_dict(saved.get("precision", {}))
-        self.scheduler.load_state_dict(saved.get("optimizations", {}))
-        for name, obj in self._stateful.items():
-            if name in saved.get("user", {}):
-                obj.load_state_dict(saved["user"][name])
-        self._values.load_state_dict(saved.get("values", {}))
-        state.step = saved["progress"]["step"]
-        self._epoch = saved["progress"]["epoch"]
-        restore_rng(saved["rng"])
-
-    def save(self, directory: str | Path | None = None) -> Path:
-        """Checkpoint now, in the checkpoint optimization's format and folder: the
-        optimization's own folder by default (``run_dir/checkpoints`` without it), or
-        ``directory``. Durable when it returns; call it on every rank. Returns the
-        checkpoint's step folder."""
-        checkpointer = optimization_class("checkpoint")
-        own = next((o for o in self.scheduler.optimizations if o.name == "checkpoint"), None)
-        if (
-            own is not None
-            and self._started
-            and (directory is None or Path(directory).resolve() == own.root.resolve())
-        ):
-            return own.save_now(self.state)
-        if directory is None:
-            if self.state.run_dir is None:
-                raise ValueError("session.save() needs a folder: Session(run_dir=...) or save(dir)")
-            directory = self.state.run_dir / "checkpoints"
-        return checkpointer.save_to(self.state, Path(directory))
-
-    def load(self, directory: str | Path) -> Start:
-        """Restore the newest intact checkpoint in ``directory`` (a folder written by
-        `save` or by the checkpoint optimization), or the one step folder
-        (``.../step-00000120``) given. Returns where the run continues."""
-        path = optimization_class("checkpoint").load_from(self.state, Path(directory))
-        self.state.resumed_from = str(path)
-        where = self._where()
-        if self.world.is_main:
-            note(where.describe())
-        return where
-
     # ---------------------------------------------------------------- finish
     def finish(self) -> dict[str, Any]:
         """Drain background work (FIT_END), gather metrics from all ranks, write
@@ -764,30 +490,3 @@ class Session:
         if self._owns_world:
             close_world(self.world)
         return summary
-
-    def _warn_if_no_steps(self) -> None:
-        if self._steps_this_run or not (self.checkpointing or self._plain_calls.steps_outside):
-            return
-        warn(
-            "no step ran through the session"
-            + (", so no checkpoint was taken" if self.checkpointing else "")
-            + f" ({self._plain_calls.steps_outside} optimizer steps outside it). Iterate the "
-            "loader session.prepare() returned (or session.epoch(loader), session.steps(n))"
-        )
-
-
-class _DictState:
-    """A plain dict registered for checkpointing: restored in place."""
-
-    def __init__(self, values: dict[str, Any]) -> None:
-        self.values = values
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.values)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.values.clear()
-        self.values.update(state)
-
-
-_END = object()

@@ -1,0 +1,223 @@
+"""The `Session`'s side for a script's own epoch loop: where the run starts, one epoch
+of steps from the script's loader, time the script pauses, and what a script is told
+when the session cannot see its loop. (A part of `Session`; see `session`.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from ..data import ScriptLoader, resume_problem, sampler_note
+from .batch import batch_size, to_device
+from .events import Event
+from .optimization import Optimization
+from .script import Start, StepLoader, note, warn
+
+if TYPE_CHECKING:
+    pass
+
+_END = object()
+
+
+class EpochLoop:
+    """`Session` methods for epoch loops (mixed into `Session`)."""
+
+    def _drop_single_process_noops(
+        self, optimizations: Sequence[Optimization]
+    ) -> list[Optimization]:
+        """One process has nothing to overlap its gradients with: such an optimization
+        is left out, with a note, so one script runs alone and under torchrun."""
+        kept = []
+        for opt in optimizations:
+            if getattr(opt, "noop_alone", False) and self.world.world_size == 1:
+                self._note(f"{opt.name} is off: one process has no gradients to exchange")
+            else:
+                kept.append(opt)
+        return kept
+
+    def _note(self, message: str) -> None:
+        self.notes.append(message)
+        if self.world.is_main:
+            note(message)
+
+    def _unwrapped(self, model: nn.Module) -> nn.Module:
+        if not isinstance(model, DistributedDataParallel):
+            return model
+        self._note(
+            "the model came wrapped in DistributedDataParallel: unwrapped; gradients are "
+            "synced by overlapkit (ddp_overlap, or one flat all-reduce)"
+        )
+        return model.module
+
+    @property
+    def checkpointing(self) -> bool:
+        return any(opt.name == "checkpoint" for opt in self.scheduler.optimizations)
+
+    def _resumable(self, loader: Any) -> Any:
+        if loader is None:
+            return None
+        problem = resume_problem(loader)
+        if problem is None and isinstance(loader, DataLoader):
+            if self.checkpointing and (hint := sampler_note(loader)):
+                self._note(hint)
+            return ScriptLoader(loader)
+        if problem is not None and self.checkpointing:
+            self._note(f"cannot resume exactly: {problem}")
+        return loader
+
+    def start(self, **state: Any) -> Start:
+        """Start the run now: resume from the newest checkpoint if there is one (and
+        say so), and return where the run starts (`Start`: epoch, batch, step).
+
+        Call it before the script's epoch loop: ``for epoch in range(start.epoch,
+        epochs)``. Keyword arguments are registered for checkpointing first (see
+        `register_for_checkpointing`): ``start(scheduler=scheduler, best=lambda:
+        best_acc)``; ``start.values["best"]`` is then the saved value after a resume,
+        the current one otherwise. Calling it again returns the same `Start`."""
+        for name, obj in state.items():
+            self.register_for_checkpointing(name, obj)
+        self._fit_start(None)
+        return self._start
+
+    def epoch(self, loader: Any = None) -> Iterator[Any]:
+        """Yield the rest of the loader's current epoch (all of it, unless a resume
+        stopped mid-way), one step per batch: the step events fire, its phases are
+        timed. A ``break`` closes the step. Iterating the loader `prepare` returned
+        does the same."""
+        loader = self._unwrap_loader(loader)
+        if self.state.accumulate > 1:
+            raise ValueError(
+                "Session(accumulate=k) runs with session.steps(n); in an epoch loop, "
+                "accumulate in the script"
+            )
+        self._fit_start(None)
+        state = self.state
+        iterator: Iterator[Any] | None = None
+        try:
+            while True:
+                self.start_step()
+                state.micro_step = 0
+                with state.clock.phase("data_wait"):
+                    if iterator is None:
+                        iterator = iter(loader)
+                    batch = next(iterator, _END)
+                if batch is _END:
+                    self._end_of_epoch()
+                    return
+                if self.world.device.type != "cpu":
+                    batch = to_device(batch, self.world.device)
+                state.batch = batch
+                self._step_samples += batch_size(batch)
+                self.scheduler.fire(Event.AFTER_DATA, state)
+                yield batch
+                if self._in_step:
+                    self.end_step()
+        finally:
+            if self._in_step:  # a break in the script's loop
+                self.end_step()
+
+    def _end_of_epoch(self) -> None:
+        """The step begun for a batch the epoch did not have: nothing ran in it. What
+        follows (the script's evaluation, its LR schedule...) is outside every step."""
+        self._in_step = False
+        self.state.clock.pause()
+        self._gap_since = perf_counter()
+        self._labelled_in_gap = 0.0
+
+    @contextmanager
+    def paused(self, label: str = "evaluation") -> Iterator[None]:
+        """Leave the time inside out of every step (the script's own evaluation, a
+        save...) and report it in the summary under ``outside_steps_s[label]``."""
+        start = perf_counter()
+        self._paused += 1
+        clock = self.state.clock
+        previous = clock.switch("paused") if self._in_step else None
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            seconds = perf_counter() - start
+            self._outside_s[label] += seconds
+            if previous is not None:
+                clock.switch(previous)
+            else:
+                clock.pause()
+                if self._gap_since is not None:
+                    self._labelled_in_gap += seconds
+
+    @property
+    def paused_now(self) -> bool:
+        return self._paused > 0
+
+    @property
+    def in_step(self) -> bool:
+        return self._in_step
+
+    def _unwrap_loader(self, loader: Any) -> Any:
+        loader = loader if loader is not None else self.state.loader
+        return loader.inner if isinstance(loader, StepLoader) else loader
+
+    def _where(self) -> Start:
+        loader = self.state.loader
+        position = getattr(loader, "position", None)
+        epoch = getattr(loader, "epoch", None) if position is not None else None
+        return Start(
+            step=self.state.step,
+            epoch=self._epoch if epoch is None else int(epoch),
+            batch=int(position or 0),
+            resumed_from=self.state.resumed_from,
+            values=self._values.current(),
+        )
+
+    def check_plain_step(self) -> None:
+        """A script's own ``optimizer.step()`` inside a step: what it cannot do."""
+        if self.precision.scaler is not None:
+            raise RuntimeError(
+                "under fp16 call session.backward(loss) and session.optimizer_step(): a plain "
+                "loss.backward() and optimizer.step() skip the loss scaling"
+            )
+        if self.state.accumulate > 1:
+            raise RuntimeError(
+                "with Session(accumulate=k) call session.backward(loss) and "
+                "session.optimizer_step(), which accumulate k micro-batches per step"
+            )
+        if self.scheduler.provider("forward_backward") is not None:
+            raise RuntimeError(
+                "under pipeline call session.forward_backward(inputs, targets, loss_fn) and "
+                "session.optimizer_step(): each rank holds only some layers"
+            )
+
+    def check_plain_forward(self) -> None:
+        """A script's own ``model(x)`` inside a step: autocast needs `forward`."""
+        if self.precision.name != "fp32":
+            raise RuntimeError(
+                f"precision {self.precision.name}: run the forward pass inside "
+                "`with session.forward():`, which autocasts"
+            )
+
+    def warn_loop_unseen(self) -> None:
+        saving = " and no checkpoint is taken" if self.checkpointing else ""
+        warn(
+            "optimizer.step() ran outside any step of the session: the summary counts no "
+            f"steps{saving}. Iterate the loader session.prepare() returned (or "
+            "session.epoch(loader), session.steps(n))"
+        )
+
+    def _warn_if_no_steps(self) -> None:
+        # Told when the script's loop bypassed the session: optimizer steps outside it,
+        # or checkpointing with a loop that never started (not a resumed, finished run).
+        unseen = self._plain_calls.steps_outside or (self.checkpointing and not self._started)
+        if self._steps_this_run or not unseen:
+            return
+        warn(
+            "no step ran through the session"
+            + (", so no checkpoint was taken" if self.checkpointing else "")
+            + f" ({self._plain_calls.steps_outside} optimizer steps outside it). Iterate the "
+            "loader session.prepare() returned (or session.epoch(loader), session.steps(n))"
+        )

@@ -1,0 +1,118 @@
+"""The `Session`'s state for checkpoints: what is saved, and `save`/`load` in the
+checkpoint optimization's format. (A part of `Session`; see `session`.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .optimization import optimization_class
+from .rng import capture_rng, restore_rng
+from .script import Start, note
+
+
+class SavedState:
+    """`Session` methods for saving and resuming (mixed into `Session`)."""
+
+    def register_for_checkpointing(self, name: str, obj: Any) -> None:
+        """Save and restore ``obj``: anything with ``state_dict``/``load_state_dict``
+        (an LR schedule stepped per epoch, an EMA...), a dict (restored in place), or a
+        function returning a plain value (``lambda: best_acc``; after a resume the
+        saved value is in ``session.start().values[name]``)."""
+        if self._started:
+            raise RuntimeError(
+                f"register {name!r} before the run starts (before start(), epoch() or steps()): "
+                "a resume has already restored the state"
+            )
+        if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+            self._stateful[name] = obj
+        elif isinstance(obj, dict):
+            self._stateful[name] = _DictState(obj)
+        elif callable(obj):
+            self._values.add(name, obj)
+        else:
+            raise TypeError(
+                f"cannot checkpoint {name}={obj!r}: pass a function that returns it "
+                f"({name}=lambda: {name}), a dict, or an object with state_dict()"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly, under one key per component."""
+        state = self.state
+        out: dict[str, Any] = {
+            "progress": {"step": state.step, "epoch": self._epoch},
+            "rng": capture_rng(),
+            "precision": self.precision.state_dict(),
+            "optimizations": self.scheduler.state_dict(),
+            "user": {name: obj.state_dict() for name, obj in self._stateful.items()},
+            "values": self._values.state_dict(),
+        }
+        if self._raw_model is not None:
+            out["model"] = self._raw_model.state_dict()
+        for key in ("optimizer", "lr_scheduler", "loader"):
+            component = getattr(state, key)
+            if component is not None and hasattr(component, "state_dict"):
+                out[key] = component.state_dict()
+        return out
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        state = self.state
+        if self._raw_model is not None and "model" in saved:
+            self._raw_model.load_state_dict(saved["model"])
+        for key in ("optimizer", "lr_scheduler", "loader"):
+            component = getattr(state, key)
+            if key in saved and component is not None:
+                component.load_state_dict(saved[key])
+        self.precision.load_state_dict(saved.get("precision", {}))
+        self.scheduler.load_state_dict(saved.get("optimizations", {}))
+        for name, obj in self._stateful.items():
+            if name in saved.get("user", {}):
+                obj.load_state_dict(saved["user"][name])
+        self._values.load_state_dict(saved.get("values", {}))
+        state.step = saved["progress"]["step"]
+        self._epoch = saved["progress"]["epoch"]
+        restore_rng(saved["rng"])
+
+    def save(self, directory: str | Path | None = None) -> Path:
+        """Checkpoint now, in the checkpoint optimization's format and folder: the
+        optimization's own folder by default (``run_dir/checkpoints`` without it), or
+        ``directory``. Durable when it returns; call it on every rank. Returns the
+        checkpoint's step folder."""
+        checkpointer = optimization_class("checkpoint")
+        own = next((o for o in self.scheduler.optimizations if o.name == "checkpoint"), None)
+        if (
+            own is not None
+            and self._started
+            and (directory is None or Path(directory).resolve() == own.root.resolve())
+        ):
+            return own.save_now(self.state)
+        if directory is None:
+            if self.state.run_dir is None:
+                raise ValueError("session.save() needs a folder: Session(run_dir=...) or save(dir)")
+            directory = self.state.run_dir / "checkpoints"
+        return checkpointer.save_to(self.state, Path(directory))
+
+    def load(self, directory: str | Path) -> Start:
+        """Restore the newest intact checkpoint in ``directory`` (a folder written by
+        `save` or by the checkpoint optimization), or the one step folder
+        (``.../step-00000120``) given. Returns where the run continues."""
+        path = optimization_class("checkpoint").load_from(self.state, Path(directory))
+        self.state.resumed_from = str(path)
+        where = self._where()
+        if self.world.is_main:
+            note(where.describe())
+        return where
+
+
+class _DictState:
+    """A plain dict registered for checkpointing: restored in place."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.values.clear()
+        self.values.update(state)
