@@ -4,6 +4,7 @@ resumed exactly, plain values, session.paused(), save/load in one format."""
 
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -97,6 +98,19 @@ def test_the_scripts_set_epoch_is_kept_and_restored():
     )
     again.load_state_dict(saved)
     assert [x.tolist() for (x,) in again] == orders[1][1:]
+
+
+def test_steps_sets_the_epoch_of_a_prepared_loaders_distributed_sampler():
+    """steps() owns the epoch loop: each epoch its own shuffle (was epoch 0's, always)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = TensorDataset(torch.arange(16.0))
+    session = Session()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0)
+    session.prepare(nn.Linear(1, 1), None, DataLoader(data, batch_size=4, sampler=sampler))
+    seen = [x.tolist() for (x,) in session.steps(8)]
+    assert seen[:4] != seen[4:] and sorted(sum(seen[4:], [])) == list(range(16))
+    assert sampler.epoch == 1
 
 
 # ------------------------------------------------------------------ epoch loops
@@ -198,10 +212,9 @@ def test_paused_time_is_outside_every_step_and_reported():
         optimizer.zero_grad()
         if i == 1:
             with session.paused("evaluation"):  # inside a step
-                torch.ones(1).add_(1)
-                __import__("time").sleep(1.0)
+                time.sleep(1.0)
     with session.paused("evaluation"):  # between epochs
-        __import__("time").sleep(0.5)
+        time.sleep(0.5)
     one_epoch(model, loader, optimizer)
     summary = session.finish()
     assert summary["outside_steps_s"]["evaluation"] >= 1.5
@@ -343,7 +356,6 @@ def test_sigkill_mid_epoch_and_the_same_command_again_give_the_uninterrupted_res
     import os
     import signal
     import subprocess
-    import time
 
     args = ["--epochs", 3, "--optimize", "checkpoint", "prefetch", "--intensity", 0.6]
     run_example(PORT, tmp_path / "straight", *args)

@@ -172,11 +172,10 @@ class ScriptLoader:
         ]
         self.epoch = 0
         self.position = 0
-        # RNG states at the start of each recent epoch, to replay its draws.
-        self._epoch_rng: dict[int, list[torch.Tensor]] = {}
-        # Whether the epoch's pass made a new DataLoader iterator (persistent workers
-        # keep one across epochs: then no base seed is drawn).
-        self._fresh: dict[int, bool] = {}
+        # Each recent epoch's start, to replay its draws: the RNG states, and whether
+        # its pass made a new DataLoader iterator (persistent workers keep one across
+        # epochs: then no base seed is drawn).
+        self._starts: dict[int, tuple[list[torch.Tensor], bool]] = {}
         self._loader: DataLoader | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -220,20 +219,21 @@ class ScriptLoader:
         epoch = self.epoch
         fresh = not (loader.persistent_workers and getattr(loader, "_iterator", None))
         replay = self.position > 0
-        if replay and epoch not in self._epoch_rng:
+        if replay and epoch not in self._starts:
             raise RuntimeError(
                 f"cannot continue epoch {epoch} at batch {self.position}: the RNG states of "
                 "its start were not saved"
             )
+        fresh_then = fresh
         if replay:
             now = _generator_states(self._generators)
-            _set_generator_states(self._generators, self._epoch_rng[epoch])
+            states, fresh_then = self._starts[epoch]
+            _set_generator_states(self._generators, states)
         else:
-            self._epoch_rng = {e: s for e, s in self._epoch_rng.items() if e >= epoch - 1}
-            self._epoch_rng[epoch] = _generator_states(self._generators)
-            self._fresh[epoch] = fresh
+            self._starts = {e: s for e, s in self._starts.items() if e >= epoch - 1}
+            self._starts[epoch] = (_generator_states(self._generators), fresh)
         # The script's pass made no new iterator (persistent workers): draw no base seed.
-        throwaway = replay and fresh and not self._fresh.get(epoch, True)
+        throwaway = fresh and not fresh_then
         if throwaway:
             loader.generator = torch.Generator()
         self._positioned.skip = self.position
@@ -263,15 +263,15 @@ class ScriptLoader:
         return {
             "epoch": self.epoch,
             "position": self.position,
-            "epoch_rng": [[e, *states] for e, states in sorted(self._epoch_rng.items())],
-            "fresh": [[e, int(f)] for e, f in sorted(self._fresh.items())],
+            "epoch_starts": [[e, int(f), *s] for e, (s, f) in sorted(self._starts.items())],
             "sampler_epoch": int(getattr(self.sampler, "epoch", 0)),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
-        self._epoch_rng = {int(e): list(states) for e, *states in state.get("epoch_rng", [])}
-        self._fresh = {int(e): bool(f) for e, f in state.get("fresh", [])}
+        self._starts = {
+            int(e): (list(states), bool(f)) for e, f, *states in state.get("epoch_starts", [])
+        }
         if hasattr(self.sampler, "set_epoch") and "sampler_epoch" in state:
             self.sampler.set_epoch(int(state["sampler_epoch"]))

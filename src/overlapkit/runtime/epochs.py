@@ -14,8 +14,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from ..data import ScriptLoader, resume_problem, sampler_note
-from .batch import batch_size, to_device
-from .events import Event
 from .optimization import Optimization
 from .script import Start, StepLoader, note, warn
 
@@ -56,8 +54,13 @@ class EpochLoop:
         return model.module
 
     @property
+    def checkpoint(self) -> Optimization | None:
+        """The checkpoint optimization of this session, if it has one."""
+        return next((o for o in self.scheduler.optimizations if o.name == "checkpoint"), None)
+
+    @property
     def checkpointing(self) -> bool:
-        return any(opt.name == "checkpoint" for opt in self.scheduler.optimizations)
+        return self.checkpoint is not None
 
     def _resumable(self, loader: Any) -> Any:
         if loader is None:
@@ -110,12 +113,7 @@ class EpochLoop:
                 if batch is _END:
                     self._end_of_epoch()
                     return
-                if self.world.device.type != "cpu":
-                    batch = to_device(batch, self.world.device)
-                state.batch = batch
-                self._step_samples += batch_size(batch)
-                self.scheduler.fire(Event.AFTER_DATA, state)
-                yield batch
+                yield self._arrived(batch)
                 if self._in_step:
                     self.end_step()
         finally:

@@ -79,7 +79,7 @@ class SavedState:
         ``directory``. Durable when it returns; call it on every rank. Returns the
         checkpoint's step folder."""
         checkpointer = optimization_class("checkpoint")
-        own = next((o for o in self.scheduler.optimizations if o.name == "checkpoint"), None)
+        own = self.checkpoint
         if (
             own is not None
             and self._started

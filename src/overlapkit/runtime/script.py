@@ -161,9 +161,10 @@ class PlainCalls:
 def _first_tensor_with_grad(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output if output.requires_grad else None
-    values = output.values() if isinstance(output, dict) else output
-    if isinstance(values, (list, tuple)) or isinstance(output, dict):
-        for value in values:
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        for value in output:
             found = _first_tensor_with_grad(value)
             if found is not None:
                 return found

@@ -193,10 +193,7 @@ class Session(EpochLoop, SavedState):
                     state.micro_step = micro_step
                     with state.clock.phase("data_wait"):
                         batch, iterator = self._next_batch(loader, iterator)
-                    state.batch = batch
-                    self._step_samples += batch_size(batch)
-                    self.scheduler.fire(Event.AFTER_DATA, state)
-                    yield batch
+                    yield self._arrived(batch)
                 if self._in_step:
                     self.end_step()
         finally:
@@ -215,16 +212,23 @@ class Session(EpochLoop, SavedState):
                 self._epoch += 1
         else:
             raise RuntimeError("the loader yielded no batch in a whole epoch")
-        if self.world.device.type != "cpu":
-            batch = to_device(batch, self.world.device)
         return batch, iterator
 
+    def _arrived(self, batch: Any) -> Any:
+        """A step's batch is here: on the device, counted, AFTER_DATA fired."""
+        if self.world.device.type != "cpu":
+            batch = to_device(batch, self.world.device)
+        self.state.batch = batch
+        self._step_samples += batch_size(batch)
+        self.scheduler.fire(Event.AFTER_DATA, self.state)
+        return batch
+
     def _new_epoch(self, loader: Any) -> Iterator[Any]:
-        # A loader that keeps its own position (it has state_dict) manages epochs itself.
-        if not hasattr(loader, "state_dict"):
-            sampler = getattr(loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self._epoch)
+        # steps() owns the epoch loop: it sets the sampler's epoch, from the loader's own
+        # count where it keeps one (resumable loaders), else from the session's.
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(int(getattr(loader, "epoch", self._epoch)))
         return iter(loader)
 
     def _fit_start(self, total_steps: int | None) -> None:

@@ -157,10 +157,7 @@ class Checkpoint(Optimization):
     # ------------------------------------- on request (Session.save / load)
     def save_now(self, state: State) -> Path:
         """Checkpoint the current state now, durable on return (every rank calls it)."""
-        if self._pending is not None:  # taken at this step's start: the state moved on since
-            self._pending.wait()
-            self._pending.buffers.free.set()
-            self._pending = None
+        self._drop_pending()  # taken at this step's start: the state moved on since
         snapshot = self._snapshotter.take(state.step, self._capture(state), set())
         snapshot.wait()
         self._submit(snapshot)
@@ -168,6 +165,13 @@ class Checkpoint(Optimization):
         self._raise_if_failed()
         self._last_step = state.step
         return step_dir(self.root, state.step)
+
+    def _drop_pending(self) -> None:
+        """Discard the snapshot waiting for its step's optimizer step, freeing its buffers."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending.buffers.free.set()
+            self._pending = None
 
     @classmethod
     def save_to(cls, state: State, root: Path) -> Path:
@@ -241,16 +245,16 @@ class Checkpoint(Optimization):
     def on_fit_end(self, state: State) -> None:
         if self._persister is None:
             return
-        pending, self._pending = self._pending, None  # taken at a step that never ran
+        # A snapshot taken at the start of a step that never ran (a script's epoch end).
+        pending = self._pending
         if self.settings["final"] and (state.step != self._last_step or pending is not None):
-            if pending is not None:  # the state moved on since (the script's epoch end)
-                pending.wait()
-                pending.buffers.free.set()
+            self._drop_pending()  # the state moved on since: the final one replaces it
             snapshot = self._snapshotter.take(state.step, self._capture(state), set())
             snapshot.wait()
             self._submit(snapshot)
             self._last_step = state.step
         elif pending is not None:
+            self._pending = None
             self._submit(pending)
         self._persister.close()
         self._collectives.close()
