@@ -107,6 +107,9 @@ def main():
         if rank == 0:
             save_checkpoint(last, model, optimizer, scheduler, epoch, best_acc)
             print(json.dumps({"epoch": epoch, "accuracy": accuracy, "best_acc": best_acc}))
+    if distributed:
+        dist.barrier()  # every rank done: a rank that exits early aborts now and then
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
