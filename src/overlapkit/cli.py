@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ from rich.table import Table
 from . import __version__
 from .data import DataNotFoundError
 from .launch.cluster import ClusterConfigError
+from .launch.interrupt import RunInterrupted
 from .launch.local import NodePlace, RankFailedError
 from .launch.ray_nodes import RayClusterError
 from .launch.ray_run import RayRunFailed
@@ -30,6 +35,28 @@ from .tuning import TuneError
 
 DATA_NAMES = ("synthetic-images", "synthetic-tokens", "cifar10", "imagefolder", "imdb")
 INTENSITY_POINTS = (0.25, 0.5, 0.75, 1.0)
+
+
+def _at_least(low: float, kind: type = int) -> Any:
+    """An argparse type: a number of ``kind`` no smaller than ``low``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value < low or value != value:  # NaN too
+            raise argparse.ArgumentTypeError(f"{text} is below {low:g}; at least {low:g}")
+        return value
+
+    return parse
+
+
+def _above_zero(text: str) -> float:
+    value = _at_least(0.0, float)(text)
+    if value == 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number above 0")
+    return value
 
 
 def _scenario_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,11 +95,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start over instead of resuming from the run folder's newest checkpoint",
     )
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the newest run folder of this scenario (under runs/)",
+    )
     run.add_argument("--json", action="store_true", help="print summary.json to stdout")
     _ray_argument(run, "run its world.nodes machines on the Ray cluster at ADDRESS")
     run.add_argument(
         "--node-rank",
-        type=int,
+        type=_at_least(0),
         help="this machine's place (0..world.nodes-1) when starting each machine by hand",
     )
     run.add_argument("--master", help="HOST:PORT where node 0 waits for the other machines")
@@ -81,21 +113,27 @@ def _parser() -> argparse.ArgumentParser:
         "tune", help="search the optimizations' knobs with Optuna and report where overlap pays"
     )
     _scenario_arguments(tune)
-    tune.add_argument("--trials", type=int, help="the sampler's trials (default: tune.trials)")
+    tune.add_argument(
+        "--trials", type=_at_least(1), help="the sampler's trials (default: tune.trials)"
+    )
     tune.add_argument(
         "--storage",
         help="an Optuna storage URL shared by workers and machines "
         "(default: SQLite in the tune folder; journal:PATH for a journal file)",
     )
     tune.add_argument("--study", help="the study's name (default: the scenario's name)")
-    tune.add_argument("--workers", type=int, default=1, help="local worker processes (default 1)")
-    tune.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
+    tune.add_argument(
+        "--workers", type=_at_least(1), default=1, help="local worker processes (default 1)"
+    )
+    tune.add_argument(
+        "--timeout", type=_above_zero, help="stop starting trials after this many seconds"
+    )
     tune.add_argument("--out", type=Path, help="tune folder (default: runs/<name>-tune)")
     tune.add_argument("--json", action="store_true", help="print report.json to stdout")
     _ray_argument(tune, "run each trial in a placement group on the Ray cluster at ADDRESS")
     tune.add_argument(
         "--max-concurrent",
-        type=int,
+        type=_at_least(1),
         help="with --ray: trials in flight at most (default: as many as the cluster holds)",
     )
 
@@ -116,7 +154,9 @@ def _parser() -> argparse.ArgumentParser:
         ("--job-hours", "the job's length"),
     ):
         report.add_argument(
-            figure, type=float, help=f"goodput at another {meaning} (default: the study's)"
+            figure,
+            type=_at_least(0.0, float) if figure == "--restart-s" else _above_zero,
+            help=f"goodput at another {meaning} (default: the study's)",
         )
 
     check = commands.add_parser("check", help="validate a scenario without running it")
@@ -205,72 +245,15 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # tables piped to a file need not wrap at 80 columns
     errors = Console(stderr=True)
+    where: dict[str, Path] = {}  # the run or tune folder, once known (for an internal error)
     try:
-        if args.command == "list":
-            catalogue = _catalogue()
-            if args.json:
-                print(json.dumps(catalogue, indent=2))
-            else:
-                _print_catalogue(console, catalogue)
-            return 0
-        if args.command == "cluster":
-            from .launch.cluster import check_cluster_file
-
-            prepared = check_cluster_file(args.file)
-            nodes = prepared.get("available_node_types") or {}
-            console.print(
-                f"cluster config {args.file}: ok ({prepared['provider']['type']}, "
-                + ", ".join(f"{name} {node.get('resources')}" for name, node in nodes.items())
-                + ")",
-                highlight=False,
-            )
-            return 0
-        if args.command == "report":
-            from .tuning.commands import report_command
-
-            return report_command(args, console)
-        scenario = load_scenario(args.scenario, args.overrides)
-        if args.command == "tune":
-            from .tuning.commands import tune_command
-
-            return tune_command(scenario, args, console)
-        if args.command == "check":
-            scenario.data.check()
-            scenario.check_setup()
-            console.print(_describe_scenario(scenario))
-            return 0
-        from .run import run_scenario  # imports torch.distributed machinery: only when running
-
-        if args.fresh and "checkpoint" in scenario.optimizations:
-            scenario.optimizations["checkpoint"] = {
-                **(scenario.optimizations["checkpoint"] or {}),
-                "resume": False,
-            }
-
-        if args.ray:
-            from .launch.ray_run import run_on_cluster
-
-            summary = run_on_cluster(
-                scenario, args.out, args.ray, args.fresh, args.quiet, args.json
-            )
-        else:
-            summary = run_scenario(
-                scenario,
-                args.out,
-                progress=not args.quiet,
-                print_summary=not (args.quiet or args.json),
-                node=_node_place(args, scenario.world.nodes),
-            )
-        if summary is None:  # a machine other than node 0: its part is in its run folder
-            return 0
-        if args.json:
-            print(json.dumps(summary, indent=2))
-        return 0
+        return _command(args, argv, console, errors, where)
     except ScenarioError as error:
         errors.print("[bold red]error in scenario[/]")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
@@ -282,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         TuneError,
         ClusterConfigError,
         RayClusterError,
+        UsageError,
     ) as error:
         errors.print("[bold red]error:[/] ", end="")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
@@ -298,16 +282,193 @@ def main(argv: list[str] | None = None) -> int:
         errors.print(f"[bold red]run failed: rank {error.rank}[/]", highlight=False)
         errors.print(error.details, highlight=False, markup=False, soft_wrap=True)
         return 1
+    except RunInterrupted as stop:
+        if int(os.environ.get("RANK", "0")) == 0:
+            errors.print(_stopped_line(stop, args, argv, where), highlight=False, soft_wrap=True)
+        return stop.exit_code
     except KeyboardInterrupt:
         errors.print("interrupted")
         return 130
+    except Exception as error:  # a bug: one line here, the traceback in a file
+        errors.print(_internal_error(error, where.get("folder")), highlight=False, soft_wrap=True)
+        return 1
+
+
+class UsageError(ValueError):
+    """A command-line argument that cannot work (named in the message)."""
+
+
+def _command(
+    args: argparse.Namespace,
+    argv: list[str],
+    console: Console,
+    errors: Console,
+    where: dict[str, Path],
+) -> int:
+    if args.command == "list":
+        catalogue = _catalogue()
+        if args.json:
+            print(json.dumps(catalogue, indent=2))
+        else:
+            _print_catalogue(console, catalogue)
+        return 0
+    if args.command == "cluster":
+        from .launch.cluster import check_cluster_file
+
+        prepared = check_cluster_file(args.file)
+        nodes = prepared.get("available_node_types") or {}
+        console.print(
+            f"cluster config {args.file}: ok ({prepared['provider']['type']}, "
+            + ", ".join(f"{name} {node.get('resources')}" for name, node in nodes.items())
+            + ")",
+            highlight=False,
+        )
+        return 0
+    if args.command == "report":
+        from .tuning.commands import report_command
+
+        return report_command(args, console)
+    scenario = load_scenario(args.scenario, args.overrides)
+    if args.command == "tune":
+        from .tuning.commands import tune_command
+
+        return tune_command(scenario, args, console)
+    if args.command == "check":
+        scenario.data.check()
+        scenario.check_setup()
+        console.print(_describe_scenario(scenario))
+        return 0
+    return _run_command(scenario, args, errors, where)
+
+
+def _run_command(
+    scenario: Scenario, args: argparse.Namespace, errors: Console, where: dict[str, Path]
+) -> int:
+    from .run import default_run_dir, run_scenario  # imports torch.distributed: only to run
+
+    if args.fresh and "checkpoint" in scenario.optimizations:
+        scenario.optimizations["checkpoint"] = {
+            **(scenario.optimizations["checkpoint"] or {}),
+            "resume": False,
+        }
+    out = _run_folder(scenario, args)
+    if args.ray:
+        from .launch.ray_run import run_on_cluster
+
+        summary = run_on_cluster(scenario, out, args.ray, args.fresh, args.quiet, args.json)
+    else:
+        node = _node_place(args, scenario.world.nodes)
+        out = out or default_run_dir(scenario)
+        where["folder"] = out
+        if int(os.environ.get("RANK", "0")) == 0:
+            errors.print(f"overlapkit: run folder {out}", highlight=False, soft_wrap=True)
+        summary = run_scenario(
+            scenario,
+            out,
+            progress=not args.quiet,
+            print_summary=not (args.quiet or args.json),
+            node=node,
+        )
+    if summary is None:  # a machine other than node 0: its part is in its run folder
+        return 0
+    if "run_dir" in summary:
+        errors.print(f"overlapkit: results in {summary['run_dir']}", highlight=False)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
+    """The run folder ``--out`` or ``--resume`` names (None: a new one), checked."""
+    if args.resume:
+        if args.out is not None or args.fresh:
+            raise UsageError(
+                f"--resume continues the newest run folder of {scenario.name}; "
+                f"{'--out names one' if args.out is not None else '--fresh starts over'}: "
+                "use one of them"
+            )
+        earlier = _earlier_runs(scenario.name)
+        if not earlier:
+            raise UsageError(
+                f"--resume: no earlier run of {scenario.name} under runs/ "
+                "(a folder runs/NAME-* holding scenario.yaml); name one with --out"
+            )
+        return earlier[0]
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: is a file; the run folder must be a folder")
+    if args.out is None and not args.fresh:
+        earlier = [run for run in _earlier_runs(scenario.name) if (run / "checkpoints").is_dir()]
+        if earlier and "checkpoint" in scenario.optimizations:
+            Console(stderr=True).print(
+                f"note: a new run folder; {earlier[0]} has checkpoints of this scenario: "
+                "--resume continues it",
+                highlight=False,
+                soft_wrap=True,
+            )
+    return args.out
+
+
+def _earlier_runs(name: str, root: Path = Path("runs")) -> list[Path]:
+    """Run folders of scenario ``name``, newest first."""
+    runs = [p.parent for p in root.glob(f"{name}-*/scenario.yaml")]
+    return sorted(runs, key=lambda p: (p / "scenario.yaml").stat().st_mtime, reverse=True)
+
+
+def _stopped_line(
+    stop: RunInterrupted, args: argparse.Namespace, argv: list[str], where: dict[str, Path]
+) -> str:
+    folder = where.get("folder")
+    at = f" at step {stop.step}" if stop.step is not None else ""
+    line = f"overlapkit: stopped by {stop.signal_name}{at}"
+    if folder is None:
+        return line
+    line += f"; run folder {folder}"
+    if stop.checkpoint_step is not None:
+        line += f"; the newest checkpoint is step {stop.checkpoint_step}. Resume: "
+    else:
+        line += "; no checkpoint was written, so the run starts over. Again: "
+    kept = _without(argv, {"--out": 1, "--resume": 0, "--fresh": 0})
+    prefix = "torchrun ... -m " if os.environ.get("TORCHELASTIC_RUN_ID") else ""
+    return line + prefix + shlex.join(["overlapkit", *kept, "--out", str(folder)])
+
+
+def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
+    """``argv`` without ``flags`` (flag: how many values follow it)."""
+    kept, skip = [], 0
+    for word in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = word.split("=", 1)[0]
+        if name in flags:
+            skip = flags[name] if "=" not in word else 0
+            continue
+        kept.append(word)
+    return kept
+
+
+def _internal_error(error: Exception, folder: Path | None) -> str:
+    text = "".join(traceback.format_exception(error))
+    try:
+        if folder is not None and folder.is_dir():
+            path = folder / "error.txt"
+        else:
+            path = Path(tempfile.gettempdir()) / f"overlapkit-error-{os.getpid()}.txt"
+        path.write_text(text)
+        saved = f"the traceback is in {path}"
+    except OSError:
+        saved = f"the traceback:\n{text}"
+    return (
+        f"internal error (a bug in overlapkit; please report it): "
+        f"{type(error).__name__}: {error}; {saved}"
+    )
 
 
 def _node_place(args: argparse.Namespace, nodes: int) -> NodePlace | None:
     if args.node_rank is None and args.master is None:
         return None
     if args.node_rank is None or args.master is None:
-        raise CombinationError("--node-rank and --master go together")
+        raise UsageError("--node-rank and --master go together")
     try:
         return NodePlace(nodes, args.node_rank, args.master)
     except ValueError as error:

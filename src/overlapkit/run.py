@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .data import build_loaders
+from .launch.interrupt import RunInterrupted, stop_on_signals
 from .launch.local import NodePlace, launch_local, under_torchrun
 from .runtime import CombinationError, Session
 from .runtime.distributed import close_world, init_world
@@ -34,53 +35,68 @@ def default_run_dir(scenario: Scenario, root: Path = Path("runs")) -> Path:
 def rank_main(
     scenario: Scenario, run_dir: Path | None, progress: bool, print_summary: bool
 ) -> dict[str, Any]:
-    """One rank's whole run; the same under overlapkit's launcher and torchrun."""
-    cfg = scenario.train
-    optimizations = scenario.build_optimizations()
-    world = init_world(
-        scenario.world.device,
-        scenario.world.backend,
-        scenario.world.threads,
-        environment=partial(needed_environment, optimizations),
+    """One rank's whole run; the same under overlapkit's launcher and torchrun.
+    SIGINT/SIGTERM end it with `RunInterrupted`, saying the step it reached."""
+    session: Session | None = None
+    with stop_on_signals() as received:
+        try:
+            cfg = scenario.train
+            optimizations = scenario.build_optimizations()
+            world = init_world(
+                scenario.world.device,
+                scenario.world.backend,
+                scenario.world.threads,
+                environment=partial(needed_environment, optimizations),
+            )
+            try:
+                if cfg.deterministic:
+                    torch.use_deterministic_algorithms(True)
+                seed_everything(cfg.seed)  # the same initial model on every rank
+                model = scenario.model.build()
+                session = Session(
+                    optimizations,
+                    policy=scenario.scheduler.policy,
+                    world=world,
+                    precision=cfg.precision,
+                    warmup_steps=cfg.warmup_steps,
+                    accumulate=cfg.accumulate,
+                    run_dir=run_dir,
+                    progress=progress,
+                    print_summary=print_summary,
+                    name=scenario.name,
+                    trace=scenario.scheduler.trace,
+                )
+                result = _train(scenario, session, model)
+                close_world(world)
+                return result
+            finally:
+                if world.world_size > 1 and dist.is_initialized() and not world.adopted:
+                    dist.destroy_process_group()  # after a failure: no barrier, a peer may be gone
+        except BaseException:
+            # An error a signal caused (a peer that left mid-collective) is the signal's.
+            if received.first is None:
+                raise
+            step, checkpoint = session.stopped() if session is not None else (None, None)
+            raise RunInterrupted(received.first, step, checkpoint) from None
+
+
+def _train(scenario: Scenario, session: Session, model: torch.nn.Module) -> dict[str, Any]:
+    cfg, world = scenario.train, session.world
+    shard, shards = session.data_shard  # the ranks of one pipeline read the same batches
+    train_set, eval_set = scenario.data.build(cfg.seed)
+    wants_eval = bool(cfg.eval.every or cfg.eval.at_end)
+    train_loader, eval_loader = build_loaders(
+        train_set,
+        eval_set if wants_eval else None,
+        cfg.batch_size,
+        shard,
+        shards,
+        cfg.seed,
+        cfg.eval.max_samples,
+        pin_memory=world.device.type == "cuda",
     )
-    try:
-        if cfg.deterministic:
-            torch.use_deterministic_algorithms(True)
-        seed_everything(cfg.seed)  # the same initial model on every rank
-        model = scenario.model.build()
-        session = Session(
-            optimizations,
-            policy=scenario.scheduler.policy,
-            world=world,
-            precision=cfg.precision,
-            warmup_steps=cfg.warmup_steps,
-            accumulate=cfg.accumulate,
-            run_dir=run_dir,
-            progress=progress,
-            print_summary=print_summary,
-            name=scenario.name,
-            trace=scenario.scheduler.trace,
-        )
-        shard, shards = session.data_shard  # the ranks of one pipeline read the same batches
-        train_set, eval_set = scenario.data.build(cfg.seed)
-        wants_eval = bool(cfg.eval.every or cfg.eval.at_end)
-        train_loader, eval_loader = build_loaders(
-            train_set,
-            eval_set if wants_eval else None,
-            cfg.batch_size,
-            shard,
-            shards,
-            cfg.seed,
-            cfg.eval.max_samples,
-            pin_memory=world.device.type == "cuda",
-        )
-        seed_everything(cfg.seed + 1 + world.rank)  # dropout and the like differ per rank
-        result = train(cfg, session, model, train_loader, eval_loader)
-        close_world(world)
-        return result
-    finally:
-        if world.world_size > 1 and dist.is_initialized() and not world.adopted:
-            dist.destroy_process_group()  # after a failure: no barrier, a peer may be gone
+    seed_everything(cfg.seed + 1 + world.rank)  # dropout and the like differ per rank
+    return train(cfg, session, model, train_loader, eval_loader)
 
 
 def run_scenario(

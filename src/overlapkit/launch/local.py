@@ -25,8 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from .interrupt import RunInterrupted
 
 _FAILURE_DIR_ENV = "OVERLAPKIT_FAILURE_DIR"
 
@@ -80,12 +83,14 @@ def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
         folder = os.environ.get(_FAILURE_DIR_ENV)
         if folder:
             rank = int(os.environ.get("RANK", 0))
-            record = {
-                "rank": rank,
-                "time": time.time(),
-                "error": "".join(traceback.format_exception(error)),
-            }
+            record = {"rank": rank, "time": time.time()}
+            if isinstance(error, RunInterrupted):
+                record.update(error.record())
+            else:
+                record["error"] = "".join(traceback.format_exception(error))
             Path(folder, f"rank{rank}.json").write_text(json.dumps(record))
+        if isinstance(error, RunInterrupted):
+            sys.exit(error.exit_code)  # no traceback: the launcher tells the user
         raise
 
 
@@ -139,17 +144,20 @@ def launch_local(
     Raises `RankFailedError` naming the first rank that failed, with its traceback.
     """
     _quiet_launcher_logs()
+    handlers = {s: signal.getsignal(s) for s in _LAUNCHER_SIGNALS}  # elastic replaces them
     with tempfile.TemporaryDirectory(prefix="overlapkit-ranks-") as failures:
         config = _launch_config(nprocs, node)
         previous = os.environ.get(_FAILURE_DIR_ENV)
         os.environ[_FAILURE_DIR_ENV] = failures  # inherited by the ranks
         try:
             return elastic_launch(config, _run_rank)(fn, *args)
+        except SignalException as error:
+            # The launcher was signalled: it passed the signal on and waited for the ranks.
+            raise _interruption(_records(failures), int(error.sigval)) from None
         except ChildFailedError as error:
-            recorded = {
-                r["rank"]: r
-                for r in (json.loads(p.read_text()) for p in Path(failures).glob("rank*.json"))
-            }
+            recorded = _records(failures)
+            if any("interrupted" in r for r in recorded.values()):  # only ranks were signalled
+                raise _interruption(recorded, None) from None
             # A rank that died without a Python error (a signal: a crash, the OOM killer)
             # is the likelier cause: its peers then fail with "connection reset".
             silent = {
@@ -180,3 +188,25 @@ def launch_local(
                 os.environ.pop(_FAILURE_DIR_ENV, None)
             else:
                 os.environ[_FAILURE_DIR_ENV] = previous
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+
+
+_LAUNCHER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _records(failures: str) -> dict[int, dict[str, Any]]:
+    """What each rank that failed or was interrupted wrote, by rank."""
+    return {
+        r["rank"]: r for r in (json.loads(p.read_text()) for p in Path(failures).glob("rank*.json"))
+    }
+
+
+def _interruption(recorded: dict[int, dict[str, Any]], signum: int | None) -> RunInterrupted:
+    """One `RunInterrupted` for the run: rank 0's step (ranks stop within a step of
+    each other), the signal the launcher got or the ranks' own."""
+    stopped = [r for _, r in sorted(recorded.items()) if "interrupted" in r]
+    if not stopped:
+        return RunInterrupted(signum or signal.SIGINT)
+    first = RunInterrupted.from_record(stopped[0])
+    return RunInterrupted(signum or first.signum, first.step, first.checkpoint_step)

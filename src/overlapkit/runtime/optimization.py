@@ -76,6 +76,7 @@ class Plan:
     batch_size: int | None = None
     build_model: Callable[[], Any] | None = None
     precision: str = "fp32"  # fp32, bf16 or fp16
+    accumulate: int = 1  # micro-batches per optimizer step (train.accumulate)
 
     def provided(self, role: str) -> bool:
         return any(role in opt.provides for opt in self.optimizations.values())

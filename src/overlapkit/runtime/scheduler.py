@@ -153,6 +153,7 @@ class Scheduler:
         batch_size: int | None = None,
         build_model: Callable[[], Any] | None = None,
         precision: str = "fp32",
+        accumulate: int = 1,
     ) -> None:
         """Each optimization's own checks, then its checks of the whole plan."""
         for opt in self.optimizations:
@@ -166,6 +167,7 @@ class Scheduler:
             batch_size=batch_size,
             build_model=build_model,
             precision=precision,
+            accumulate=accumulate,
         )
         for opt in self.optimizations:
             opt.check_plan(plan)

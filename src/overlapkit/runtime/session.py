@@ -431,6 +431,21 @@ class Session(EpochLoop, SavedState):
         return result
 
     # ---------------------------------------------------------------- finish
+    def stopped(self) -> tuple[int, int | None]:
+        """After an interrupt: close the progress display; return the step reached and
+        the step of the newest complete checkpoint (None: none)."""
+        self._close_displays()
+        checkpoint = self.checkpoint
+        return self.state.step, checkpoint.newest_step() if checkpoint is not None else None
+
+    def _close_displays(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        if self._live is not None:
+            self._live.close()
+            self._live = None
+
     def finish(self) -> dict[str, Any]:
         """Drain background work (FIT_END), gather metrics from all ranks, write
         ``steps.jsonl`` and ``summary.json`` to the run folder; return the summary.
@@ -441,12 +456,7 @@ class Session(EpochLoop, SavedState):
         self._warn_if_no_steps()
         for record in self._step_log.drain():
             self._record(record)
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
-        if self._live is not None:
-            self._live.close()
-            self._live = None
+        self._close_displays()
         gathered = all_gather_objects(
             (
                 self.records,
@@ -472,6 +482,8 @@ class Session(EpochLoop, SavedState):
                 "mode": "flat_allreduce",
                 "bytes": self._grad_sync.bytes_per_call,
             }
+        if self.state.run_dir is not None:
+            summary["run_dir"] = str(self.state.run_dir)
         if self._outside_s:
             summary["outside_steps_s"] = dict(self._outside_s)
         if self.notes:

@@ -16,8 +16,8 @@ from ..config import Config
 from ..data import DataConfig
 from ..launch.config import WorldConfig
 from ..models import ModelConfig
-from ..optimizations import get_optimization
-from ..runtime import KnobError, Optimization, Scheduler, SchedulerConfig
+from ..optimizations import get_optimization, registered_optimizations
+from ..runtime import CombinationError, KnobError, Optimization, Scheduler, SchedulerConfig
 from ..runtime.distributed import resolve_backend
 from ..runtime.gpus import check_gpu_setup
 from ..runtime.loop import TrainConfig
@@ -30,6 +30,17 @@ def located(path: str, message: str, allowed: list[str] | None = None) -> Pydant
     return PydanticCustomError(
         "scenario", "{message}", {"message": message, "path": path, "allowed": allowed or []}
     )
+
+
+def check_cpu_ranks(local_ranks: int) -> None:
+    """CPU ranks on this machine: at most one per core it may use (its affinity). More
+    would time-slice, and every overlap figure would measure the OS scheduler."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and local_ranks > cores:
+        raise CombinationError(
+            f"world.nprocs: {local_ranks} CPU ranks on this machine, but it has {cores} "
+            f"cores (its CPU affinity): each rank needs a core of its own; at most {cores}"
+        )
 
 
 class Scenario(Config):
@@ -112,6 +123,32 @@ class Scenario(Config):
             built.append(cls(intensity, **settings))
         return built
 
+    def applicable_optimizations(self) -> tuple[list[str], dict[str, str]]:
+        """The built-in optimizations this scenario's world and model can run, each on
+        its own at full intensity; and why each other one cannot."""
+        chosen, left_out = [], {}
+        for name, cls in registered_optimizations().items():
+            if not cls.__module__.startswith("overlapkit."):
+                continue  # a plugin: the user names it
+            if getattr(cls, "noop_alone", False) and self.world.ranks == 1:
+                left_out[name] = "does nothing with one rank"
+                continue
+            try:
+                Scheduler([cls(1.0)], self.scheduler.policy).check(
+                    self.world.ranks,
+                    self.device_type,
+                    self.backend,
+                    batch_size=self.train.batch_size,
+                    build_model=self.model.build,
+                    precision=self.train.precision,
+                    accumulate=self.train.accumulate,
+                )
+            except (CombinationError, KnobError) as error:
+                left_out[name] = str(error)
+            else:
+                chosen.append(name)
+        return chosen, left_out
+
     @property
     def backend(self) -> str:
         """The process-group back end the run will use (``auto`` resolved)."""
@@ -130,9 +167,12 @@ class Scenario(Config):
         (``world_size`` when something else, like torchrun, decides it), and on GPUs
         whether this machine and torch build can run it (``gpus_here``: False on a
         Ray driver, whose trials run on other machines that check their own)."""
+        local = os.environ.get("LOCAL_WORLD_SIZE") if world_size else None
+        local_ranks = int(local) if local else self.world.nprocs
         if self.device_type == "cuda" and gpus_here:
-            local = os.environ.get("LOCAL_WORLD_SIZE") if world_size else None
-            check_gpu_setup(int(local) if local else self.world.nprocs, self.train.precision)
+            check_gpu_setup(local_ranks, self.train.precision)
+        elif gpus_here:
+            check_cpu_ranks(local_ranks)
         Scheduler(self.build_optimizations(), self.scheduler.policy).check(
             world_size or self.world.ranks,
             self.device_type,
@@ -140,4 +180,5 @@ class Scenario(Config):
             batch_size=self.train.batch_size,
             build_model=self.model.build,
             precision=self.train.precision,
+            accumulate=self.train.accumulate,
         )

@@ -220,7 +220,15 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "not found"
         raise ScenarioError([Problem(source, None, "", f"scenario file {what}")])
-    data, lines = parse_yaml(path.read_text(encoding="utf-8"), source)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ScenarioError(
+            [Problem(source, None, "", f"not UTF-8 text (byte {error.start}): save it as UTF-8")]
+        ) from None
+    except OSError as error:
+        raise ScenarioError([Problem(source, None, "", f"cannot read: {error.strerror}")]) from None
+    data, lines = parse_yaml(text, source)
     data.setdefault("name", path.stem)
     sources: dict[Path_, str] = {}
     for override in overrides:

@@ -10,6 +10,7 @@ from typing import Any
 
 import optuna
 import yaml
+from pydantic import ValidationError
 from rich.console import Console
 
 from . import TuneError
@@ -43,6 +44,8 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
                 f"world.nodes: {scenario.world.nodes}: trials over several machines need --ray"
             )
         scenario.check_setup()
+    if not scenario.optimizations and scenario.tune.search is None:
+        _choose_optimizations(scenario)
     base = yaml.safe_load(dump_scenario(scenario))
     settings = scenario.tune.model_dump()
     if args.trials is not None:
@@ -51,8 +54,17 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
         settings["storage"] = args.storage
     if args.study:
         settings["study"] = args.study
-    config = TuneConfig(**settings)
+    try:
+        config = TuneConfig(**settings)
+    except ValidationError as error:
+        first = error.errors()[0]
+        key = ".".join(map(str, first["loc"]))
+        raise TuneError(f"tune.{key}: {first['msg']}, got {first.get('input')!r}") from None
     folder = args.out or Path("runs") / f"{scenario.name}-tune"
+    if folder.exists() and not folder.is_dir():
+        raise TuneError(f"--out {folder}: is a file; the tune folder must be a folder")
+    if config.storage:
+        check_storage(config.storage, "--storage" if args.storage else "tune.storage")
     job = TuneJob(
         base,
         config,
@@ -87,6 +99,52 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     return _write(analysis, base, folder, args.json, console)
 
 
+def _choose_optimizations(scenario: Any) -> None:
+    """A scenario without optimizations: search every built-in one that applies."""
+    chosen, left_out = scenario.applicable_optimizations()
+    if not chosen:
+        reasons = "; ".join(f"{name}: {why}" for name, why in left_out.items())
+        raise TuneError(f"nothing to search: no optimization applies to this scenario ({reasons})")
+    scenario.optimizations = {name: None for name in chosen}
+    said = Console(stderr=True)
+    said.print(
+        f"the scenario lists no optimizations: searching those that apply, {', '.join(chosen)}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    for name, why in left_out.items():
+        said.print(f"  left out {name}: {why}", highlight=False, soft_wrap=True)
+
+
+def check_storage(url: str, named: str) -> None:
+    """Open the storage ``url`` once, before anything is written: a mistake in it is a
+    clear error naming ``named`` (the argument or key that gave it)."""
+    if url.startswith("journal:"):
+        folder = Path(url.removeprefix("journal:")).parent
+        if not folder.is_dir():
+            raise TuneError(f"{named} {url}: the folder {folder} does not exist")
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise TuneError(
+            f"{named} {url!r} is not a storage URL: use sqlite:///PATH, "
+            "postgresql+psycopg2://USER@HOST/DB or journal:PATH"
+        ) from None
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        folder = Path(parsed.database).parent
+        if not folder.is_dir():
+            raise TuneError(f"{named} {url}: the folder {folder} does not exist")
+    try:
+        open_storage(url)
+    except Exception as error:  # the driver's own words: unreachable host, bad password...
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise TuneError(f"{named} {url}: cannot open it: {first}") from None
+
+
 def report_command(args: argparse.Namespace, console: Console) -> int:
     if args.compare:
         from .compare import compare_command
@@ -107,9 +165,8 @@ def load_target(target: str, name: str | None = None) -> tuple[optuna.Study, Pat
     and the folder its report goes to by default."""
     if (Path(target) / TUNE_FILE).exists():
         job = TuneJob.load(Path(target))
-        study = optuna.load_study(
-            study_name=name or job.study_name, storage=open_storage(job.storage_url)
-        )
+        storage = _open_named(job.storage_url, f"{target}/{TUNE_FILE}")
+        study = _load_study(storage, name or job.study_name, job.storage_url)
         folder = Path(target)
     else:
         if "://" not in target and not target.startswith("journal:"):
@@ -117,19 +174,30 @@ def load_target(target: str, name: str | None = None) -> tuple[optuna.Study, Pat
                 f"{target} is neither a tune folder (with {TUNE_FILE}) nor a storage URL"
             )
         url, _, named = target.partition("#")
-        storage = open_storage(url)
-        names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
-        name = name or named or (names[0] if len(names) == 1 else None)
-        if name not in names:
-            raise TuneError(
-                f"choose a study of {url} with --study (or URL#NAME): "
-                f"{', '.join(names) or 'the storage holds none'}"
-            )
-        study = optuna.load_study(study_name=name, storage=storage)
+        storage = _open_named(url, "the study's URL")
+        study = _load_study(storage, name or named, url)
         folder = Path("runs") / f"{name}-report"
     if "scenario" not in study.user_attrs:
         raise TuneError(f"study {study.study_name} was not made by overlapkit tune")
     return study, folder
+
+
+def _open_named(url: str, named: str) -> optuna.storages.BaseStorage:
+    check_storage(url, named)
+    return open_storage(url)
+
+
+def _load_study(storage: optuna.storages.BaseStorage, name: str | None, url: str) -> optuna.Study:
+    """The study ``name`` of ``storage`` (the only one, when ``name`` is None)."""
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
+    name = name or (names[0] if len(names) == 1 else None)
+    if name not in names:
+        raise TuneError(
+            (f"--study {name}: no such study in {url}; " if name else "")
+            + "choose one with --study (or URL#NAME): "
+            + (", ".join(names) or "the storage holds none")
+        )
+    return optuna.load_study(study_name=name, storage=storage)
 
 
 def study_analysis(study: optuna.Study, args: argparse.Namespace) -> Analysis:

@@ -23,7 +23,7 @@ from .persister import Persister, split_state
 from .policy import AutoInterval
 from .restore import load, newest_common_step, valid_steps
 from .snapshot import Snapshot, Snapshotter, tensor_layout
-from .store import MANIFEST, CheckpointError, step_dir
+from .store import MANIFEST, CheckpointError, Manifest, step_dir
 
 # In auto mode the ranks agree on when to checkpoint by a vote cast this many
 # steps ahead, so that the training thread never waits for it.
@@ -172,6 +172,11 @@ class Checkpoint(Optimization):
             self._pending.wait()
             self._pending.buffers.free.set()
             self._pending = None
+
+    def newest_step(self) -> int | None:
+        """The step of the newest complete checkpoint (None: none yet)."""
+        entries = Manifest(self.root).read() if self.root is not None else []
+        return entries[-1]["step"] if entries else None
 
     @classmethod
     def save_to(cls, state: State, root: Path) -> Path:

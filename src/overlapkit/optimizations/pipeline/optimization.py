@@ -201,7 +201,16 @@ class Pipeline(Optimization):
                 f"pipeline microbatches={m} must divide the batch of {batch} samples per replica"
             )
 
+    @staticmethod
+    def _check_accumulate(accumulate: int) -> None:
+        if accumulate > 1:
+            raise PipelineError(
+                f"train.accumulate is {accumulate}, but pipeline splits each batch into "
+                "micro-batches itself: set train.accumulate: 1 and raise microbatches instead"
+            )
+
     def check_plan(self, plan: Plan) -> None:
+        self._check_accumulate(plan.accumulate)
         if plan.precision == "fp16":
             raise PipelineError(
                 "pipeline cannot train in fp16: its schedule runs each micro-batch's backward "
@@ -241,11 +250,7 @@ class Pipeline(Optimization):
     # ---------------------------------------------------------------- set-up
     def wrap_model(self, model: nn.Module, state: State) -> nn.Module:
         world = state.world
-        if state.accumulate > 1:
-            raise PipelineError(
-                "pipeline splits each batch into micro-batches itself; set train.accumulate: 1 "
-                "and raise microbatches instead"
-            )
+        self._check_accumulate(state.accumulate)
         self.check(world.world_size, world.device.type, world.backend)
         replicas = world.world_size // self.pp
         pp_rank, dp_rank = divmod(world.rank, replicas)

@@ -1,0 +1,74 @@
+"""SIGINT and SIGTERM stop a run cleanly: every rank leaves its loop, says where it
+was, and the command line says how to resume.
+
+A rank turns the first signal into `RunInterrupted` on its main thread; a second
+one (Ctrl-C reaches every process of the terminal's group, and the launcher
+forwards the signal too) is ignored while it stops. A checkpoint being persisted
+at that moment is discarded safely: it is not in the manifest until every rank
+wrote it, so the run resumes from the newest complete one.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The run was stopped by ``signum``, at ``step`` (None if unknown), with the
+    newest complete checkpoint at ``checkpoint_step`` (None: none)."""
+
+    def __init__(
+        self, signum: int, step: int | None = None, checkpoint_step: int | None = None
+    ) -> None:
+        self.signum, self.step, self.checkpoint_step = signum, step, checkpoint_step
+        super().__init__(signal.Signals(signum).name)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # 130 for SIGINT, 143 for SIGTERM, as shells report them
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    def record(self) -> dict[str, Any]:
+        return {"interrupted": self.signum, "step": self.step, "checkpoint": self.checkpoint_step}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> RunInterrupted:
+        return cls(record["interrupted"], record.get("step"), record.get("checkpoint"))
+
+
+@dataclass
+class Received:
+    signals: list[int] = field(default_factory=list)
+
+    @property
+    def first(self) -> int | None:
+        return self.signals[0] if self.signals else None
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[Received]:
+    """Within: SIGINT/SIGTERM raise `RunInterrupted` once; later ones are ignored.
+    Yields what was received, so that an error the interruption caused (a peer that
+    left mid-collective) can be told from a real failure."""
+    received = Received()
+
+    def handler(signum: int, _frame: Any) -> None:
+        received.signals.append(signum)
+        if len(received.signals) == 1:
+            raise RunInterrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
