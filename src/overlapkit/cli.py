@@ -45,7 +45,9 @@ def _at_least(low: float, kind: type = int) -> Any:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if value < low or value != value:  # NaN too
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{text}: must be a finite number")
+        if value < low:
             raise argparse.ArgumentTypeError(f"{text} is below {low:g}; at least {low:g}")
         return value
 
@@ -54,8 +56,8 @@ def _at_least(low: float, kind: type = int) -> Any:
 
 def _above_zero(text: str) -> float:
     value = _at_least(0.0, float)(text)
-    if value == 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text}: must be a finite number above 0")
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be above 0")
     return value
 
 

@@ -1,0 +1,260 @@
+"""A user's mistake is a clear message and exit 2, never a traceback; in-process.
+
+The property-based tests throw malformed scenario files (bytes that are not text,
+other encodings, every key set to values of the wrong type or range, wrong
+nesting) and malformed arguments at the CLI: each must end in exit 2 with a
+message that names the key or argument."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import TINY_SCENARIO
+from overlapkit.cli import main
+
+BASE = yaml.safe_load(textwrap.dedent(TINY_SCENARIO))
+BASE["optimizations"] = {"checkpoint": {"intensity": 0.5}, "prefetch": {"intensity": 0.5}}
+BASE["tune"] = {"trials": 2}
+
+
+def cli(*argv: Any) -> tuple[int, str, str]:
+    """Run the CLI here; (exit status, stdout, stderr). A traceback fails the test."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as done:  # argparse's usage errors
+            code = done.code
+    assert "Traceback" not in err.getvalue() + out.getvalue(), err.getvalue()
+    return code, out.getvalue(), err.getvalue()
+
+
+def paths(tree: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every key path of a nested mapping (sections and leaves)."""
+    found = []
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            found.append((*prefix, key))
+            found += paths(value, (*prefix, key))
+    return found
+
+
+KEY_PATHS = paths(BASE) + [  # keys the tiny file leaves at their defaults
+    ("train", "accumulate"),
+    ("train", "precision"),
+    ("train", "eval", "every"),
+    ("train", "lr_schedule", "name"),
+    ("world", "backend"),
+    ("world", "device"),
+    ("world", "threads"),
+    ("world", "nodes"),
+    ("scheduler", "policy"),
+    ("optimizations", "checkpoint", "every"),
+    ("optimizations", "prefetch", "depth"),
+    ("optimizations", "ddp_overlap", "bucket_mb"),
+    ("tune", "objective"),
+    ("tune", "repeats"),
+]
+
+WRONG = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**12), max_value=10**12),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(-3, 3), max_size=2),
+)
+
+FAST = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def set_path(tree: dict, path: tuple, value: Any) -> None:
+    for key in path[:-1]:
+        if not isinstance(tree.get(key), dict):
+            tree[key] = {}
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def named(path: tuple, message: str) -> bool:
+    """Whether ``message`` points at ``path``: its dotted form, or a section of it."""
+    return any(".".join(map(str, path[:end])) in message for end in range(len(path), 0, -1))
+
+
+@FAST
+@given(path=st.sampled_from(KEY_PATHS), value=WRONG)
+def test_any_key_with_any_value_is_accepted_or_a_located_error(tmp_path, path, value):
+    data = json.loads(json.dumps(BASE))
+    set_path(data, path, value)
+    file = tmp_path / "scenario.yaml"
+    file.write_text(yaml.safe_dump(data))
+    code, _, err = cli("check", file)
+    assert code in (0, 2), err
+    if code == 2:
+        assert named(path, err) or "scenario.yaml" in err, err
+
+
+@FAST
+@given(path=st.sampled_from(KEY_PATHS), section=st.sampled_from(["list", "scalar", "deeper"]))
+def test_wrong_nesting_is_a_located_error(tmp_path, path, section):
+    data = json.loads(json.dumps(BASE))
+    node = data
+    for key in path[:-1]:
+        node = node.setdefault(key, {}) if isinstance(node.get(key), dict) else {}
+    old = node.get(path[-1], 1)
+    wrong = {"list": [old], "scalar": "x", "deeper": {"value": old}}[section]
+    set_path(data, path, wrong)
+    file = tmp_path / "scenario.yaml"
+    file.write_text(yaml.safe_dump(data))
+    code, _, err = cli("check", file)
+    assert code in (0, 2), err
+    if code == 2:
+        assert named(path, err) or "scenario.yaml" in err, err
+
+
+@FAST
+@given(content=st.binary(max_size=200))
+def test_any_bytes_as_a_scenario_file_is_exit_2(tmp_path, content):
+    file = tmp_path / "scenario.yaml"
+    file.write_bytes(content)
+    code, _, err = cli("check", file)
+    assert code == 2 and "scenario.yaml" in err, err
+
+
+@FAST
+@given(encoding=st.sampled_from(["utf-16", "utf-32", "latin-1", "cp1252"]))
+def test_a_scenario_saved_in_another_encoding_is_exit_2(tmp_path, encoding):
+    file = tmp_path / "scenario.yaml"
+    file.write_bytes(("# caf\u00e9 r\u00e9sum\u00e9\n" + TINY_SCENARIO).encode(encoding))
+    code, _, err = cli("check", file)
+    assert code == 2 and "scenario.yaml" in err, err
+
+
+NUMERIC = {
+    "tune": ["--trials", "--workers", "--timeout", "--max-concurrent"],
+    "report": ["--mtbf-hours", "--restart-s", "--job-hours"],
+    "run": ["--node-rank"],
+}
+SOUND = {  # values of JUNK that are right for that argument
+    "--restart-s": ("0", "1.5"),
+    "--timeout": ("1.5",),
+    "--mtbf-hours": ("1.5",),
+    "--job-hours": ("1.5",),
+    "--node-rank": ("0",),
+}
+JUNK = st.one_of(
+    st.text(max_size=8).filter(lambda t: not t.strip().lstrip("-").replace(".", "", 1).isdigit()),
+    st.integers(max_value=-1).map(str),
+    st.sampled_from(["0", "-0.5", "nan", "inf", "1e999", "-inf", "1.5"]),
+)
+
+
+@FAST
+@given(data=st.data())
+def test_malformed_numeric_arguments_name_the_argument(tmp_path, data):
+    command = data.draw(st.sampled_from(sorted(NUMERIC)))
+    flag = data.draw(st.sampled_from(NUMERIC[command]))
+    value = data.draw(JUNK)
+    if value in SOUND.get(flag, ()):
+        value = "-1"
+    target = tmp_path / "missing" if command == "report" else tmp_path / "scenario.yaml"
+    code, _, err = cli(command, target, f"{flag}={value}")
+    assert code == 2 and flag in err, err
+
+
+@FAST
+@given(override=st.text(max_size=20))
+def test_any_set_argument_is_accepted_or_names_itself(tiny_scenario, override):
+    code, _, err = cli("check", tiny_scenario(), "--set", override)
+    assert code in (0, 2), err
+    if code == 2:
+        assert "--set" in err or "scenario.yaml" in err, err
+
+
+# ---------------------------------------------------------------- each mistake seen
+def test_tune_arguments_and_storages_that_cannot_work_leave_nothing_behind(tiny_scenario, tmp_path):
+    scenario, out = tiny_scenario(), tmp_path / "tune"
+    for storage, said in (
+        ("notaurl", "is not a storage URL"),
+        (f"sqlite:///{tmp_path}/no/such/study.db", "does not exist"),
+        ("postgresql+psycopg2://user:pw@127.0.0.1:1/db", "cannot open it"),
+        (f"journal:{tmp_path}/no/such/journal.log", "does not exist"),
+    ):
+        code, _, err = cli("tune", scenario, "--storage", storage, "--out", out)
+        assert code == 2 and "--storage" in err and said in err, err
+    code, _, err = cli("tune", scenario, "--trials", 0, "--out", out)
+    assert code == 2 and "--trials" in err
+    assert not out.exists()
+
+
+def test_report_of_a_study_the_storage_lacks_names_those_it_has(tmp_path):
+    url = f"sqlite:///{tmp_path}/study.db"
+    optuna.create_study(study_name="real", storage=url)
+    code, _, err = cli("report", url, "--study", "nosuch")
+    assert code == 2 and "nosuch" in err and "real" in err, err
+
+
+def test_run_out_naming_a_file_is_exit_2_and_the_file_is_untouched(tiny_scenario, tmp_path):
+    file = tmp_path / "taken"
+    file.write_text("mine")
+    code, _, err = cli("run", tiny_scenario(), "--out", file)
+    assert code == 2 and "--out" in err and file.read_text() == "mine"
+
+
+def test_check_refuses_what_would_fail_inside_a_rank(tiny_scenario):
+    scenario = tiny_scenario()
+    code, _, err = cli(
+        "check", scenario, "--set", "optimizations.pipeline.intensity=1",
+        "--set", "world.nprocs=2", "--set", "train.accumulate=2",
+    )  # fmt: skip
+    assert code == 2 and "train.accumulate is 2" in err, err
+    cores = len(os.sched_getaffinity(0))
+    code, _, err = cli("check", scenario, "--set", f"world.nprocs={cores + 1}")
+    assert code == 2 and f"{cores + 1} CPU ranks" in err and f"{cores} cores" in err, err
+
+
+def test_an_internal_error_is_one_line_and_its_traceback_goes_to_a_file(tiny_scenario, monkeypatch):
+    import overlapkit.cli as cli_module
+
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(cli_module, "_describe_scenario", broken)
+    code, _, err = cli("check", tiny_scenario())
+    assert code == 1 and "internal error" in err and "ZeroDivisionError: a bug" in err
+    saved = Path(err.rsplit("the traceback is in ", 1)[1].strip())
+    assert "Traceback" in saved.read_text() and "broken" in saved.read_text()
+    saved.unlink()
+
+
+def test_tune_without_optimizations_searches_those_that_apply(tiny_scenario, monkeypatch):
+    from overlapkit.tuning import commands
+
+    searched = {}
+
+    def stop_before_trials(job, **_kwargs):
+        searched.update(job.base["optimizations"])
+        raise commands.TuneError("stopped before the first trial")
+
+    monkeypatch.setattr(commands, "tune", stop_before_trials)
+    text = TINY_SCENARIO.replace("world: {nprocs: 1}", "world: {nprocs: 1, device: cpu}")
+    code, _, err = cli("tune", tiny_scenario(text), "--out", tiny_scenario().parent / "t")
+    assert code == 2 and "stopped before the first trial" in err
+    # One rank: ddp_overlap does nothing and pipeline needs two; the others are searched.
+    assert set(searched) == {"checkpoint", "prefetch"}
+    assert "left out ddp_overlap: does nothing with one rank" in err
+    assert "left out pipeline: pipeline needs at least 2 ranks" in err
