@@ -27,6 +27,7 @@ CONFIGS = {
         "batch_size": BATCH,
         "steps": STEPS,
         "optimizations": ddp(bucket_cap_mb=0.5, gradient_as_bucket_view=True),
+        "record_calls": True,
     },
     "no_overlap": {"batch_size": BATCH, "steps": STEPS, "optimizations": ddp(intensity=0.0)},
     "fp16": {"batch_size": BATCH, "steps": STEPS, "optimizations": ddp(comm_hook="fp16")},
@@ -161,6 +162,28 @@ def test_exposed_communication_is_measured_and_bounded(results):
         assert steps["comm_exposed"] > 0
     flat = results[0]["no_overlap"]["summary"]["optimizations"]["ddp_overlap"]["overlap"]
     assert flat["hidden_fraction"] == 0.0
+
+
+@pytest.mark.slow
+def test_small_buckets_start_all_reducing_while_backward_still_computes_gradients(results):
+    tiny = results[0]["tiny_buckets"]
+    gradients = len(list(mlp().parameters()))
+    # Event order, not clock readings: for each gradient, in the order backward computed
+    # them, how many all-reduce calls of the step had started by then. From the second
+    # step on (DDP's own buckets), the first bucket starts while backward still has
+    # gradients to compute: at least the first layer's weight and bias come after it.
+    for started in tiny["started"][1:]:
+        assert len(started) == gradients
+        assert sum(1 for calls in started if calls > 0) >= 2, started
+        assert started == sorted(started)
+    # So the measurement reports communication hidden behind backward: busy from the
+    # first call's start, exposed from the last one's.
+    for name in ("tiny_buckets", "overlap"):
+        section = results[0][name]["summary"]["optimizations"]["ddp_overlap"]
+        assert section["buckets_per_step"] >= 2, name
+        overlap = section["overlap"]
+        assert overlap["comm_exposed_s_per_step"] < overlap["comm_busy_s_per_step"], name
+        assert overlap["hidden_fraction"] > 0, name
 
 
 @pytest.mark.slow

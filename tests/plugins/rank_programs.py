@@ -28,12 +28,16 @@ def mlp() -> nn.Module:
     )
 
 
-def fit(session: Session, model: nn.Module, steps: int) -> dict[str, Any]:
+def fit(
+    session: Session, model: nn.Module, steps: int, after_backward: Any = None
+) -> dict[str, Any]:
     """Train ``steps`` steps on cross-entropy; return the session's summary."""
     for inputs, targets in session.steps(steps):
         with session.forward():
             loss = nn.functional.cross_entropy(model(inputs), targets)
         session.backward(loss)
+        if after_backward is not None:
+            after_backward()
         session.optimizer_step()
     return session.finish()
 
@@ -46,8 +50,14 @@ def train_mlp(
     optimizations: dict[str, dict[str, Any]],
     accumulate: int = 1,
     warmup_steps: int = 0,
+    record_calls: bool = False,
 ) -> dict[str, Any]:
-    """Train the MLP on this rank's shard; return final parameters and the summary."""
+    """Train the MLP on this rank's shard; return final parameters and the summary.
+
+    ``record_calls``: also return ddp_overlap's all-reduce calls of each step, ``calls``
+    (their bytes, in launch order), and ``started``: for each gradient, in the order they
+    were computed, how many of the step's calls had started by then (event order, not
+    clock readings)."""
     seed_everything(0)
     model = mlp()
     dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=512, seed=0)
@@ -62,10 +72,25 @@ def train_mlp(
     model, optimizer, _ = session.prepare(
         model, torch.optim.SGD(model.parameters(), lr=0.1), loader
     )
-    summary = fit(session, model, steps)
     raw = model.module if hasattr(model, "module") else model
+    calls: dict[str, list[list[int]]] = {"calls": [], "started": []}
+    after_backward = None
+    if record_calls:
+        (ddp,) = [o for o in built if o.name == "ddp_overlap"]
+        started: list[int] = []
+        for param in raw.parameters():
+            param.register_post_accumulate_grad_hook(
+                lambda _: started.append(len(ddp._timer.calls))  # the step's calls so far
+            )
+
+        def after_backward() -> None:
+            calls["calls"].append([call.nbytes for call in ddp._timer.calls])
+            calls["started"].append(started.copy())
+            started.clear()
+
+    summary = fit(session, model, steps, after_backward)
     params = torch.cat([p.detach().reshape(-1) for p in raw.parameters()])
-    return {"params": params, "summary": summary}
+    return {"params": params, "summary": summary, **(calls if record_calls else {})}
 
 
 def ddp_configs(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
