@@ -21,7 +21,7 @@ from rich.table import Table
 from . import __version__
 from .data import DataNotFoundError
 from .launch.cluster import ClusterConfigError
-from .launch.interrupt import RunInterrupted
+from .launch.interrupt import RunInterrupted, exit_now
 from .launch.local import NodePlace, RankFailedError
 from .launch.ray_nodes import RayClusterError
 from .launch.ray_run import RayRunFailed
@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunInterrupted as stop:
         if int(os.environ.get("RANK", "0")) == 0:
             errors.print(_stopped_line(stop, args, argv, where), highlight=False, soft_wrap=True)
+        if "RANK" in os.environ:  # a rank under torchrun: its process group may be mid-call
+            exit_now(stop.exit_code)
         return stop.exit_code
     except KeyboardInterrupt:
         errors.print("interrupted")
@@ -362,8 +364,6 @@ def _run_command(
         node = _node_place(args, scenario.world.nodes)
         out = out or default_run_dir(scenario)
         where["folder"] = out
-        if int(os.environ.get("RANK", "0")) == 0:
-            errors.print(f"overlapkit: run folder {out}", highlight=False, soft_wrap=True)
         summary = run_scenario(
             scenario,
             out,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -72,6 +74,7 @@ def rank_main(
             finally:
                 if world.world_size > 1 and dist.is_initialized() and not world.adopted:
                     dist.destroy_process_group()  # after a failure: no barrier, a peer may be gone
+                    gc.collect()  # free gloo's last work now, not in the interpreter's exit
         except BaseException:
             # An error a signal caused (a peer that left mid-collective) is the signal's.
             if received.first is None:
@@ -124,6 +127,7 @@ def run_scenario(
     run_dir.mkdir(parents=True, exist_ok=True)
     if not under_torchrun() or int(os.environ.get("RANK", 0)) == 0:
         (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
+        print(f"overlapkit: run folder {run_dir}", file=sys.stderr, flush=True)
     if under_torchrun() or world.ranks == 1:
         return rank_main(scenario, run_dir, progress, print_summary)
     results = launch_local(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import torch
 
@@ -80,33 +79,33 @@ for _event in Event:
 
 @register_optimization
 class ToyFail(Optimization):
-    """Raises on rank ``rank`` when step ``step`` starts."""
+    """Fails on rank ``rank`` when step ``step`` starts: raises, dies by SIGKILL, or
+    plays a user's interrupt (not in a run that resumed from a checkpoint):
+    ``sigint`` is Ctrl-C in a terminal (SIGINT to the whole process group),
+    ``sigterm`` a `kill` of the command (SIGTERM to the group's leader)."""
 
     name = "toy_fail"
     knobs = (
         Knob(name="rank", type=int, default=1, low=0, high=1024),
         Knob(name="step", type=int, default=2, low=0, high=10**6),
-        Knob(name="how", type=str, default="raise", choices=("raise", "sigkill")),
+        Knob(
+            name="how", type=str, default="raise", choices=("raise", "sigkill", "sigint", "sigterm")
+        ),
     )
 
     def on_step_start(self, state):
-        if state.world.rank == self.settings["rank"] and state.step == self.settings["step"]:
-            if self.settings["how"] == "sigkill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(
-                f"toy failure on rank {state.world.rank} at step {state.step} (pid {os.getpid()})"
-            )
-
-
-@register_optimization
-class ToySleep(Optimization):
-    """Sleeps ``ms`` at the start of each step: a cost of known size that grows with
-    the intensity (so a tuner must learn to turn it off)."""
-
-    name = "toy_sleep"
-    knobs = (
-        Knob(name="ms", type=float, default=0.0, low=0.0, high=1000.0, intensity=(10.0, 40.0)),
-    )
-
-    def on_step_start(self, state):
-        time.sleep(self.settings["ms"] / 1000)
+        if state.world.rank != self.settings["rank"] or state.step != self.settings["step"]:
+            return
+        how = self.settings["how"]
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how in ("sigint", "sigterm"):
+            if state.resumed_from is None:
+                if how == "sigint":
+                    os.killpg(os.getpgid(0), signal.SIGINT)
+                else:
+                    os.kill(os.getpgid(0), signal.SIGTERM)
+            return
+        raise RuntimeError(
+            f"toy failure on rank {state.world.rank} at step {state.step} (pid {os.getpid()})"
+        )

@@ -10,7 +10,9 @@ wrote it, so the run resumes from the newest complete one.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,6 +47,15 @@ class RunInterrupted(KeyboardInterrupt):
         return cls(record["interrupted"], record.get("step"), record.get("checkpoint"))
 
 
+def exit_now(code: int) -> None:
+    """End an interrupted rank at once. Its work is on disk (checkpoints are complete
+    or absent); a normal exit would tear down process groups whose threads may still
+    wait on a peer that left, and gloo then aborts the process at exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 @dataclass
 class Received:
     signals: list[int] = field(default_factory=list)
@@ -71,4 +82,6 @@ def stop_on_signals() -> Iterator[Received]:
         yield received
     finally:
         for s, old in previous.items():
-            signal.signal(s, old)
+            # Once stopping, stay deaf: the launcher's copy of the signal must not break
+            # the interpreter's exit (a KeyboardInterrupt inside atexit aborts it).
+            signal.signal(s, signal.SIG_IGN if received.signals else old)

@@ -29,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .interrupt import RunInterrupted
+from .interrupt import RunInterrupted, exit_now
 
 _FAILURE_DIR_ENV = "OVERLAPKIT_FAILURE_DIR"
 
@@ -90,16 +90,15 @@ def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
                 record["error"] = "".join(traceback.format_exception(error))
             Path(folder, f"rank{rank}.json").write_text(json.dumps(record))
         if isinstance(error, RunInterrupted):
-            sys.exit(error.exit_code)  # no traceback: the launcher tells the user
+            exit_now(error.exit_code)  # no traceback: the launcher tells the user
         raise
 
 
 def _quiet_launcher_logs() -> None:
-    for name in (
-        "torch.distributed.elastic",
-        "torch.distributed.launcher",
-        "torch.multiprocessing",
-    ):
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    # torch gives some of its loggers a level of their own: quiet each, not just the parents.
+    named = [n for n in logging.root.manager.loggerDict if n.startswith(prefixes)]
+    for name in (*prefixes, *named, "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

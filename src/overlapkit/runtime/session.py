@@ -196,9 +196,11 @@ class Session(EpochLoop, SavedState):
                     yield self._arrived(batch)
                 if self._in_step:
                     self.end_step()
-        finally:
-            if self._in_step:  # a break in the script's loop
+        except GeneratorExit:
+            if self._in_step:  # a break in the script's loop: the step it finished
                 self.end_step()
+            raise
+        # An exception (an interrupt too) leaves the step open: it did not happen.
 
     def _next_batch(self, loader: Any, iterator: Iterator[Any] | None) -> tuple[Any, Iterator[Any]]:
         for _attempt in range(2):

@@ -33,8 +33,10 @@ from ...runtime.timing import Marks
 from .hooks import BucketCall, BucketTimer, SyncTiming, make_hook, wire_bytes_factor
 from .profile import AllreduceProfile
 
-# DDP builds its buckets in the first synchronised backward and rebuilds them
-# after it (in the order gradients became ready): the profile starts after that.
+# The first synchronised backward is not DDP's steady state: it all-reduces every
+# gradient as one bucket once all are computed (torch 2.13, without
+# find_unused_parameters), then rebuilds its buckets in the order the gradients
+# became ready. The profile and the overlap figures start at the second one.
 PROFILE_FROM_SYNC = 2
 
 # torch 2.13 renamed DDP's broadcast_buffers (the knob keeps the name users know).
@@ -302,8 +304,8 @@ class DDPOverlap(Optimization):
             "allreduce_profile": {
                 "profiled_steps": self._profiled_steps,
                 "note": (
-                    f"rank 0, measured steps from the {PROFILE_FROM_SYNC + 1}rd synchronised "
-                    "backward on: DDP rebuilds its buckets after the first"
+                    "rank 0, measured steps (not warm-up) from the 2nd synchronised backward "
+                    "on: DDP's first all-reduces its gradients before rebuilding its buckets"
                 ),
                 "classes": self.profile.summary(),
             },

@@ -1,0 +1,143 @@
+"""Ctrl-C and kill on `overlapkit run`: every rank stops, one line says where and how
+to resume, and that command resumes exactly. The signals are real: `toy_fail` plays
+the user at a chosen step (SIGINT to the whole process group, as a terminal's Ctrl-C
+does; SIGTERM to the command), so the test is not a race against the clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from overlapkit.optimizations.checkpoint.fileformat import read as read_checkpoint
+
+COMMON = [
+    "--quiet",
+    "--set",
+    "train.steps=14",
+    "--set",
+    "train.warmup_steps=0",
+    "--set",
+    "optimizations.checkpoint={every: 4}",
+]
+TWO_RANKS = ["--set", "world.nprocs=2", "--set", "optimizations.ddp_overlap.intensity=1"]
+
+
+def overlapkit(*args: str | Path, cwd: Path = ROOT, prefix: list[str] | None = None):
+    """The CLI in a session of its own, so that a Ctrl-C to its group spares pytest."""
+    command = prefix or [sys.executable, "-m", "overlapkit"]
+    return subprocess.run(
+        [*command, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+def stopped_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("overlapkit: stopped by")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def resume_command(line: str) -> list[str]:
+    words = shlex.split(line.split("Resume: ", 1)[1])
+    assert words[0] == "overlapkit"
+    return words[1:]
+
+
+def losses(run: Path) -> dict[tuple[int, int], float]:
+    records = map(json.loads, (run / "steps.jsonl").read_text().splitlines())
+    return {(r["step"], r["rank"]): r["loss"] for r in records}
+
+
+def final_model(run: Path) -> dict[str, torch.Tensor]:
+    return read_checkpoint(run / "checkpoints" / "step-00000014" / "shared.ckpt")["model"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_two_ranks_prints_a_command_that_resumes_bit_identically(tiny_scenario, tmp_path):
+    scenario = tiny_scenario()
+    straight = overlapkit("run", scenario, "--out", tmp_path / "a", *COMMON, *TWO_RANKS)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    ctrl_c = "optimizations.toy_fail={rank: 1, step: 9, how: sigint}"
+    out = tmp_path / "b"
+    stopped = overlapkit("run", scenario, "--out", out, *COMMON, *TWO_RANKS, "--set", ctrl_c)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "Error" not in stopped.stderr, stopped.stderr
+    line = stopped_line(stopped.stderr)
+    assert "stopped by SIGINT at step" in line and f"run folder {out}" in line
+    assert "the newest checkpoint is step 4" in line or "is step 8" in line, line
+    resumed = overlapkit(*resume_command(line))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    resumed_from = summary["optimizations"]["checkpoint"]["resumed_from_step"]
+    assert resumed_from in (4, 8) and f"step {resumed_from}" in line
+    again, first = losses(out), losses(tmp_path / "a")
+    assert set(again) == {(s, r) for s in range(resumed_from, 14) for r in (0, 1)}
+    assert all(first[key] == loss for key, loss in again.items())
+    a, b = final_model(tmp_path / "a"), final_model(out)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.mark.slow
+def test_kill_of_a_one_rank_run_exits_143_and_run_resume_continues_its_folder(
+    tiny_scenario, tmp_path
+):
+    scenario = tiny_scenario()
+    kill = "optimizations.toy_fail={rank: 0, step: 9, how: sigterm}"
+    stopped = overlapkit("run", scenario, *COMMON, "--set", kill, cwd=tmp_path)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    line = stopped_line(stopped.stderr)
+    # The interrupted step did not happen: 9 steps done, the step-8 checkpoint or 4.
+    assert "stopped by SIGTERM at step 9" in line, line
+    (folder,) = (tmp_path / "runs").iterdir()
+    assert f"run folder runs/{folder.name}" in line
+    assert stopped.stderr.startswith(f"overlapkit: run folder runs/{folder.name}")
+
+    fresh = overlapkit("run", scenario, *COMMON, "--set", "train.steps=2", cwd=tmp_path)
+    assert "--resume continues it" in fresh.stderr  # a new folder is not made silently
+    os.utime(folder / "scenario.yaml")  # the interrupted run is the newest again
+
+    resumed = overlapkit("run", scenario, *COMMON, "--resume", "--json", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads(resumed.stdout)
+    assert summary["run_dir"] == f"runs/{folder.name}"
+    assert summary["optimizations"]["checkpoint"]["resumed_from_step"] in (4, 8)
+    assert f"overlapkit: results in runs/{folder.name}" in resumed.stderr
+
+
+def test_resume_without_an_earlier_run_or_with_out_is_a_usage_error(tiny_scenario, tmp_path):
+    scenario = tiny_scenario()
+    alone = overlapkit("run", scenario, "--resume", cwd=tmp_path)
+    assert alone.returncode == 2 and "no earlier run of tiny" in alone.stderr
+    both = overlapkit("run", scenario, "--resume", "--out", tmp_path / "x", cwd=tmp_path)
+    assert both.returncode == 2 and "--out names one" in both.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_stops_both_ranks_with_the_resume_line(tiny_scenario, tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    torchrun += ["--nproc-per-node", "2", "-m", "overlapkit"]
+    ctrl_c = "optimizations.toy_fail={rank: 1, step: 5, how: sigint}"
+    out = tmp_path / "t"
+    stopped = overlapkit(
+        "run", tiny_scenario(), "--out", out, *COMMON, *TWO_RANKS, "--set", ctrl_c, prefix=torchrun
+    )
+    assert stopped.returncode != 0
+    line = stopped_line(stopped.stderr)  # rank 0's, once
+    # Rank 0 may hear the agent's SIGTERM first, when rank 1 left before its SIGINT landed.
+    assert "stopped by SIG" in line and f"--out {out}" in line and "torchrun" in line
+    # The ranks themselves end without a traceback (torchrun's own agent may print one).
+    assert "RunInterrupted" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
