@@ -125,7 +125,7 @@ def test_profile_counts_buckets_and_bytes_of_the_models_gradients(results):
         one["bytes_per_step"] == grad_bytes and one["buckets_per_step"] < tiny["buckets_per_step"]
     )
     profile = tiny["allreduce_profile"]
-    # Steps 0 and 1 are left out: DDP rebuilds its buckets after the first backward.
+    # Step 0 is left out: DDP's first backward is not its steady state (see below).
     assert profile["profiled_steps"] == STEPS - 1
     calls = {row["size_class"]: row for row in profile["classes"]}
     expected: dict[str, list[int]] = {}
@@ -136,6 +136,26 @@ def test_profile_counts_buckets_and_bytes_of_the_models_gradients(results):
         assert calls[cls]["bytes"] == sum(sizes) * (STEPS - 1)
     flat = results[0]["no_overlap"]["summary"]["optimizations"]["ddp_overlap"]
     assert flat["buckets_per_step"] == 1 and flat["bytes_per_step"] == grad_bytes
+
+
+@pytest.mark.slow
+def test_the_first_synchronised_step_is_one_bucket_after_backward_and_left_out(results):
+    tiny = results[0]["tiny_buckets"]
+    section = tiny["summary"]["optimizations"]["ddp_overlap"]
+    grad_bytes = sum(p.numel() * p.element_size() for p in mlp().parameters())
+    first, *later = tiny["calls"]
+    # The first backward all-reduces every gradient as one bucket, started only once
+    # every gradient was computed (torch 2.13)...
+    assert first == [grad_bytes]
+    assert set(tiny["started"][0]) == {0}
+    # ...then DDP rebuilds its buckets: every later step makes the same 0.5 MB calls,
+    # the profile's, which holds those steps only.
+    assert all(calls == section["bucket_bytes"] for calls in later) and len(later) == STEPS - 1
+    profile = section["allreduce_profile"]
+    assert profile["profiled_steps"] == STEPS - 1
+    assert sum(row["calls"] for row in profile["classes"]) == sum(map(len, later))
+    assert sum(row["bytes"] for row in profile["classes"]) == sum(map(sum, later))
+    assert "from the 2nd synchronised backward on" in profile["note"]
 
 
 @pytest.mark.slow
@@ -247,5 +267,6 @@ def test_cli_run_prints_the_allreduce_profile(tiny_scenario, tmp_path):
     assert "all-reduce calls by message size" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     section = summary["optimizations"]["ddp_overlap"]
+    # 2 warm-up steps, then 6 measured: the first synchronised step is a warm-up one.
     assert section["allreduce_profile"]["profiled_steps"] == 6
     assert "grad_sync" not in summary  # DDP, not the runtime's flat fallback, synced
