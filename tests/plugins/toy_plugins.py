@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import torch
 
@@ -109,3 +110,17 @@ class ToyFail(Optimization):
         raise RuntimeError(
             f"toy failure on rank {state.world.rank} at step {state.step} (pid {os.getpid()})"
         )
+
+
+@register_optimization
+class ToySleep(Optimization):
+    """Sleeps ``ms`` at the start of each step: a cost of known size that grows with
+    the intensity (so a tuner must learn to turn it off)."""
+
+    name = "toy_sleep"
+    knobs = (
+        Knob(name="ms", type=float, default=0.0, low=0.0, high=1000.0, intensity=(10.0, 40.0)),
+    )
+
+    def on_step_start(self, state):
+        time.sleep(self.settings["ms"] / 1000)

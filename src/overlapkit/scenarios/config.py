@@ -171,8 +171,6 @@ class Scenario(Config):
         local_ranks = int(local) if local else self.world.nprocs
         if self.device_type == "cuda" and gpus_here:
             check_gpu_setup(local_ranks, self.train.precision)
-        elif gpus_here:
-            check_cpu_ranks(local_ranks)
         Scheduler(self.build_optimizations(), self.scheduler.policy).check(
             world_size or self.world.ranks,
             self.device_type,
@@ -182,3 +180,5 @@ class Scenario(Config):
             precision=self.train.precision,
             accumulate=self.train.accumulate,
         )
+        if self.device_type == "cpu" and gpus_here:  # what the plan is, then whether it fits
+            check_cpu_ranks(local_ranks)
