@@ -46,6 +46,35 @@ def tiny_scenario(tmp_path: Path):
     return write
 
 
+class FakeClock:
+    """The runtime's clock, moved only by `sleep` (and by ``tick`` at every reading):
+    times measured by the runtime are then exact, whatever the machine is doing."""
+
+    def __init__(self, tick: float = 0.0) -> None:
+        self.now, self.tick = 1000.0, tick
+        self.readings = 0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        self.now += self.tick
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """Replace ``perf_counter`` in the runtime's modules that time steps, phases,
+    pauses and hooks; the test moves time on with ``fake_clock.sleep``."""
+    from overlapkit.runtime import epochs, scheduler, session, timing
+
+    clock = FakeClock()
+    for module in (timing, epochs, session, scheduler):
+        monkeypatch.setattr(module, "perf_counter", clock)
+    return clock
+
+
 def run_cli(
     *args: str, timeout: float = 240, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:

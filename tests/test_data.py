@@ -42,9 +42,12 @@ def test_per_sample_cost_takes_the_time_asked(kind):
 
     start, cpu = time.perf_counter(), time.thread_time()
     spend(30, kind)
-    assert 0.029 <= time.perf_counter() - start < 0.1
-    if kind == "cpu":  # work, not wall time: as much CPU however busy the cores are
-        assert time.thread_time() - cpu >= 0.029
+    assert time.perf_counter() - start >= 0.029
+    used = time.thread_time() - cpu  # this thread's CPU: the same however busy the cores are
+    if kind == "cpu":  # work, not wall time: 30 ms of CPU, not much more
+        assert 0.029 <= used < 0.06
+    else:  # asleep: the time passes without the core
+        assert used < 0.015
     slow = SyntheticImages(num_samples=4, cost_ms=20, cost_kind=kind)
     start = time.perf_counter()
     slow[0], slow[1]

@@ -201,7 +201,8 @@ def test_the_scripts_own_calls_fire_every_step_event_and_are_timed():
         assert summary["phases_s"][phase] > 0, phase
 
 
-def test_paused_time_is_outside_every_step_and_reported():
+def test_paused_time_is_outside_every_step_and_reported(fake_clock):
+    fake_clock.tick = 1e-6  # every reading of the runtime's clock: 1 us
     model, optimizer, loader = parts()
     session = Session()
     model, optimizer, loader = session.prepare(model, optimizer, loader)
@@ -212,13 +213,15 @@ def test_paused_time_is_outside_every_step_and_reported():
         optimizer.zero_grad()
         if i == 1:
             with session.paused("evaluation"):  # inside a step
-                time.sleep(1.0)
+                fake_clock.sleep(1.0)
     with session.paused("evaluation"):  # between epochs
-        time.sleep(0.5)
+        fake_clock.sleep(0.5)
     one_epoch(model, loader, optimizer)
     summary = session.finish()
-    assert summary["outside_steps_s"]["evaluation"] >= 1.5
-    assert max(r["step_time_s"] for r in session.records) < 1.0  # the sleep is in no step
+    # Only the clock's ticks are left beside the pauses: far below a millisecond.
+    assert summary["outside_steps_s"]["evaluation"] == pytest.approx(1.5, abs=1e-3)
+    assert max(r["step_time_s"] for r in session.records) < 1e-3  # the pause is in no step
+    assert summary["outside_steps_s"].get("between_epochs", 0.0) < 1e-3  # nor between epochs
 
 
 def test_save_and_load_use_the_checkpoint_format_and_folder(tmp_path):

@@ -182,7 +182,8 @@ def test_prefetching_takes_the_loading_time_off_the_step(backend):
 
     synchronous = data_wait(0.0)
     assert synchronous > 0.025  # 8 samples x 4 ms, on the training thread
-    assert data_wait(1.0, workers=2, depth=4) < 0.3 * synchronous
+    # Hidden: ~0 when the machine is idle; half is a margin for a loaded one.
+    assert data_wait(1.0, workers=2, depth=4) < 0.5 * synchronous
 
 
 class LoggedSlowImages(SyntheticImages):
@@ -213,22 +214,31 @@ def test_workers_wait_while_the_step_waits_on_communication_under_priority(
     loader = session.state.loader
     iterator = iter(loader)
     next(iterator)  # the workers are running and have 16 batches (5 s of loading) to do
-    time.sleep(0.3)
+
+    def loaded() -> list[float]:
+        return [float(line) for line in log.read_text().split()]
+
+    deadline = time.monotonic() + 60
+    while len(loaded()) < 12 and time.monotonic() < deadline:  # beyond the first batch
+        time.sleep(0.05)
     with session.scheduler.policy.critical(Resource.NETWORK, Resource.HOST_CPU):
         entered = time.time()
-        time.sleep(0.5)
+        time.sleep(0.8)
         left = time.time()
-    time.sleep(0.3)
-    starts = [float(line) for line in log.read_text().split()]
+    deadline = time.monotonic() + 60
+    while not [t for t in loaded() if t > left] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    starts = loaded()
     loader.close()
-    during = [t for t in starts if entered + 0.05 < t < left]  # a sample under way may end
+    # A sample that had passed the gate as the step began may start a little later.
+    during = [t for t in starts if entered + 0.2 < t < left]
     after = [t for t in starts if t > left]
     assert after  # loading went on afterwards
     if policy == "priority":
         assert not during, f"{len(during)} samples started while the step waited"
         assert session.scheduler.policy.stats()["worker_samples_yielded"] >= 1
     else:
-        assert len(during) >= 10  # 2 workers x 20 ms samples for 0.45 s: the control
+        assert len(during) >= 5  # the control: 2 workers x 20 ms samples for 0.6 s, ~60
 
 
 def test_a_loader_that_cannot_resume_is_refused_with_the_fix():
