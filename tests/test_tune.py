@@ -398,7 +398,7 @@ def test_two_machines_share_one_study_on_postgresql(tiny_scenario, tmp_path):
         assert second.returncode == 0, second.stderr
         study = optuna.load_study(study_name="tiny", storage=open_storage(url))
         trials = study.trials
-        report = run_cli("report", url, "--json")
+        report = run_cli("report", url, "--json", "--out", tmp_path / "report")
     assert sorted(t.number for t in trials) == list(range(len(trials)))
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
     used = [t for t in trials if t.user_attrs.get("role") != "unused"]
@@ -420,6 +420,7 @@ def test_two_machines_share_one_study_on_postgresql(tiny_scenario, tmp_path):
     assert report.returncode == 0, report.stderr
     rows = json.loads(report.stdout)["comparison"]
     assert all(row["measured"] >= 2 for row in rows), rows
+    assert (tmp_path / "report" / "report.json").exists()  # not in the checkout's runs/
 
 
 @pytest.mark.slow
