@@ -110,6 +110,38 @@ def test_hooks_see_every_event_in_loop_order(tiny_scenario, tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["optimizations"]["toy_probe"]["depth"] == 16
     assert summary["scheduler"]["hooks"]["toy_probe"]["step_start"]["calls"] == 8
+    assert not (tmp_path / "run" / "trace.json").exists()  # only when the scenario asks
+
+
+def test_scheduler_trace_writes_every_hook_that_ran_in_chrome_format(tiny_scenario, tmp_path):
+    run(
+        tiny_scenario,
+        tmp_path,
+        "scheduler.trace=true",
+        "optimizations.toy_probe.intensity=1",
+        "optimizations.checkpoint={every: 3}",
+        "train.steps=3",
+        "train.eval.every=2",
+    )
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    events = trace["traceEvents"]  # what chrome://tracing and Perfetto open
+    for event in events:
+        assert event["ph"] == "X" and event["dur"] >= 0 and event["ts"] >= 0, event
+        assert {"pid", "tid", "cat"} <= set(event)
+    # Every hook that ran, once per call: the probe's own record of its hooks, and the
+    # checkpoint's (it has no hook at the forward or backward events).
+    ran = sorted(
+        (e["args"]["step"], e["name"].removeprefix("toy_probe."))
+        for e in events
+        if e["name"].startswith("toy_probe.")
+    )
+    probe = json.loads((tmp_path / "run" / "probe-rank0.json").read_text())
+    assert ran == sorted((step, event) for step, event in probe["events"])
+    checkpoint = [e["name"] for e in events if e["name"].startswith("checkpoint.")]
+    assert checkpoint.count("checkpoint.step_start") == 5  # 2 warm-up + 3 measured
+    assert {"checkpoint.fit_start", "checkpoint.fit_end"} <= set(checkpoint)
+    assert not any("forward" in name for name in checkpoint)
+    assert {e["name"].split(".")[0] for e in events} == {"toy_probe", "checkpoint"}
 
 
 @pytest.mark.slow
