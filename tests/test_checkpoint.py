@@ -375,3 +375,37 @@ def test_resume_false_starts_over_and_keeps_the_old_checkpoints_aside(tmp_path):
     (aside,) = tmp_path.glob("checkpoints.old-*")
     assert json.loads((aside / "manifest.json").read_text())["checkpoints"][-1]["step"] == 4
     assert (tmp_path / "checkpoints" / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_run_fresh_and_resume_false_start_over_and_keep_the_old_checkpoints(
+    tiny_scenario, tmp_path, capsys
+):
+    from overlapkit.cli import main
+
+    out = tmp_path / "run"
+    command = [
+        "run", str(tiny_scenario()), "--out", str(out), "--quiet",
+        "--set", "optimizations.checkpoint={every: 2}",
+        "--set", "train.steps=4",
+        "--set", "train.warmup_steps=0",
+    ]  # fmt: skip
+
+    def ran(*extra: str) -> tuple[list[float], int | None]:
+        assert main([*command, *extra]) == 0, capsys.readouterr().err
+        lines = (out / "steps.jsonl").read_text().splitlines()
+        summary = json.loads((out / "summary.json").read_text())
+        losses = [json.loads(line)["loss"] for line in lines]
+        return losses, summary["optimizations"]["checkpoint"]["resumed_from_step"]
+
+    first, resumed_from = ran()
+    assert len(first) == 4 and resumed_from is None
+    assert ran() == ([], 4)  # the same command resumes: from the final checkpoint, done
+    assert ran("--fresh") == (first, None)  # starts over: the same run again
+    (aside,) = out.glob("checkpoints.old-*")
+    time.sleep(1.1)  # the folder moved aside is named by the second
+    assert ran("--set", "optimizations.checkpoint.resume=false") == (first, None)
+    assert len(list(out.glob("checkpoints.old-*"))) == 2
+    for folder in (aside, out / "checkpoints"):  # each run's own checkpoints, to its end
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert [e["step"] for e in manifest["checkpoints"]] == [2, 4]
