@@ -4,6 +4,7 @@ reduction, exact resume position, missing extras."""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -365,3 +366,32 @@ def test_overlapkit_check_refuses_a_back_end_whose_extra_is_missing(tiny_scenari
     )
     assert result.returncode != 0
     assert "pip install 'overlapkit[tensorflow]'" in result.stderr + result.stdout
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # no worker is started
+def test_the_intensity_mapping_overlapkit_list_shows_is_what_prefetch_uses(capsys):
+    from overlapkit.cli import main
+
+    assert main(["list", "--json"]) == 0
+    (listed,) = [o for o in json.loads(capsys.readouterr().out)["optimizations"]
+                 if o["name"] == "prefetch"]  # fmt: skip
+    mapping = listed["intensity_mapping"]
+    # The README's numbers: 0 synchronous, 0.5 -> 2 workers, 4 ahead, 1 handed over ahead,
+    # 1 -> 4 workers, 8 ahead, 2 handed over ahead.
+    readme = {"0": (0, 0, 0), "0.5": (2, 4, 1), "1.0": (4, 8, 2)}
+    for intensity, (workers, depth, device_depth) in readme.items():
+        assert (mapping[intensity]["workers"], mapping[intensity]["depth"]) == (workers, depth)
+        assert mapping[intensity]["device_depth"] == device_depth
+    for intensity, shown in mapping.items():
+        loader, opt = wrapped(float(intensity), backend="torch")
+        assert opt.settings == shown, intensity
+        # What the loading really does: the DataLoader's workers keep `depth` batches in
+        # flight, and the feeder hands `device_depth` over ahead.
+        data_loader = loader.backend.inner.loader
+        assert data_loader.num_workers == shown["workers"], intensity
+        if shown["workers"]:
+            assert data_loader.prefetch_factor * shown["workers"] == shown["depth"], intensity
+            assert loader.feeder_depth == shown["device_depth"], intensity
+        else:  # loading on the training thread, when the step asks
+            assert loader.feeder_depth == 0 and shown["depth"] == 0, intensity
+        loader.close()
