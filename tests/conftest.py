@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,6 +88,21 @@ def run_cli(
         timeout=timeout,
         cwd=cwd or ROOT,
     )
+
+
+def cli_here(*args: Any, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`run_cli` in this process: no interpreter and torch to start (~3 s each). For
+    commands that only read, check or fail early; a traceback is an error."""
+    from overlapkit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    place = contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext()
+    with place, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as done:  # argparse's usage errors
+            code = done.code
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def free_port() -> int:

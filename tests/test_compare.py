@@ -10,7 +10,7 @@ import optuna
 import pytest
 import yaml
 
-from conftest import TINY_SCENARIO, run_cli
+from conftest import TINY_SCENARIO, cli_here
 from overlapkit.runtime.hardware import hardware_label
 from overlapkit.tuning.analysis import Analysis
 from overlapkit.tuning.config import TuneConfig
@@ -73,7 +73,7 @@ def test_two_studies_side_by_side_show_both_hardware_and_where_overlap_stops(tmp
     small = build_study(tmp_path / "small", "1 machine, 2 cores CPU A each; torch 2.13", 0.5)
     large = build_study(tmp_path / "large", "2 machines, 4 x V100 (sm 7.0) each; torch 2.13", 1.0)
     out = tmp_path / "compare"
-    result = run_cli("report", "--compare", small, large, "--out", out, "--json")
+    result = cli_here("report", "--compare", small, large, "--out", out, "--json")
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert document == json.loads((out / "compare.json").read_text())
@@ -93,7 +93,7 @@ def test_two_studies_side_by_side_show_both_hardware_and_where_overlap_stops(tmp
     assert small_doc["tuned_vs_naive"] == pytest.approx(6.0)
     assert large_doc["tuned_vs_naive"] == pytest.approx(2.0)
     # The people's version: a table with both, the markdown and a plot.
-    table = run_cli("report", "--compare", small, large, "--out", out)
+    table = cli_here("report", "--compare", small, large, "--out", out)
     assert table.returncode == 0, table.stderr
     text = " ".join(table.stdout.split())
     assert "V100" in text and "CPU A" in text and "contention point" in text
@@ -104,7 +104,7 @@ def test_two_studies_side_by_side_show_both_hardware_and_where_overlap_stops(tmp
 
 
 def test_compare_needs_two_studies_and_says_so(tmp_path):
-    result = run_cli("report", "--compare", tmp_path)
+    result = cli_here("report", "--compare", tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, cli_here, run_cli
 from overlapkit.runtime.distributed import init_world
 
 pytestmark = pytest.mark.slow
@@ -207,13 +207,13 @@ def test_a_run_trains_in_a_process_group_started_before_it_and_leaves_it(tiny_sc
 
 def test_several_machines_need_a_cluster_or_a_place_each(tiny_scenario, tmp_path):
     path = tiny_scenario()
-    result = run_cli("run", path, "--set", "world.nodes=2", "--out", tmp_path / "a")
+    result = cli_here("run", path, "--set", "world.nodes=2", "--out", tmp_path / "a")
     assert result.returncode == 2
     assert "world.nodes: 2 asks for 2 machines" in result.stderr and "--ray" in result.stderr
-    result = run_cli("run", path, "--set", "world.nodes=2", "--node-rank", "0")
+    result = cli_here("run", path, "--set", "world.nodes=2", "--node-rank", "0")
     assert result.returncode == 2 and "--node-rank and --master go together" in result.stderr
-    bad = run_cli("run", path, "--set", "world.nodes=2", "--node-rank", "2", "--master", "h:1")
+    bad = cli_here("run", path, "--set", "world.nodes=2", "--node-rank", "2", "--master", "h:1")
     assert bad.returncode == 2 and "--node-rank must be in 0..1" in bad.stderr
-    result = run_cli("tune", path, "--set", "world.nodes=2", "--out", tmp_path / "t")
+    result = cli_here("tune", path, "--set", "world.nodes=2", "--out", tmp_path / "t")
     assert result.returncode == 2 and "need --ray" in result.stderr
     assert "Traceback" not in result.stderr

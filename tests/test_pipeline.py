@@ -8,7 +8,7 @@ import pytest
 import torch
 from rank_programs import SHAPE, first_batch, pipeline_runs, unequal_mlp
 
-from conftest import run_cli
+from conftest import cli_here, run_cli
 from overlapkit import get_optimization
 from overlapkit.data import ShardedSampler, SyntheticImages
 from overlapkit.launch.local import launch_local
@@ -335,6 +335,6 @@ def test_check_refuses_a_bad_pipeline_before_starting_anything(tiny_scenario):
           pipeline: {stages: 12, schedule: gpipe}
         """
     )
-    result = run_cli("check", path)
+    result = cli_here("check", path)
     assert result.returncode != 0
     assert "12 stages but the model has only 10 layers" in result.stderr

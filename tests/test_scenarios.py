@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, cli_here
 from overlapkit.scenarios import ScenarioError, dump_scenario, load_scenario
 
 
@@ -154,31 +154,29 @@ def test_cli_reports_bad_scenarios_with_exit_code_2(tmp_path, content, fragment)
     path = tmp_path / "bad.yaml"
     path.write_text(content)
     for command in ("check", "run"):
-        result = run_cli(command, path, timeout=60)
+        result = cli_here(command, path)
         assert result.returncode == 2, result.stderr
         assert fragment in result.stderr
         assert "Traceback" not in result.stderr
 
 
 def test_cli_missing_scenario_and_missing_data_folder(tmp_path):
-    result = run_cli("run", tmp_path / "nope.yaml", timeout=60)
+    result = cli_here("run", tmp_path / "nope.yaml")
     assert result.returncode == 2 and "scenario file not found" in result.stderr
     scenario = tmp_path / "cifar.yaml"
     scenario.write_text(
         f"model: {{name: resnet18}}\ndata: {{name: cifar10, root: {tmp_path / 'no-cifar'}}}\n"
     )
-    result = run_cli("run", scenario, timeout=60)
+    result = cli_here("run", scenario)
     assert result.returncode == 2
     assert "CIFAR-10 folder not found at" in result.stderr and "never downloads" in result.stderr
 
 
 def test_cli_check_and_list(tiny_scenario):
-    result = run_cli(
-        "check", tiny_scenario(), "--set", "optimizations.toy_probe.intensity=0.5", timeout=60
-    )
+    result = cli_here("check", tiny_scenario(), "--set", "optimizations.toy_probe.intensity=0.5")
     assert result.returncode == 0, result.stderr
     assert "scenario tiny: ok" in result.stdout and "optimizations.toy_probe" in result.stdout
-    result = run_cli("list", "--json", timeout=60)
+    result = cli_here("list", "--json")
     assert result.returncode == 0, result.stderr
     import json
 
@@ -186,7 +184,7 @@ def test_cli_check_and_list(tiny_scenario):
     probe = next(o for o in catalogue["optimizations"] if o["name"] == "toy_probe")
     assert probe["intensity_mapping"]["1.0"]["depth"] == 16
     assert catalogue["scheduler_policies"] == ["free", "priority"]
-    table = run_cli("list", timeout=60)
+    table = cli_here("list")
     assert "toy_probe" in table.stdout and "@0.5" in table.stdout
 
 

@@ -20,7 +20,7 @@ import yaml
 from optuna.trial import TrialState
 from pg_server import throwaway_postgres
 
-from conftest import ROOT, TINY_SCENARIO, dashboard_get, run_cli
+from conftest import ROOT, TINY_SCENARIO, cli_here, dashboard_get, run_cli
 from overlapkit.tuning import TuneConfig
 from overlapkit.tuning.analysis import Analysis
 from overlapkit.tuning.goodput import efficiency, goodput
@@ -152,7 +152,7 @@ def test_a_trials_scenario_applies_the_setting():
 )
 def test_a_bad_search_names_the_line_and_what_is_allowed(tiny_scenario, tune, expected):
     path = scenario_with(tiny_scenario, "{checkpoint: {every: 2}}", tune)
-    result = run_cli("check", path)
+    result = cli_here("check", path)
     assert result.returncode == 2
     assert expected in result.stderr
     assert f"{path}:13" in result.stderr.replace("\n", "")  # the tune line
@@ -294,20 +294,20 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
     assert len(complete) >= 6
     assert all("forward" in t.user_attrs["phase_shares"] for t in complete)
-    assert run_cli("check", out / "best.yaml").returncode == 0
+    assert cli_here("check", out / "best.yaml").returncode == 0
     # optuna-dashboard reads the study as it is, trials and their attributes.
     status, body = dashboard_get(f"sqlite:///{out / 'study.db'}", "/api/studies/1")
     assert status == "200 OK"
     page = json.loads(body)
     assert page["name"] == "tiny" and len(page["trials"]) == len(study.trials)
     # The report command gives the same table from the folder or from the storage URL.
-    again = run_cli("report", out, "--json")
+    again = cli_here("report", out, "--json")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["comparison"] == document["comparison"]
-    by_url = run_cli("report", f"sqlite:///{out / 'study.db'}", "--out", tmp_path / "r2")
+    by_url = cli_here("report", f"sqlite:///{out / 'study.db'}", "--out", tmp_path / "r2")
     assert by_url.returncode == 0 and (tmp_path / "r2" / "report.md").exists()
     # The same trials priced at a 1000 h MTBF: the baseline keeps almost everything.
-    priced = run_cli("report", out, "--json", "--mtbf-hours", "1000", "--out", tmp_path / "r3")
+    priced = cli_here("report", out, "--json", "--mtbf-hours", "1000", "--out", tmp_path / "r3")
     assert priced.returncode == 0, priced.stderr
     repriced = json.loads(priced.stdout)
     assert repriced["goodput_at"] == {"mtbf_hours": 1000.0, "restart_s": 60.0, "job_hours": 1.0}
