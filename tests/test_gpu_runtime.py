@@ -137,6 +137,29 @@ def test_bf16_below_compute_capability_8_is_refused_naming_fp16():
         check_precision("bf16", (7, 0), "Tesla V100")
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.precision=fp16"], "train.precision fp16 is for GPUs only"),
+        (["world.backend=nccl"], "world.backend nccl is for GPUs only"),
+        (["world.backend=nccl", "world.nprocs=2"], "world.backend nccl is for GPUs only"),
+    ],
+)
+def test_fp16_or_nccl_on_a_machine_without_gpus_is_refused_before_any_rank_starts(
+    tiny_scenario, tmp_path, monkeypatch, capsys, overrides, message
+):
+    from overlapkit.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without GPUs
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    for command in (["check"], ["run", "--out", str(tmp_path / "run")]):
+        assert main([command[0], str(tiny_scenario()), *command[1:], *sets]) == 2
+        err = capsys.readouterr().err.replace("\n", " ")
+        assert f"error: {message}" in err and "CPU" in err, err
+        assert "Traceback" not in err and "internal error" not in err
+    assert not (tmp_path / "run").exists()  # refused before the run folder, before any rank
+
+
 def test_a_build_without_the_gpus_kernels_is_refused_naming_gpu_capability_and_arches():
     with pytest.raises(GPUSetupError) as error:
         check_gpu_setup(1, "fp32", V100)

@@ -91,6 +91,20 @@ def check_build(facts: GPUFacts) -> None:
         )
 
 
+def check_cpu_setup(precision: str, backend: str) -> None:
+    """What a run on CPUs cannot do: fp16's grad scaler and NCCL are for GPUs only."""
+    if precision == "fp16":
+        raise GPUSetupError(
+            "train.precision fp16 is for GPUs only (its grad scaler); this run is on the "
+            "CPU (no CUDA device, or world.device cpu): use bf16 (autocast) or fp32"
+        )
+    if backend == "nccl":
+        raise GPUSetupError(
+            "world.backend nccl is for GPUs only (NCCL carries CUDA tensors); this run is on "
+            "the CPU (no CUDA device, or world.device cpu): use gloo, or auto"
+        )
+
+
 def check_gpu_setup(local_ranks: int, precision: str, facts: GPUFacts | None = None) -> None:
     """Every rule, for ``local_ranks`` ranks on this machine: raises `GPUSetupError`."""
     facts = facts or GPUFacts.probe()

@@ -19,7 +19,7 @@ from ..models import ModelConfig
 from ..optimizations import get_optimization, registered_optimizations
 from ..runtime import CombinationError, KnobError, Optimization, Scheduler, SchedulerConfig
 from ..runtime.distributed import resolve_backend
-from ..runtime.gpus import check_gpu_setup
+from ..runtime.gpus import check_cpu_setup, check_gpu_setup
 from ..runtime.loop import TrainConfig
 from ..tuning import TuneConfig
 from ..tuning.space import SpaceError, build_space
@@ -171,6 +171,9 @@ class Scenario(Config):
         local_ranks = int(local) if local else self.world.nprocs
         if self.device_type == "cuda" and gpus_here:
             check_gpu_setup(local_ranks, self.train.precision)
+        # On a Ray driver "auto" is decided by the cluster's machines, not this one.
+        if self.world.device == "cpu" or (self.device_type == "cpu" and gpus_here):
+            check_cpu_setup(self.train.precision, self.backend)
         Scheduler(self.build_optimizations(), self.scheduler.policy).check(
             world_size or self.world.ranks,
             self.device_type,
