@@ -278,7 +278,6 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     assert document["best"]["measured"] >= 2 and document["noise"] is not None
     # 40 ms of sleep per step is never worth it: the tuned best has it off.
     assert document["best"]["params"]["toy_sleep.intensity"] == 0.0
-    assert rows["toy_sleep alone"]["throughput"] < 0.8 * rows["baseline (all off)"]["throughput"]
     # Two objectives: a Pareto front. At a 2 h MTBF a 1 h job without checkpoints keeps
     # 76 % of its throughput; checkpoints every step lose almost nothing.
     assert document["pareto"]
@@ -287,13 +286,37 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     assert baseline["goodput"] == pytest.approx(baseline["throughput"] * kept)
     assert document["curves"]["toy_sleep"]["contention_point"] == 0.0
     assert set(document["policy"]) == {"free", "priority"}
+    # Pairwise interactions: each pair's gains over the baseline, alone and together (the
+    # rows' medians), and together / (gain A x gain B) - 1.
+    base_goodput = rows["baseline (all off)"]["goodput"]
+    (pair,) = document["interactions"]
+    assert (pair["a"], pair["b"]) == ("toy_sleep", "checkpoint")
+    assert pair["gain_a"] == pytest.approx(rows["toy_sleep alone"]["goodput"] / base_goodput)
+    assert pair["gain_b"] == pytest.approx(rows["checkpoint alone"]["goodput"] / base_goodput)
+    together = rows["all on, full (naive)"]["goodput"] / base_goodput  # both at level 1
+    assert pair["gain_together"] == pytest.approx(together)
+    assert pair["interaction"] == pytest.approx(together / (pair["gain_a"] * pair["gain_b"]) - 1)
+    # Knob importances (Optuna's, normalised): every searched knob, highest first.
+    importances = document["importances"]
+    assert set(importances) == {"toy_sleep.intensity", "checkpoint.intensity", "scheduler.policy"}
+    assert all(v >= 0 for v in importances.values())
+    assert sum(importances.values()) == pytest.approx(1.0)
+    assert list(importances.values()) == sorted(importances.values(), reverse=True)
     markdown = (out / "report.md").read_text()
+    assert "| toy_sleep | checkpoint |" in markdown and "## Knob importances" in markdown
+    assert all(f"| {name} | {value:.3f} |" in markdown for name, value in importances.items())
     assert "| tuned best |" in markdown and "contention.png" in markdown
     # Every trial kept its numbers, and the best setting is a runnable scenario.
     study = load(out)
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
     assert len(complete) >= 6
     assert all("forward" in t.user_attrs["phase_shares"] for t in complete)
+    # Each trial with the sleep on paid it in every step, as "other" (its throughput
+    # against the baseline's is at the mercy of whatever else loads the machine).
+    for t in complete:
+        if t.params["toy_sleep.intensity"] == 1.0:
+            attrs = t.user_attrs
+            assert attrs["step_time_s"] * attrs["phase_shares"]["other"] >= 0.0399, attrs
     assert cli_here("check", out / "best.yaml").returncode == 0
     # optuna-dashboard reads the study as it is, trials and their attributes.
     status, body = dashboard_get(f"sqlite:///{out / 'study.db'}", "/api/studies/1")
@@ -314,6 +337,26 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     base = {row["row"]: row for row in repriced["comparison"]}["baseline (all off)"]
     kept = 3600 / ((3_600_000 + 60) * math.expm1(0.001))
     assert base["goodput"] == pytest.approx(base["throughput"] * kept) and kept > 0.99
+    # ... and at a 10 min restart and a 3 h job: every row's goodput is its trial's
+    # throughput x tau / E[T], E[T] = (MTBF + R + P) (e^(tau/MTBF) - 1), tau the
+    # checkpoint interval (without checkpoints, the job), P the persist latency.
+    priced = cli_here(
+        "report", out, "--json", "--restart-s", "600", "--job-hours", "3", "--out", tmp_path / "r4"
+    )
+    assert priced.returncode == 0, priced.stderr
+    repriced = json.loads(priced.stdout)
+    assert repriced["goodput_at"] == {"mtbf_hours": 2.0, "restart_s": 600.0, "job_hours": 3.0}
+    trials = {t.number: t.user_attrs for t in study.trials}
+    for row in repriced["comparison"]:
+        attrs = trials[row["trial"]]
+        tau, persist = attrs["checkpoint_interval_s"], attrs["persist_s"]
+        if tau is None:
+            tau, persist = 3 * 3600, 0.0
+        expected = row["throughput"] * tau / ((7200 + 600 + persist) * math.expm1(tau / 7200))
+        assert row["goodput"] == pytest.approx(expected), row
+    base = {row["row"]: row for row in repriced["comparison"]}["baseline (all off)"]
+    kept = 3 * 3600 / ((7200 + 600) * math.expm1(1.5))  # 40 % kept (it was 76 %)
+    assert base["goodput"] == pytest.approx(base["throughput"] * kept) and kept < 0.41
 
 
 def test_a_grid_study_visits_every_point_then_confirms_its_finalists(tiny_scenario, tmp_path):
