@@ -490,7 +490,8 @@ def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
     path = scenario_with(
         tiny_scenario,
         "{toy_sleep: {intensity: 1}}",
-        "{trials: 4, references: false, sampler: random, prune: false, steps: 3, warmup_steps: 1, repeats: 1}",
+        # Trials of ~1 s (40 ms a step): long enough to be killed mid-trial.
+        "{trials: 4, references: false, sampler: random, prune: false, steps: 24, warmup_steps: 1, repeats: 1}",
     )
     out = tmp_path / "tune"
     command = [sys.executable, "-m", "overlapkit", "tune", str(path), "--out", str(out)]
@@ -502,7 +503,7 @@ def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.1)
             if process.poll() is not None:
                 pytest.fail(f"the first tune ended before it was killed:\n{log.read_text()}")
             try:

@@ -11,8 +11,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any
 import yaml
 
 from ..runtime.report import LIVE_STEPS, LiveSteps
+from .trial_process import TrialProcess, start_trial_process
 
 POLL_S = 0.2
 CHECKPOINTS = "checkpoints"  # a trial's checkpoint folder, inside its run folder
@@ -73,21 +72,29 @@ def run_trial(
     scenario_file = folder / "scenario.yaml"
     scenario_file.write_text(yaml.safe_dump(data, sort_keys=False))
     run_dir = folder / "run"
-    command = [sys.executable, "-m", "overlapkit", "run", str(scenario_file)]
-    command += ["--out", str(run_dir), "--quiet", "--fresh"]
+    command = ["run", str(scenario_file), "--out", str(run_dir), "--quiet", "--fresh"]
     stderr_path = folder / "stderr.txt"
-    with open(folder / "stdout.txt", "wb") as out, open(stderr_path, "wb") as err:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=err, start_new_session=True, env=_child_env(gpus)
-        )
-        try:
-            _watch(process, run_dir / LIVE_STEPS, timeout_s, on_step)
-        finally:
-            _kill_group(process)
+    on_cpu = gpus is None and _device(data) == "cpu"
+    process = start_trial_process(
+        command, folder / "stdout.txt", stderr_path, _child_env(gpus), fork=on_cpu
+    )
+    try:
+        _watch(process, run_dir / LIVE_STEPS, timeout_s, on_step)
+    finally:
+        returncode = _kill_group(process)
     _remove_checkpoints(run_dir)
-    if process.returncode != 0:
-        raise failure_of(process.returncode, stderr_path.read_text(errors="replace"))
+    if returncode != 0:
+        raise failure_of(returncode, stderr_path.read_text(errors="replace"))
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def _device(data: dict[str, Any]) -> str:
+    device = (data.get("world") or {}).get("device", "auto")
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 def _child_env(gpus: list[str] | None = None) -> dict[str, str]:
@@ -126,7 +133,7 @@ class StepWatch:
 
 
 def _watch(
-    process: subprocess.Popen[bytes],
+    process: TrialProcess,
     live: Path,
     timeout_s: float,
     on_step: Callable[[int, float], bool] | None,
@@ -146,13 +153,14 @@ def _watch(
             raise TrialStopped
 
 
-def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    """Stop the run and every process it started (its ranks, their loader workers)."""
+def _kill_group(process: TrialProcess) -> int:
+    """Stop the run and every process it started (its ranks, their loader workers);
+    return its exit status."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    process.wait()
+    return process.wait()
 
 
 def _remove_checkpoints(run_dir: Path) -> None:
