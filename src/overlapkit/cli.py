@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = Console(stderr=True)
     where: dict[str, Path] = {}  # the run or tune folder, once known (for an internal error)
     try:
-        return _command(args, argv, console, errors, where)
+        return _command(args, console, errors, where)
     except ScenarioError as error:
         errors.print("[bold red]error in scenario[/]")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
@@ -303,11 +303,7 @@ class UsageError(ValueError):
 
 
 def _command(
-    args: argparse.Namespace,
-    argv: list[str],
-    console: Console,
-    errors: Console,
-    where: dict[str, Path],
+    args: argparse.Namespace, console: Console, errors: Console, where: dict[str, Path]
 ) -> int:
     if args.command == "list":
         catalogue = _catalogue()
