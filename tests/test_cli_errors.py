@@ -136,6 +136,15 @@ def test_any_bytes_as_a_scenario_file_is_exit_2(tmp_path, content):
 
 
 @FAST
+@given(content=st.binary(max_size=200))
+def test_any_bytes_as_a_cluster_config_is_exit_2(tmp_path, content):
+    file = tmp_path / "cluster.yaml"
+    file.write_bytes(content)
+    code, _, err = cli("cluster", "check", file)
+    assert code == 2 and "cluster.yaml" in err, err
+
+
+@FAST
 @given(encoding=st.sampled_from(["utf-16", "utf-32", "latin-1", "cp1252"]))
 def test_a_scenario_saved_in_another_encoding_is_exit_2(tmp_path, encoding):
     file = tmp_path / "scenario.yaml"

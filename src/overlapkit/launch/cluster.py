@@ -55,7 +55,7 @@ def check_cluster_file(path: Path, ray_version: str | None = None) -> dict[str, 
     """The config of ``path`` as Ray prepares it; raises `ClusterConfigError`."""
     try:
         config = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as error:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
         raise ClusterConfigError(path, [Problem("(file)", str(error))]) from None
     if not isinstance(config, dict):
         raise ClusterConfigError(path, [Problem("(file)", "not a YAML mapping")])
