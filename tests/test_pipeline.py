@@ -88,13 +88,20 @@ def test_auto_partition_balances_unequal_layers_better_than_equal_counts(two_ran
     first_stage = auto["partition"][0]["layers"]
     assert first_stage[0] == "0" and len(first_stage) in (3, 4), auto["partition"]
 
-    # Measured: the busiest rank's compute over the idlest's.
+    # What the partitioner saw, rank 0's profile of each layer (the least disturbed of 5
+    # runs): counted equally, the first stage does ~2-3x the second's work (three wide
+    # layers against one and small ones); the auto split's slowest stage does less.
+    compute = [c["compute_s"] for c in auto["layer_costs"]]
+    assert sum(compute[:5]) > 1.5 * sum(compute[5:]), compute
+    assert max(s["compute_s"] for s in auto["partition"]) < sum(compute[:5])
+
+    # Measured: the busiest rank's compute over the idlest's (~1.2 against ~3 on an idle
+    # machine; the wide gap keeps the comparison safe on a loaded one, a bound does not).
     def spread(section):
         compute = [r["forward_s"] + r["backward_s"] for r in section["measured"]["per_rank"]]
         return max(compute) / min(compute)
 
     assert spread(auto) < spread(equal)
-    assert spread(equal) > 1.5  # ~3x in the costs; measured lower on a loaded machine
 
 
 def test_measurements_cover_bubble_balance_and_traffic(two_ranks):
