@@ -111,6 +111,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert section["resumed_from_step"] == 3
 
 
+@pytest.mark.slow
 def test_host_memory_stays_flat_across_many_checkpoints(tmp_path):
     sizes = []
 
@@ -347,6 +348,7 @@ def test_pruning_never_touches_checkpoints_other_ranks_are_still_writing(tmp_pat
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000006"]
 
 
+@pytest.mark.slow
 def test_each_shard_is_written_once_and_restored_to_its_own_ranks(tmp_path):
     """The layout for pipeline stages: one replicated file per shard, one manifest."""
     from rank_programs import stage_shards
@@ -377,7 +379,6 @@ def test_resume_false_starts_over_and_keeps_the_old_checkpoints_aside(tmp_path):
     assert (tmp_path / "checkpoints" / "manifest.json").exists()
 
 
-@pytest.mark.slow
 def test_run_fresh_and_resume_false_start_over_and_keep_the_old_checkpoints(
     tiny_scenario, tmp_path, capsys
 ):

@@ -12,8 +12,6 @@ import pytest
 from conftest import ROOT, cli_here, run_cli
 from overlapkit.runtime.distributed import init_world
 
-pytestmark = pytest.mark.slow
-
 # How long a rank waits in a collective for a peer that is gone: the process group's timeout.
 HANG_S = inspect.signature(init_world).parameters["timeout_s"].default
 
@@ -22,6 +20,7 @@ def read_steps(folder):
     return [json.loads(line) for line in (folder / "steps.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_two_rank_run_gathers_every_ranks_metrics(tiny_scenario, tmp_path):
     out = tmp_path / "out"
     result = run_cli(
@@ -63,6 +62,7 @@ def test_two_rank_run_gathers_every_ranks_metrics(tiny_scenario, tmp_path):
     assert summary["eval"]["runs"][-1]["samples"] == 63
 
 
+@pytest.mark.slow
 def test_a_failing_rank_fails_the_run_promptly_with_its_error(tiny_scenario, tmp_path):
     out = tmp_path / "out"
     start = time.monotonic()
@@ -98,6 +98,7 @@ def test_a_failing_rank_fails_the_run_promptly_with_its_error(tiny_scenario, tmp
         )
 
 
+@pytest.mark.slow
 def test_a_rank_killed_by_a_signal_is_named_not_its_peer(tiny_scenario, tmp_path):
     result = run_cli(
         "run",
@@ -117,6 +118,7 @@ def test_a_rank_killed_by_a_signal_is_named_not_its_peer(tiny_scenario, tmp_path
     assert "died with SIGKILL" in result.stderr
 
 
+@pytest.mark.slow
 def test_the_same_entry_point_runs_under_torchrun(tiny_scenario, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
@@ -163,6 +165,7 @@ def two_local_ranks(tiny_scenario, tmp_path, *overrides):
     return out
 
 
+@pytest.mark.slow
 def test_two_machines_started_by_hand_train_as_two_local_ranks(tiny_scenario, tmp_path):
     """What each Ray actor does, without Ray: node k of 2, rendezvous at node 0."""
     from conftest import free_port
@@ -191,6 +194,7 @@ def test_two_machines_started_by_hand_train_as_two_local_ranks(tiny_scenario, tm
     assert summary["final_loss"] == pytest.approx(final_loss(local), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_run_trains_in_a_process_group_started_before_it_and_leaves_it(tiny_scenario, tmp_path):
     """Ray Train's TorchTrainer starts the group before the training function runs."""
     from rank_programs import run_in_a_group_started_before

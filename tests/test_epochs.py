@@ -114,6 +114,7 @@ def test_steps_sets_the_epoch_of_a_prepared_loaders_distributed_sampler():
 
 
 # ------------------------------------------------------------------ epoch loops
+@pytest.mark.slow
 def test_epoch_loop_with_a_kill_free_resume_matches_an_uninterrupted_one(tmp_path):
     """start() resumes before the script's epoch loop; a per-epoch StepLR and a plain
     best value come back; the continued run equals the uninterrupted one bit for bit."""

@@ -26,6 +26,7 @@ def run(*args, torchrun=False):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_custom_loop_trains_saves_and_resumes(tmp_path):
     first = run("--steps", "40", "--out", tmp_path)
     assert first["step"] == 40 and first["accuracy"] > 0.8  # four classes: chance is 0.25

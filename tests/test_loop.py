@@ -144,7 +144,6 @@ def test_scheduler_trace_writes_every_hook_that_ran_in_chrome_format(tiny_scenar
     assert {e["name"].split(".")[0] for e in events} == {"toy_probe", "checkpoint"}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     ["resnet18-cifar", "resnet18-imagenet", "resnet50-cifar", "resnet50-imagenet", "bert-imdb"],

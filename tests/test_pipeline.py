@@ -59,6 +59,7 @@ def reference_step(batch):
     return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_every_schedule_gives_the_unsplit_models_loss_and_gradients(two_ranks, schedule):
     results, _ = two_ranks
@@ -76,6 +77,7 @@ def test_every_schedule_gives_the_unsplit_models_loss_and_gradients(two_ranks, s
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_auto_partition_balances_unequal_layers_better_than_equal_counts(two_ranks):
     results, _ = two_ranks
     auto = results[0]["auto"]["summary"]["optimizations"]["pipeline"]
@@ -104,6 +106,7 @@ def test_auto_partition_balances_unequal_layers_better_than_equal_counts(two_ran
     assert spread(auto) < spread(equal)
 
 
+@pytest.mark.slow
 def test_measurements_cover_bubble_balance_and_traffic(two_ranks):
     results, _ = two_ranks
     section = results[0]["equal"]["summary"]["optimizations"]["pipeline"]
@@ -118,6 +121,7 @@ def test_measurements_cover_bubble_balance_and_traffic(two_ranks):
     assert phases["bubble"] > 0 and phases["backward"] > 0
 
 
+@pytest.mark.slow
 def test_prefetch_feeds_the_first_stage_only_and_changes_nothing(two_ranks):
     results, _ = two_ranks
     for rank, rank_result in results.items():
@@ -127,6 +131,7 @@ def test_prefetch_feeds_the_first_stage_only_and_changes_nothing(two_ranks):
             assert torch.equal(rank_result["prefetch"]["params"][key], value)
 
 
+@pytest.mark.slow
 def test_checkpoint_saves_one_shard_per_stage_and_resumes_exactly(two_ranks):
     results, root = two_ranks
     step_dirs = sorted((root / "b" / "checkpoints").glob("step-*"))
@@ -168,6 +173,7 @@ def reference_training(steps, replicas=2):
     return model.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpipe ddp", "1f1b ddp", "1f1b flat"])
 def test_two_by_two_mesh_trains_like_one_model_on_the_global_batch(mesh_results, name):
     reference = reference_training(4)
@@ -182,6 +188,7 @@ def test_two_by_two_mesh_trains_like_one_model_on_the_global_batch(mesh_results,
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_ddp_inside_a_pipeline_overlaps_only_the_last_microbatch(mesh_results):
     summary = mesh_results[0]["1f1b ddp"]["summary"]
     ddp = summary["optimizations"]["ddp_overlap"]
@@ -294,6 +301,7 @@ def test_the_dynamic_program_finds_the_best_contiguous_split():
 SHORT = ("--set", "train.steps=4", "--set", "train.warmup_steps=1", "--quiet")
 
 
+@pytest.mark.slow
 def test_pipedream_checkfreq_scenario_checkpoints_each_stage_and_resumes(tmp_path):
     first = run_cli("run", "scenarios/pipedream-checkfreq.yaml", "--out", tmp_path, *SHORT)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -320,6 +328,7 @@ def test_pipedream_checkfreq_scenario_checkpoints_each_stage_and_resumes(tmp_pat
     assert resumed["optimizations"]["checkpoint"]["resumed_from_step"] == 5
 
 
+@pytest.mark.slow
 def test_pipedream_prefetch_scenario_splits_by_name_and_prefetches(tmp_path):
     result = run_cli("run", "scenarios/pipedream-prefetch.yaml", "--out", tmp_path, *SHORT)
     assert result.returncode == 0, result.stderr[-3000:]

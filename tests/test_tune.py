@@ -161,7 +161,6 @@ def test_a_bad_search_names_the_line_and_what_is_allowed(tiny_scenario, tune, ex
 
 
 # -------------------------------------------------------------------- end to end
-@pytest.mark.slow
 def test_the_best_is_chosen_by_median_among_settings_measured_again():
     """One lucky measurement does not win: the finalists and the reference rows are
     queued again, in rounds, until each has `repeats` results, and the best is the
@@ -244,6 +243,7 @@ def _fake(trial, space, results):
     return value
 
 
+@pytest.mark.slow
 def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     out = tune_tiny(
         tiny_scenario,
@@ -359,6 +359,7 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     assert base["goodput"] == pytest.approx(base["throughput"] * kept) and kept < 0.41
 
 
+@pytest.mark.slow
 def test_a_grid_study_visits_every_point_then_confirms_its_finalists(tiny_scenario, tmp_path):
     out = tune_tiny(
         tiny_scenario,
