@@ -23,13 +23,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from typing import TYPE_CHECKING, Any
 
 from .interrupt import RunInterrupted, exit_now
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 _FAILURE_DIR_ENV = "OVERLAPKIT_FAILURE_DIR"
 
@@ -78,7 +77,7 @@ def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
     """Runs ``fn`` in a rank; on an exception writes when and what failed, then re-raises."""
     die_with_parent()
     try:
-        return fn(*args)
+        result = fn(*args)
     except BaseException as error:
         folder = os.environ.get(_FAILURE_DIR_ENV)
         if folder:
@@ -92,6 +91,9 @@ def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
         if isinstance(error, RunInterrupted):
             exit_now(error.exit_code)  # no traceback: the launcher tells the user
         raise
+    if not os.environ.get("OK_NOFREEZE"):
+        import gc; gc.freeze()
+    return result
 
 
 def _quiet_launcher_logs() -> None:
@@ -103,6 +105,8 @@ def _quiet_launcher_logs() -> None:
 
 
 def _launch_config(nprocs: int, node: NodePlace | None) -> LaunchConfig:
+    from torch.distributed.launcher.api import LaunchConfig
+
     if node is None or node.nodes == 1:
         return LaunchConfig(
             min_nodes=1,
@@ -142,6 +146,11 @@ def launch_local(
 
     Raises `RankFailedError` naming the first rank that failed, with its traceback.
     """
+    # torch here, not at the top: `die_with_parent` is for the Ray actor too, which needs no torch.
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     _quiet_launcher_logs()
     handlers = {s: signal.getsignal(s) for s in _LAUNCHER_SIGNALS}  # elastic replaces them
     with tempfile.TemporaryDirectory(prefix="overlapkit-ranks-") as failures:
@@ -154,9 +163,12 @@ def launch_local(
             # The launcher was signalled: it passed the signal on and waited for the ranks.
             raise _interruption(_records(failures), int(error.sigval)) from None
         except ChildFailedError as error:
-            recorded = _records(failures)
-            if any("interrupted" in r for r in recorded.values()):  # only ranks were signalled
-                raise _interruption(recorded, None) from None
+            everything = _records(failures)
+            recorded = {r: rec for r, rec in everything.items() if "error" in rec}
+            died = [f for r, f in error.failures.items() if r not in everything and f.exitcode < 0]
+            if not recorded and not died and everything:  # only the ranks were signalled
+                raise _interruption(everything, None) from None
+            # Ranks the launcher stopped (SIGTERM) after another failed are not the cause.
             # A rank that died without a Python error (a signal: a crash, the OOM killer)
             # is the likelier cause: its peers then fail with "connection reset".
             silent = {

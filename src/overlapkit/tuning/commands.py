@@ -176,7 +176,7 @@ def load_target(target: str, name: str | None = None) -> tuple[optuna.Study, Pat
         url, _, named = target.partition("#")
         storage = _open_named(url, "the study's URL")
         study = _load_study(storage, name or named, url)
-        folder = Path("runs") / f"{name}-report"
+        folder = Path("runs") / f"{study.study_name}-report"
     if "scenario" not in study.user_attrs:
         raise TuneError(f"study {study.study_name} was not made by overlapkit tune")
     return study, folder
