@@ -106,7 +106,9 @@ class Checkpoint(Optimization):
             self._resume(state)
         elif self._domains.leader(world.rank) and (self.root / "manifest.json").exists():
             # A fresh start keeps the old checkpoints, out of the way.
-            shutil.move(str(self.root), f"{self.root}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.move(
+                str(self.root), _unused(Path(f"{self.root}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
+            )
         all_gather_objects(None, world)  # no rank writes into a folder being moved away
         self._make_root()
         self._start_writers(state)
@@ -379,3 +381,13 @@ def _deferrable_storages(state: State) -> set[int]:
                 if hasattr(value, "untyped_storage"):
                     storages.add(value.untyped_storage().data_ptr())
     return storages
+
+
+def _unused(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``...: a name nothing has yet (two fresh starts
+    in one second must not move the second folder into the first)."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
