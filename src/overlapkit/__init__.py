@@ -2,10 +2,26 @@
 checkpointing, input loading and pipeline stages, and measures where more
 overlap stops paying off."""
 
-from .optimizations import get_optimization, registered_optimizations
-from .runtime import Event, Knob, Optimization, Resource, Session, register_optimization
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Each name is imported from its module on first use, so that importing a module of
+# the package that needs no torch (`launch.ray_nodes`, which every Ray actor of a run
+# imports) does not import torch for these.
+_EXPORTS = {
+    "Event": ".runtime",
+    "Knob": ".runtime",
+    "Optimization": ".runtime",
+    "Resource": ".runtime",
+    "Session": ".runtime",
+    "register_optimization": ".runtime",
+    "get_optimization": ".optimizations",
+    "registered_optimizations": ".optimizations",
+}
 
 __all__ = [
     "Event",
@@ -17,3 +33,20 @@ __all__ = [
     "register_optimization",
     "registered_optimizations",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+if TYPE_CHECKING:
+    from .optimizations import get_optimization, registered_optimizations
+    from .runtime import Event, Knob, Optimization, Resource, Session, register_optimization

@@ -11,6 +11,7 @@ later, and is not the cause.
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -91,8 +92,9 @@ def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
         if isinstance(error, RunInterrupted):
             exit_now(error.exit_code)  # no traceback: the launcher tells the user
         raise
-    if not os.environ.get("OK_NOFREEZE"):
-        import gc; gc.freeze()
+    # The rank is done: its exit skips the collector's passes over all of torch's
+    # objects (a second or more of the launcher's wait for it, per rank).
+    gc.freeze()
     return result
 
 

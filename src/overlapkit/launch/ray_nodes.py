@@ -13,6 +13,7 @@ starts a machine's ranks must hold all of their GPUs so that Ray sets
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import os
@@ -53,6 +54,7 @@ class RayOutcome:
     returncodes: list[int | None] = field(default_factory=list)
     stderr: str = ""
     lost: str | None = None  # "node <ip> (<id>): <error>"
+    lost_machine: int | None = None  # which machine of the run (k) was lost
     timed_out: bool = False
     stopped: bool = False  # on_lines asked to stop
 
@@ -87,6 +89,9 @@ def connect(address: str | None) -> None:
         raise RayClusterError(
             f"no Ray cluster at {address or 'auto'} ({error}); {START_ONE}"
         ) from None
+    # Leave the cluster before Ray's own exit hook, which first sleeps half a second
+    # for worker logs to reach the driver (there are none: log_to_driver=False).
+    atexit.register(ray.shutdown)
 
 
 def _reachable(address: str) -> None:
@@ -169,6 +174,7 @@ def run_on_ray(
     strategy = "STRICT_PACK" if world.nodes == 1 else "STRICT_SPREAD"
     group = placement_group([bundle] * world.nodes, strategy=strategy)
     actors: list[Any] = []
+    lost: int | None = None  # the machine that was lost: nothing to stop there
     try:
         ready, _ = ray.wait([group.ready()], timeout=placement_timeout_s)
         if not ready:
@@ -205,15 +211,20 @@ def run_on_ray(
         except (RayActorError, ActorUnavailableError) as error:  # lost while starting
             return RayOutcome(lost=f"a machine was lost while the run started: {error}"[:600])
         outcome = _watch(actors, places, timeout_s, on_lines)
+        lost = outcome.lost_machine
         if outcome.lost is None and not outcome.stopped:
             _gather(actors, run_dir, checkpoints)
         return outcome
     finally:
-        for actor in actors:
+        # The ranks of every machine still there stopped at once; not the lost one's:
+        # gone with it, and Ray takes seconds to say that its actor does not answer.
+        stops = [a.stop.remote() for k, a in enumerate(actors) if k != lost]
+        for stop in stops:
             try:
-                ray.get(actor.stop.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - a lost machine: nothing left to stop there
+                ray.get(stop, timeout=30)
+            except Exception:  # noqa: BLE001 - a machine lost since: nothing left to stop there
                 pass
+        for actor in actors:
             ray.kill(actor)
         remove_placement_group(group)
 
@@ -231,7 +242,8 @@ def _watch(
     failed_at, offset = None, 0
     outcome = RayOutcome()
     while True:
-        pending = [a.poll.remote(offset if k == 0 else None) for k, a in enumerate(actors)]
+        # Each actor answers when its ranks end or after POLL_S, whichever comes first.
+        pending = [a.poll.remote(offset if k == 0 else None, POLL_S) for k, a in enumerate(actors)]
         states: list[Any] = []
         for k, ref in enumerate(pending):
             try:
@@ -243,6 +255,7 @@ def _watch(
                     f"node {place['ip']} ({place['node_id'][:12]}, machine {k} of the run) "
                     f"was lost: {type(error).__name__}: {first_line[:300]}"
                 )
+                outcome.lost_machine = k
                 return outcome
         outcome.returncodes = [code for code, _, _ in states]
         _, text, offset = states[0]
@@ -259,7 +272,6 @@ def _watch(
         if deadline is not None and time.monotonic() > deadline:
             outcome.timed_out = True
             break
-        time.sleep(POLL_S)
     failing = [k for k, c in enumerate(outcome.returncodes) if c]
     if failing:
         outcome.stderr = ray.get(actors[failing[0]].stderr.remote())
@@ -362,13 +374,16 @@ class NodeRunner:
                 preexec_fn=die_with_parent,
             )
 
-    def poll(self, offset: int | None) -> tuple[int | None, str, int]:
-        """The exit code (None while running) and, from ``offset`` on, the complete
-        lines of the live step log."""
+    def poll(self, offset: int | None, wait_s: float = 0.0) -> tuple[int | None, str, int]:
+        """The exit code (None while running: after waiting up to ``wait_s`` for the
+        ranks to end) and, from ``offset`` on, the complete lines of the live step log."""
         from ..runtime.report import LIVE_STEPS, LiveSteps
 
         assert self.process is not None
-        code = self.process.poll()
+        try:
+            code = self.process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            code = None
         if offset is None:
             return code, "", 0
         return code, *LiveSteps.read_new(self.folder / "run" / LIVE_STEPS, offset)

@@ -1,23 +1,38 @@
 """The loop and its contracts: events, the optimization base class, the scheduler,
 the built-in loop, the custom-loop session and the metrics."""
 
-from .arbitration import POLICIES, ArbitrationPolicy, PriorityPolicy
-from .events import Event
-from .metrics import PHASES, PhaseClock
-from .optimization import (
-    COMM_WAIT,
-    CombinationError,
-    Knob,
-    KnobError,
-    Optimization,
-    Plan,
-    Resource,
-    WrapStage,
-    register_optimization,
-)
-from .scheduler import Scheduler, SchedulerConfig, resolve_order
-from .session import Session
-from .state import DataParallel, Shard, State
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Each name is imported from its module on first use: a module of this package that
+# needs no torch (`report`'s live step log, `hardware`'s names, read by the Ray actor
+# on each machine) can then be imported without torch.
+_EXPORTS = {
+    "POLICIES": ".arbitration",
+    "ArbitrationPolicy": ".arbitration",
+    "PriorityPolicy": ".arbitration",
+    "Event": ".events",
+    "PHASES": ".metrics",
+    "PhaseClock": ".metrics",
+    "COMM_WAIT": ".optimization",
+    "CombinationError": ".optimization",
+    "Knob": ".optimization",
+    "KnobError": ".optimization",
+    "Optimization": ".optimization",
+    "Plan": ".optimization",
+    "Resource": ".optimization",
+    "WrapStage": ".optimization",
+    "register_optimization": ".optimization",
+    "Scheduler": ".scheduler",
+    "SchedulerConfig": ".scheduler",
+    "resolve_order": ".scheduler",
+    "Session": ".session",
+    "DataParallel": ".state",
+    "Shard": ".state",
+    "State": ".state",
+}
 
 __all__ = [
     "POLICIES",
@@ -43,3 +58,35 @@ __all__ = [
     "register_optimization",
     "resolve_order",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+if TYPE_CHECKING:
+    from .arbitration import POLICIES, ArbitrationPolicy, PriorityPolicy
+    from .events import Event
+    from .metrics import PHASES, PhaseClock
+    from .optimization import (
+        COMM_WAIT,
+        CombinationError,
+        Knob,
+        KnobError,
+        Optimization,
+        Plan,
+        Resource,
+        WrapStage,
+        register_optimization,
+    )
+    from .scheduler import Scheduler, SchedulerConfig, resolve_order
+    from .session import Session
+    from .state import DataParallel, Shard, State

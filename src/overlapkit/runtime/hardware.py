@@ -6,15 +6,18 @@ from __future__ import annotations
 import os
 import platform
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 NODE_TYPE_ENV = "OVERLAPKIT_NODE_TYPE"  # set by the Ray actor that started this machine's ranks
 
 
 def describe_node(device: torch.device) -> dict[str, Any]:
     """This machine as this rank sees it: cores it may use, GPUs, library versions."""
+    import torch  # here: the Ray actor that sets NODE_TYPE_ENV imports no torch
+
     node: dict[str, Any] = {
         "host": platform.node(),
         "cpu_model": _cpu_model(),

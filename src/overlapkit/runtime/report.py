@@ -9,8 +9,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .metrics import PHASES
-
 
 def write_run_files(
     run_dir: Path,
@@ -88,6 +86,8 @@ def summary_tables(summary: dict[str, Any]) -> list[Table]:
             f"accuracy {result['accuracy']:.3f} on {result['samples']} samples "
             f"in {result['time_s']:.2f} s",
         )
+
+    from .metrics import PHASES  # torch: not for the Ray actor that reads the live steps
 
     phases = Table(title="where each step's time went (mean per step, all ranks)")
     phases.add_column("phase")
