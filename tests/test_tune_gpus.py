@@ -16,7 +16,7 @@ from rich.console import Console
 
 from conftest import TINY_SCENARIO
 from overlapkit.scenarios import Scenario, load_scenario
-from overlapkit.tuning import TuneConfig, TuneError, commands, runner, trial
+from overlapkit.tuning import TuneConfig, TuneError, commands, runner, trial, trial_process
 from overlapkit.tuning.gpus import split_gpus, visible_gpus
 from overlapkit.tuning.study import TuneJob, default_storage
 
@@ -103,7 +103,7 @@ def test_in_process_worker_starts_its_trials_with_its_gpus(tmp_path, monkeypatch
         )
         return real_popen([sys.executable, "-c", script, str(seen)], **kwargs)
 
-    monkeypatch.setattr(trial.subprocess, "Popen", record_env)
+    monkeypatch.setattr(trial_process.subprocess, "Popen", record_env)
     folder = tmp_path / "tune"
     config = TuneConfig(trials=1, references=False, repeats=1, prune=False)
     base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"prefetch": {"workers": 2}}}
