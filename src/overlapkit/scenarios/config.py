@@ -134,15 +134,7 @@ class Scenario(Config):
                 left_out[name] = "does nothing with one rank"
                 continue
             try:
-                Scheduler([cls(1.0)], self.scheduler.policy).check(
-                    self.world.ranks,
-                    self.device_type,
-                    self.backend,
-                    batch_size=self.train.batch_size,
-                    build_model=self.model.build,
-                    precision=self.train.precision,
-                    accumulate=self.train.accumulate,
-                )
+                self._check_plan([cls(1.0)], self.world.ranks)
             except (CombinationError, KnobError) as error:
                 left_out[name] = str(error)
             else:
@@ -174,8 +166,14 @@ class Scenario(Config):
         # On a Ray driver "auto" is decided by the cluster's machines, not this one.
         if self.world.device == "cpu" or (self.device_type == "cpu" and gpus_here):
             check_cpu_setup(self.train.precision, self.backend)
-        Scheduler(self.build_optimizations(), self.scheduler.policy).check(
-            world_size or self.world.ranks,
+        self._check_plan(self.build_optimizations(), world_size or self.world.ranks)
+        if self.device_type == "cpu" and gpus_here:  # what the plan is, then whether it fits
+            check_cpu_ranks(local_ranks)
+
+    def _check_plan(self, optimizations: list[Optimization], world_size: int) -> None:
+        """Each optimization's checks of itself and of this scenario's plan."""
+        Scheduler(optimizations, self.scheduler.policy).check(
+            world_size,
             self.device_type,
             self.backend,
             batch_size=self.train.batch_size,
@@ -183,5 +181,3 @@ class Scenario(Config):
             precision=self.train.precision,
             accumulate=self.train.accumulate,
         )
-        if self.device_type == "cpu" and gpus_here:  # what the plan is, then whether it fits
-            check_cpu_ranks(local_ranks)
