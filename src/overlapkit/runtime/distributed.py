@@ -35,9 +35,15 @@ class World:
         return self.rank == 0
 
 
-def pick_device(device: str, local_rank: int) -> torch.device:
+def resolve_device(device: str) -> str:
+    """``auto``: cuda where a CUDA device is visible, else cpu."""
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def pick_device(device: str, local_rank: int) -> torch.device:
+    device = resolve_device(device)
     if device == "cuda":
         count = torch.cuda.device_count()
         if count == 0:

@@ -18,7 +18,7 @@ from ..launch.config import WorldConfig
 from ..models import ModelConfig
 from ..optimizations import get_optimization, registered_optimizations
 from ..runtime import CombinationError, KnobError, Optimization, Scheduler, SchedulerConfig
-from ..runtime.distributed import resolve_backend
+from ..runtime.distributed import resolve_backend, resolve_device
 from ..runtime.gpus import check_cpu_setup, check_gpu_setup
 from ..runtime.loop import TrainConfig
 from ..tuning import TuneConfig
@@ -148,11 +148,7 @@ class Scenario(Config):
 
     @property
     def device_type(self) -> str:
-        if self.world.device != "auto":
-            return self.world.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return resolve_device(self.world.device)
 
     def check_setup(self, world_size: int | None = None, gpus_here: bool = True) -> None:
         """Let every optimization check this set-up before any process starts

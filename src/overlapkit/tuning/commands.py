@@ -64,7 +64,7 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     if folder.exists() and not folder.is_dir():
         raise TuneError(f"--out {folder}: is a file; the tune folder must be a folder")
     if config.storage:
-        check_storage(config.storage, "--storage" if args.storage else "tune.storage")
+        open_checked(config.storage, "--storage" if args.storage else "tune.storage")
     job = TuneJob(
         base,
         config,
@@ -116,14 +116,14 @@ def _choose_optimizations(scenario: Any) -> None:
         said.print(f"  left out {name}: {why}", highlight=False, soft_wrap=True)
 
 
-def check_storage(url: str, named: str) -> None:
-    """Open the storage ``url`` once, before anything is written: a mistake in it is a
+def open_checked(url: str, named: str) -> optuna.storages.BaseStorage:
+    """The storage ``url``, opened before anything is written: a mistake in it is a
     clear error naming ``named`` (the argument or key that gave it)."""
     if url.startswith("journal:"):
         folder = Path(url.removeprefix("journal:")).parent
         if not folder.is_dir():
             raise TuneError(f"{named} {url}: the folder {folder} does not exist")
-        return
+        return open_storage(url)
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
@@ -139,7 +139,7 @@ def check_storage(url: str, named: str) -> None:
         if not folder.is_dir():
             raise TuneError(f"{named} {url}: the folder {folder} does not exist")
     try:
-        open_storage(url)
+        return open_storage(url)
     except Exception as error:  # the driver's own words: unreachable host, bad password...
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TuneError(f"{named} {url}: cannot open it: {first}") from None
@@ -165,7 +165,7 @@ def load_target(target: str, name: str | None = None) -> tuple[optuna.Study, Pat
     and the folder its report goes to by default."""
     if (Path(target) / TUNE_FILE).exists():
         job = TuneJob.load(Path(target))
-        storage = _open_named(job.storage_url, f"{target}/{TUNE_FILE}")
+        storage = open_checked(job.storage_url, f"{target}/{TUNE_FILE}")
         study = _load_study(storage, name or job.study_name, job.storage_url)
         folder = Path(target)
     else:
@@ -174,17 +174,12 @@ def load_target(target: str, name: str | None = None) -> tuple[optuna.Study, Pat
                 f"{target} is neither a tune folder (with {TUNE_FILE}) nor a storage URL"
             )
         url, _, named = target.partition("#")
-        storage = _open_named(url, "the study's URL")
+        storage = open_checked(url, "the study's URL")
         study = _load_study(storage, name or named, url)
         folder = Path("runs") / f"{study.study_name}-report"
     if "scenario" not in study.user_attrs:
         raise TuneError(f"study {study.study_name} was not made by overlapkit tune")
     return study, folder
-
-
-def _open_named(url: str, named: str) -> optuna.storages.BaseStorage:
-    check_storage(url, named)
-    return open_storage(url)
 
 
 def _load_study(storage: optuna.storages.BaseStorage, name: str | None, url: str) -> optuna.Study:

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from ..runtime.distributed import resolve_device
 from ..runtime.report import LIVE_STEPS, LiveSteps
 from .trial_process import TrialProcess, start_trial_process
 
@@ -74,7 +75,9 @@ def run_trial(
     run_dir = folder / "run"
     command = ["run", str(scenario_file), "--out", str(run_dir), "--quiet", "--fresh"]
     stderr_path = folder / "stderr.txt"
-    on_cpu = gpus is None and _device(data) == "cpu"
+    on_cpu = (
+        gpus is None and resolve_device((data.get("world") or {}).get("device", "auto")) == "cpu"
+    )
     process = start_trial_process(
         command, folder / "stdout.txt", stderr_path, _child_env(gpus), fork=on_cpu
     )
@@ -86,15 +89,6 @@ def run_trial(
     if returncode != 0:
         raise failure_of(returncode, stderr_path.read_text(errors="replace"))
     return json.loads((run_dir / "summary.json").read_text())
-
-
-def _device(data: dict[str, Any]) -> str:
-    device = (data.get("world") or {}).get("device", "auto")
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def _child_env(gpus: list[str] | None = None) -> dict[str, str]:

@@ -65,10 +65,6 @@ class _Forked:
         self.process.join()
         return self.process.exitcode or 0
 
-    @property
-    def returncode(self) -> int | None:
-        return self.poll()
-
 
 def _trial_main(command: list[str], stdout: str, stderr: str, env: dict[str, Any]) -> None:
     os.setsid()  # its own process group: the watcher kills it with all its ranks
