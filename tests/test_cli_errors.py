@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import optuna
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from conftest import TINY_SCENARIO
 from overlapkit.cli import main
@@ -77,8 +79,13 @@ WRONG = st.one_of(
     st.dictionaries(st.text(max_size=5), st.integers(-3, 3), max_size=2),
 )
 
-FAST = settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+# Hypothesis keeps its caches in ./.hypothesis: here in a temp folder, not the checkout.
+set_hypothesis_home_dir(tempfile.mkdtemp(prefix="overlapkit-hypothesis-"))
+FAST = settings(  # no example database: nothing is written into the checkout
+    max_examples=150,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 
 
