@@ -42,12 +42,17 @@ def rank_main(
     session: Session | None = None
     with stop_on_signals() as received:
         try:
+            if scenario.framework == "tensorflow":  # the one place the framework is chosen
+                from .backends.tensorflow.worker import tf_rank_main
+
+                return tf_rank_main(scenario, run_dir, progress, print_summary)
             cfg = scenario.train
             optimizations = scenario.build_optimizations()
             world = init_world(
                 scenario.world.device,
                 scenario.world.backend,
                 scenario.world.threads,
+                timeout_s=scenario.world.timeout_s,
                 environment=partial(needed_environment, optimizations),
             )
             try:

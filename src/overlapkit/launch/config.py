@@ -15,6 +15,7 @@ class WorldConfig(Config):
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(None, ge=1)  # per rank; default: cores / local ranks
+    timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)  # for a peer to arrive or answer
 
     @property
     def ranks(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -82,12 +83,9 @@ def build_optimizer(
     return cls(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, **fused)
 
 
-def build_lr_schedule(
-    cfg: LRScheduleConfig, optimizer: torch.optim.Optimizer, total_steps: int
-) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """The schedule as a LambdaLR, or None for a constant rate (nothing to step)."""
-    if cfg.name == "constant" and not cfg.warmup_steps:
-        return None
+def lr_factor(cfg: LRScheduleConfig, total_steps: int) -> Callable[[int], float]:
+    """The schedule: the learning rate's factor at each step (also what TensorFlow's
+    loop tabulates, so both frameworks follow one schedule)."""
     warmup = cfg.warmup_steps
     decay_steps = max(1, total_steps - warmup)
 
@@ -105,7 +103,16 @@ def build_lr_schedule(
             return cfg.gamma ** ((step - warmup) // cfg.step_size)
         return 1.0
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return factor
+
+
+def build_lr_schedule(
+    cfg: LRScheduleConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The schedule as a LambdaLR, or None for a constant rate (nothing to step)."""
+    if cfg.name == "constant" and not cfg.warmup_steps:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, total_steps))
 
 
 def train(

@@ -53,7 +53,8 @@ class StepTiming:
             totals = dict.fromkeys(PHASES, 0.0)
             for phase, begin, end in self._spans:
                 if phase != PAUSED:  # the script's own pause (Session.paused): no step's
-                    totals[phase] += Marks.seconds(begin, end)
+                    # (a loop may add a phase of its own: TensorFlow's compiled step)
+                    totals[phase] = totals.get(phase, 0.0) + Marks.seconds(begin, end)
             for source, target, seconds in self._moved:
                 seconds = min(max(resolve(seconds), 0.0), totals[source])
                 totals[source] -= seconds

@@ -77,6 +77,7 @@ class Plan:
     build_model: Callable[[], Any] | None = None
     precision: str = "fp32"  # fp32, bf16 or fp16
     accumulate: int = 1  # micro-batches per optimizer step (train.accumulate)
+    framework: str = "torch"  # torch or tensorflow
 
     def provided(self, role: str) -> bool:
         return any(role in opt.provides for opt in self.optimizations.values())
@@ -103,6 +104,7 @@ class Knob:
     intensity: tuple[Any, ...] | None = None
     at_zero: Any = None  # the value at intensity exactly 0, when that is a mode of its own
     help: str = ""
+    frameworks: tuple[str, ...] | None = None  # where it means something (None: everywhere)
 
     def coerce(self, value: Any) -> Any:
         """Return ``value`` as this knob's type, or raise `KnobError`."""
@@ -175,6 +177,8 @@ class Knob:
             out["at_zero"] = self.at_zero
         if self.help:
             out["help"] = self.help
+        if self.frameworks is not None:
+            out["frameworks"] = list(self.frameworks)
         return out
 
 
@@ -197,6 +201,10 @@ class Optimization:
     wrap_stage: ClassVar[WrapStage] = WrapStage.OTHER
     min_world_size: ClassVar[int] = 1
     off_at_zero: ClassVar[bool] = True
+    # Frameworks beyond torch it runs on: each one's engine, a module beside the class
+    # (see `engine_for`); and why it does not run on others, where that is known.
+    engines: ClassVar[Mapping[str, str]] = {}
+    unavailable: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
         self.intensity = float(intensity)
@@ -223,10 +231,15 @@ class Optimization:
         return settings
 
     @classmethod
+    def frameworks(cls) -> tuple[str, ...]:
+        return ("torch", *cls.engines)
+
+    @classmethod
     def describe(cls) -> dict[str, Any]:
         return {
             "name": cls.name,
             "doc": (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "",
+            "frameworks": list(cls.frameworks()),
             "resources": sorted(r.value for r in cls.resources),
             "knobs": [k.describe() for k in cls.knobs],
         }
@@ -272,6 +285,49 @@ class Optimization:
     def summary(self) -> dict[str, Any]:
         """This optimization's section of ``summary.json``."""
         return {"intensity": self.intensity, **self.settings}
+
+
+FRAMEWORKS = ("torch", "tensorflow")
+
+
+def check_framework(optimization: Optimization, framework: str) -> None:
+    """Raise `CombinationError` when ``optimization`` has no engine on ``framework``."""
+    if framework in optimization.frameworks():
+        for knob in optimization.knobs:
+            if knob.name in optimization.explicit and framework not in (knob.frameworks or (framework,)):
+                raise CombinationError(
+                    f"{optimization.name}.{knob.name} is a knob of "
+                    f"{' and '.join(knob.frameworks)} only; this scenario runs on {framework}"
+                )
+        return
+    reason = optimization.unavailable.get(framework)
+    runs_on = " and ".join(optimization.frameworks())
+    raise CombinationError(
+        f"{optimization.name} does not run on {framework}"
+        + (f": {reason}" if reason else f" (it runs on {runs_on})")
+    )
+
+
+def settings_on(optimization: Optimization, framework: str) -> dict[str, Any]:
+    """Its intensity and the settings of the knobs that mean something on ``framework``."""
+    return {
+        "intensity": optimization.intensity,
+        **{
+            k.name: optimization.settings[k.name]
+            for k in optimization.knobs
+            if framework in (k.frameworks or (framework,))
+        },
+    }
+
+
+def engine_for(optimization: Optimization, framework: str) -> Any:
+    """``optimization``'s engine on ``framework`` (torch: the optimization itself, whose
+    hooks the session fires): what the module its ``engines`` names builds from it."""
+    if framework == "torch":
+        return optimization
+    check_framework(optimization, framework)
+    module = importlib.import_module(optimization.engines[framework])
+    return module.engine(optimization)
 
 
 REGISTRY: dict[str, type[Optimization]] = {}

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from ..config import Config
 from .arbitration import POLICIES, ArbitrationPolicy
 from .events import Event
-from .optimization import CombinationError, Optimization, Plan, WrapStage
+from .optimization import CombinationError, Optimization, Plan, WrapStage, check_framework
 from .state import State
 
 
@@ -154,8 +154,11 @@ class Scheduler:
         build_model: Callable[[], Any] | None = None,
         precision: str = "fp32",
         accumulate: int = 1,
+        framework: str = "torch",
     ) -> None:
         """Each optimization's own checks, then its checks of the whole plan."""
+        for opt in self.optimizations:
+            check_framework(opt, framework)
         for opt in self.optimizations:
             opt.check(world_size, device, backend)
         plan = Plan(
@@ -168,6 +171,7 @@ class Scheduler:
             build_model=build_model,
             precision=precision,
             accumulate=accumulate,
+            framework=framework,
         )
         for opt in self.optimizations:
             opt.check_plan(plan)

@@ -73,6 +73,10 @@ class State:
     # Everything needed to resume exactly, as the session gathers it, and its inverse.
     capture: Callable[[], dict[str, Any]] | None = None
     restore: Callable[[dict[str, Any]], None] | None = None
+    # The storages (by address) a checkpoint may copy after the step's start, because
+    # only the optimizer step changes them; None from it: every captured tensor.
+    # Unset: the torch model's parameters and optimizer state.
+    deferrable: Callable[[], set[int] | None] | None = None
     eval_results: list[dict[str, Any]] = field(default_factory=list)
     resumed_from: str | None = None  # the checkpoint a resume restored (its step folder)
 

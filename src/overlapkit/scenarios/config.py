@@ -7,11 +7,12 @@ puts them together and checks that they fit each other.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..backends.tensorflow import tensorflow_missing
 from ..config import Config
 from ..data import DataConfig
 from ..launch.config import WorldConfig
@@ -45,6 +46,7 @@ def check_cpu_ranks(local_ranks: int) -> None:
 
 class Scenario(Config):
     name: str
+    framework: Literal["torch", "tensorflow"] = "torch"
     model: ModelConfig
     data: DataConfig
     train: TrainConfig = TrainConfig()
@@ -103,12 +105,29 @@ class Scenario(Config):
             raise located("world.backend", "nccl needs CUDA devices; use gloo (or auto) on CPU")
         if self.train.precision == "fp16" and self.world.device == "cpu":
             raise located("train.precision", "fp16 needs a CUDA device; use bf16 on CPU")
+        if self.framework == "tensorflow":
+            self._check_tensorflow()
         if self.tune.search is not None:
             try:
                 build_space(self.optimizations, self.tune)
             except SpaceError as error:
                 raise located(error.path, str(error), error.allowed) from None
         return self
+
+    def _check_tensorflow(self) -> None:
+        """What the TensorFlow loop does not do (yet), refused before anything starts."""
+        if self.train.accumulate > 1:
+            raise located(
+                "train.accumulate",
+                "train.accumulate > 1 is not available with framework: tensorflow (its "
+                "compiled step applies every batch); raise train.batch_size instead",
+            )
+        if self.world.backend == "nccl":
+            raise located(
+                "world.backend",
+                "world.backend is torch's process-group back end; with framework: tensorflow "
+                "the collective implementation is optimizations.ddp_overlap.implementation",
+            )
 
     def build_optimizations(self) -> list[Optimization]:
         """The enabled optimizations (intensity 0 means off, unless it is a mode of
@@ -157,7 +176,11 @@ class Scenario(Config):
         Ray driver, whose trials run on other machines that check their own)."""
         local = os.environ.get("LOCAL_WORLD_SIZE") if world_size else None
         local_ranks = int(local) if local else self.world.nprocs
-        if self.device_type == "cuda" and gpus_here:
+        if self.framework == "tensorflow":
+            reason = tensorflow_missing()
+            if reason:
+                raise CombinationError(reason)
+        if self.device_type == "cuda" and gpus_here and self.framework == "torch":
             check_gpu_setup(local_ranks, self.train.precision)
         # On a Ray driver "auto" is decided by the cluster's machines, not this one.
         if self.world.device == "cpu" or (self.device_type == "cpu" and gpus_here):
@@ -176,4 +199,5 @@ class Scenario(Config):
             build_model=self.model.build,
             precision=self.train.precision,
             accumulate=self.train.accumulate,
+            framework=self.framework,
         )

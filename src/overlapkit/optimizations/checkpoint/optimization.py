@@ -64,6 +64,7 @@ class Checkpoint(Optimization):
         Knob(name="final", type=bool, default=True, help="also checkpoint at the end"),
     )
     resources = frozenset({Resource.D2H, Resource.DISK, Resource.HOST_CPU})
+    engines = {"tensorflow": "overlapkit.optimizations.checkpoint.tensorflow"}
 
     @classmethod
     def resolve(cls, intensity: float, explicit: dict[str, Any]) -> dict[str, Any]:
@@ -372,8 +373,11 @@ class Checkpoint(Optimization):
         return out
 
 
-def _deferrable_storages(state: State) -> set[int]:
-    """Storages that change only in optimizer.step(): parameters and optimizer state."""
+def _deferrable_storages(state: State) -> set[int] | None:
+    """Storages that change only in optimizer.step(): parameters and optimizer state
+    (or what the loop says, see `State.deferrable`)."""
+    if state.deferrable is not None:
+        return state.deferrable()
     storages = {p.untyped_storage().data_ptr() for p in state.model.parameters()}
     if state.optimizer is not None:
         for per_param in state.optimizer.state.values():

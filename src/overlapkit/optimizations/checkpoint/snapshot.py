@@ -185,14 +185,16 @@ class Snapshotter:
     def held_bytes(self) -> int:
         return sum(b.held_bytes for b in self.sets)
 
-    def take(self, step: int, state: Tree, deferrable: set[int]) -> Snapshot:
+    def take(self, step: int, state: Tree, deferrable: set[int] | None) -> Snapshot:
+        """Copy ``state`` into host buffers: now what may change in the next step, in
+        the background what is ``deferrable`` (None: everything)."""
         buffers = self.free_buffers()
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         on_gpu = self._stream is not None
 
         def to_host(path: str, tensor: torch.Tensor) -> torch.Tensor:
             buffer = buffers.get(path, tensor)
-            if tensor.untyped_storage().data_ptr() in deferrable:
+            if deferrable is None or tensor.untyped_storage().data_ptr() in deferrable:
                 deferred.append((buffer, tensor.detach()))
             else:
                 # What the next forward may change (batch-norm statistics): copied now,

@@ -81,19 +81,42 @@ class DDPOverlap(Optimization):
             default="none",
             choices=("none", "fp16", "bf16", "powersgd"),
             help="compress gradients on the wire (bf16 needs nccl)",
+            frameworks=("torch",),
         ),
-        Knob(name="powersgd_rank", type=int, default=1, low=1, high=64),
-        Knob(name="powersgd_start_iter", type=int, default=10, low=2, high=1_000_000),
-        Knob(name="gradient_as_bucket_view", type=bool, default=False),
-        Knob(name="static_graph", type=bool, default=False),
-        Knob(name="broadcast_buffers", type=bool, default=True),
-        Knob(name="find_unused_parameters", type=bool, default=False),
-        Knob(name="nccl_algo", type=str, default="default", choices=("default", "ring", "tree")),
+        Knob(name="powersgd_rank", type=int, default=1, low=1, high=64, frameworks=("torch",)),
+        Knob(
+            name="powersgd_start_iter",
+            type=int,
+            default=10,
+            low=2,
+            high=1_000_000,
+            frameworks=("torch",),
+        ),
+        Knob(name="gradient_as_bucket_view", type=bool, default=False, frameworks=("torch",)),
+        Knob(name="static_graph", type=bool, default=False, frameworks=("torch",)),
+        Knob(name="broadcast_buffers", type=bool, default=True, frameworks=("torch",)),
+        Knob(name="find_unused_parameters", type=bool, default=False, frameworks=("torch",)),
+        Knob(
+            name="nccl_algo",
+            type=str,
+            default="default",
+            choices=("default", "ring", "tree"),
+            frameworks=("torch",),
+        ),
         Knob(
             name="nccl_proto",
             type=str,
             default="default",
             choices=("default", "simple", "ll", "ll128"),
+            frameworks=("torch",),
+        ),
+        Knob(
+            name="implementation",
+            type=str,
+            default="auto",
+            choices=("auto", "ring", "nccl"),
+            help="tf.distribute's collective implementation (torch: world.backend decides)",
+            frameworks=("tensorflow",),
         ),
     )
     resources = frozenset({Resource.NETWORK, Resource.HOST_CPU})
@@ -102,6 +125,8 @@ class DDPOverlap(Optimization):
     min_world_size = 2
     noop_alone = True  # the Python API leaves it out on one process (with a note)
     off_at_zero = False  # intensity 0 is the no-overlap baseline, still measured
+    # TensorFlow: bucket_cap_mb becomes the strategy's bytes_per_pack (see `tensorflow`).
+    engines = {"tensorflow": "overlapkit.optimizations.ddp_overlap.tensorflow"}
 
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
         super().__init__(intensity, **explicit)

@@ -94,6 +94,11 @@ class Pipeline(Optimization):
     provides = frozenset({"stages", "forward_backward"})
     wrap_stage = WrapStage.SPLIT
     min_world_size = 2
+    unavailable = {
+        "tensorflow": "TensorFlow 2 has no pipeline-parallel schedule to build on; for "
+        "PipeDream with tf.data input run it on torch (framework: torch) with "
+        "optimizations.prefetch.backend: tfdata"
+    }
 
     @classmethod
     def resolve(cls, intensity: float, explicit: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from ...runtime import (
     CombinationError,
     Knob,
     Optimization,
+    Plan,
     Resource,
     State,
     register_optimization,
@@ -71,8 +72,14 @@ class Prefetch(Optimization):
             intensity=(0, 2),
             help="batches handed over ahead by a feeder thread (on a GPU: already on the device)",
         ),
-        Knob(name="pin_memory", type=bool, default=True, help="page-locked batches (GPU only)"),
-        Knob(name="persistent_workers", type=bool, default=True),
+        Knob(
+            name="pin_memory",
+            type=bool,
+            default=True,
+            help="page-locked batches (GPU only)",
+            frameworks=("torch",),
+        ),
+        Knob(name="persistent_workers", type=bool, default=True, frameworks=("torch",)),
         Knob(
             name="autotune",
             type=bool,
@@ -82,6 +89,8 @@ class Prefetch(Optimization):
     )
     resources = frozenset({Resource.HOST_CPU, Resource.H2D})
     off_at_zero = False  # intensity 0 is a mode: synchronous loading, any back end
+    # TensorFlow: the same knobs on the training loop's own tf.data pipeline.
+    engines = {"tensorflow": "overlapkit.optimizations.prefetch.tensorflow"}
 
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
         super().__init__(intensity, **explicit)
@@ -95,6 +104,14 @@ class Prefetch(Optimization):
         reason = missing(self.settings["backend"])
         if reason:
             raise CombinationError(reason)
+
+    def check_plan(self, plan: Plan) -> None:
+        chosen = self.explicit.get("backend", "tfdata")
+        if plan.framework == "tensorflow" and chosen != "tfdata":
+            raise CombinationError(
+                f"prefetch backend {chosen} feeds torch; with framework: tensorflow the "
+                "training loop reads through tf.data (backend: tfdata, or leave it out)"
+            )
 
     def wrap_loader(self, loader: Any, state: State) -> Any:
         if not state.feeds_inputs:

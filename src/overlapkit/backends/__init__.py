@@ -1,0 +1,1 @@
+"""Framework engines beside torch: each in its own package, chosen once (in `run`)."""

@@ -1,0 +1,304 @@
+"""The TensorFlow training loop: the same events, step records and summary as the
+torch loop, around one compiled step.
+
+Per step it measures what can be measured from the host: ``data_wait`` (the
+next batch), the compiled step (forward, backward, all-reduce and update,
+fused), ``ckpt_stall`` and ``other``. The compiled step is split into
+``forward``, ``backward``, ``comm_exposed`` and ``optimizer`` by a sampled
+profile (see `profile`); the summary says which steps were sampled.
+
+Checkpoints: a captured value is a zero-copy view of the variable's buffer, and
+TensorFlow copies a buffer before it updates one that a view still holds
+(copy on write). The view therefore stays the value "after the previous step"
+through the next compiled step; the snapshot's copy into host buffers overlaps
+that step, and the loop waits for it after the step (BEFORE_OPTIMIZER_STEP
+fires there: the compiled step holds the optimizer, so it cannot fire inside).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import keras
+import torch
+
+from ...data import build_loaders
+from ...runtime.distributed import World, all_gather_objects
+from ...runtime.events import Event
+from ...runtime.hardware import describe_node, nodes_of
+from ...runtime.metrics import PhaseClock, step_record, summarize
+from ...runtime.optimization import Optimization
+from ...runtime.progress import ProgressBar
+from ...runtime.report import LiveSteps, print_summary, write_run_files
+from ...runtime.scheduler import Scheduler
+from ...runtime.state import State
+from . import import_tensorflow
+from .data import Batches, InputPlan
+from .models import build_model
+from .profile import FUSED, PhaseSplit, profile_window, split_records
+from .step import collectives_in, make_eval_step, make_train_step
+
+
+class TfLoop:
+    def __init__(
+        self,
+        scenario: Any,
+        world: World,
+        strategy: Any,
+        engines: list[Any],
+        optimizations: list[Optimization],
+        run_dir: Path | None,
+    ) -> None:
+        self.tf = tf = import_tensorflow()
+        self.scenario, self.world, self.strategy = scenario, world, strategy
+        self.cfg = cfg = scenario.train
+        self.engines, self.run_dir = engines, run_dir
+        self.notes: list[str] = []
+        train_set, eval_set = scenario.data.build(cfg.seed)
+        wants_eval = bool(cfg.eval.every or cfg.eval.at_end)
+        train_loader, eval_loader = build_loaders(
+            train_set,
+            eval_set if wants_eval else None,
+            cfg.batch_size,
+            world.rank,
+            world.world_size,
+            cfg.seed,
+            cfg.eval.max_samples,
+        )
+        self.batches = Batches(train_loader)
+        self.eval_batches = Batches(eval_loader) if eval_loader is not None else None
+        with strategy.scope():
+            self.model = build_model(scenario.model, self.batches.sample_shape)
+            optimizer = _optimizer(cfg)
+            optimizer.build(self.model.trainable_variables)  # its slots exist before a resume
+        self.optimizer = optimizer
+        self.train_step = make_train_step(
+            tf, strategy, self.model, optimizer, cfg, cfg.batch_size * world.world_size
+        )
+        self.eval_step = make_eval_step(tf, self.model)
+        hooked = [e for e in engines if isinstance(e, Optimization)]
+        self.scheduler = Scheduler(hooked, scenario.scheduler.policy)
+        if scenario.scheduler.policy == "priority":
+            self.notes.append(
+                "scheduler.policy priority: nothing inside a compiled TensorFlow step says "
+                "when it waits on communication, so background work was never paused (as free)"
+            )
+        self.state = State(
+            world=world,
+            clock=PhaseClock(None),
+            policy=self.scheduler.policy,
+            model=self.model,
+            optimizer=optimizer,
+            total_steps=cfg.total_steps,
+            warmup_steps=cfg.warmup_steps,
+            run_dir=run_dir,
+            capture=self.capture,
+            restore=self.restore,
+            deferrable=_every_storage,
+        )
+        self.records: list[dict[str, Any]] = []
+        self.eval_results: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------ the state
+    def _variables(self) -> tuple[list[Any], list[Any]]:
+        return list(self.model.variables), list(self.optimizer.variables)
+
+    def capture(self) -> dict[str, Any]:
+        """Everything a resume needs, as zero-copy torch views of the variables."""
+        model, optimizer = self._variables()
+
+        def view(variable: Any) -> torch.Tensor:
+            value = getattr(variable, "value", variable).read_value()
+            return torch.from_dlpack(self.tf.experimental.dlpack.to_dlpack(value))
+
+        return {
+            "model": [view(v) for v in model],
+            "optimizer": [view(v) for v in optimizer],
+            "progress": {"step": self.state.step, "framework": "tensorflow"},
+            "optimizations": self.scheduler.state_dict(),
+        }
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        if saved.get("progress", {}).get("framework") != "tensorflow":
+            raise ValueError("this checkpoint was written by a torch run, not TensorFlow")
+        for kind, variables in zip(("model", "optimizer"), self._variables(), strict=True):
+            values = saved[kind]
+            if len(values) != len(variables):
+                raise ValueError(
+                    f"the checkpoint's {kind} has {len(values)} variables, this one "
+                    f"{len(variables)}: it was written for another model or optimizer"
+                )
+            for variable, value in zip(variables, values, strict=True):
+                if tuple(value.shape) != tuple(variable.shape):
+                    raise ValueError(
+                        f"{kind} variable {variable.path}: the checkpoint holds shape "
+                        f"{tuple(value.shape)}, the model {tuple(variable.shape)}"
+                    )
+                variable.assign(value.numpy())
+        self.scheduler.load_state_dict(saved.get("optimizations", {}))
+        self.state.step = saved["progress"]["step"]
+
+    # ------------------------------------------------------------- the loop
+    def run(self, progress: bool, show_summary: bool) -> dict[str, Any]:
+        tf, cfg, state, world = self.tf, self.cfg, self.state, self.world
+        scheduler, clock = self.scheduler, state.clock
+        scheduler.fire(Event.FIT_START, state)  # may resume: state.step moves on
+        start = state.step
+        plan = next(
+            (e.input_plan() for e in self.engines if hasattr(e, "input_plan")), InputPlan()
+        )
+        gpus = tf.config.get_visible_devices("GPU")
+        dataset = self.batches.train(tf, cfg.total_steps, start, plan, "/gpu:0" if gpus else None)
+        batches = iter(dataset)
+        bar = (
+            ProgressBar(self.scenario.name, cfg.total_steps, done=start)
+            if progress and world.is_main and ProgressBar.wanted()
+            else None
+        )
+        live = LiveSteps(self.run_dir) if world.is_main and self.run_dir is not None else None
+        window = profile_window(cfg.warmup_steps, cfg.total_steps, start, world.rank)
+        split: PhaseSplit | None = None
+        replicas = world.world_size
+        for step in range(start, cfg.total_steps):
+            state.step = step
+            if window is not None and step == window.start:
+                clock.pause()
+                window.begin(tf)
+            clock.start_step()
+            scheduler.fire(Event.STEP_START, state)
+            with clock.phase("data_wait"):
+                inputs, targets = next(batches)
+            scheduler.fire(Event.AFTER_DATA, state)
+            with clock.phase(FUSED):
+                loss = float(self.train_step(inputs, targets))
+            scheduler.fire(Event.BEFORE_OPTIMIZER_STEP, state)
+            scheduler.fire(Event.AFTER_OPTIMIZER_STEP, state)
+            scheduler.fire(Event.STEP_END, state)
+            step_time, phases = clock.end_step()
+            record = step_record(
+                step=step,
+                rank=world.rank,
+                loss=loss,
+                samples=cfg.batch_size,
+                step_time_s=step_time,
+                phases_s=phases,
+                warmup=step < cfg.warmup_steps,
+            )
+            if window is not None and window.start <= step < window.stop:
+                record["profiled"] = True
+            self.records.append(record)
+            if window is not None and step + 1 == window.stop:
+                split = window.end(tf)
+                clock.pause()
+            if bar is not None:
+                bar.advance(record["samples_per_s"] * replicas, loss, record["warmup"])
+            if live is not None:
+                live.write(record, record["samples_per_s"] * replicas)
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+                self.evaluate(step + 1)
+        state.step = cfg.total_steps
+        last = self.eval_results[-1]["step"] if self.eval_results else None
+        if self.eval_batches is not None and cfg.eval.at_end and last != state.step:
+            self.evaluate(state.step)
+        scheduler.fire(Event.FIT_END, state)
+        if bar is not None:
+            bar.close()
+        if live is not None:
+            live.close()
+        return self.finish(split, inputs, targets, start, show_summary)
+
+    def evaluate(self, step: int) -> None:
+        if self.eval_batches is None:
+            return
+        self.state.clock.pause()  # evaluation belongs to no step
+        begin = perf_counter()
+        correct = total = 0
+        loss_sum = 0.0
+        for inputs, targets in self.eval_batches.in_order(self.tf):
+            right, loss = self.eval_step(inputs, targets)
+            correct, total = correct + int(right), total + int(targets.shape[0])
+            loss_sum += float(loss)
+        sums = all_gather_objects((correct, total, loss_sum), self.world)
+        correct, total, loss_sum = (sum(column) for column in zip(*sums, strict=True))
+        self.eval_results.append(
+            {
+                "step": step,
+                "accuracy": correct / total if total else 0.0,
+                "loss": loss_sum / total if total else 0.0,
+                "samples": total,
+                "time_s": perf_counter() - begin,
+            }
+        )
+
+    # --------------------------------------------------------------- finish
+    def finish(
+        self, split: PhaseSplit | None, inputs: Any, targets: Any, start: int, show: bool
+    ) -> dict[str, Any]:
+        world = self.world
+        collectives = collectives_in(self.train_step, inputs, targets)
+        gathered = all_gather_objects(
+            (self.records, split, describe_node(torch.device("cpu"))), world
+        )
+        records = sorted(
+            (r for rs, _, _ in gathered for r in rs), key=lambda r: (r["step"], r["rank"])
+        )
+        splits = [s for _, s, _ in gathered if s is not None]
+        records, split_note = split_records(records, splits)
+        summary: dict[str, Any] = {"name": self.scenario.name, **summarize(records, world.world_size)}
+        summary["framework"] = "tensorflow"
+        summary["phases_source"] = split_note
+        fused = [r[FUSED + "_s"] for r in records if not r["warmup"]]
+        summary["compiled_step_s"] = statistics.fmean(fused) if fused else 0.0
+        summary["hardware"] = {"nodes": nodes_of([node for _, _, node in gathered])}
+        summary["strategy"] = {
+            "name": type(self.strategy).__name__,
+            "replicas": self.strategy.num_replicas_in_sync,
+            "collectives_per_step": collectives,
+        }
+        optimizations = {}
+        for engine in self.engines:
+            if isinstance(engine, Optimization):
+                optimizations[engine.name] = engine.summary()
+            else:
+                optimizations[engine.name] = engine.summary(summary)
+        summary["optimizations"] = optimizations
+        summary["scheduler"] = {
+            "policy": self.scheduler.policy.name,
+            "order": [opt.name for opt in self.scheduler.optimizations],
+            "hooks": self.scheduler.trace.summary(),
+            **self.scheduler.policy.stats(),
+        }
+        if start:
+            summary["resumed_from_step"] = start
+        if self.run_dir is not None:
+            summary["run_dir"] = str(self.run_dir)
+        if self.notes:
+            summary["notes"] = self.notes
+        if self.eval_results:
+            summary["eval"] = {
+                "accuracy": self.eval_results[-1]["accuracy"],
+                "time_s": sum(r["time_s"] for r in self.eval_results),
+                "runs": self.eval_results,
+            }
+        if self.run_dir is not None and world.is_main:
+            write_run_files(self.run_dir, records, summary)
+        if show and world.is_main:
+            print_summary(summary)
+        return summary
+
+
+def _optimizer(cfg: Any) -> keras.optimizers.Optimizer:
+    from .step import build_optimizer
+
+    optimizer = build_optimizer(cfg)
+    if cfg.precision == "fp16":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer
+
+
+def _every_storage() -> None:
+    """Every captured view may be copied after the compiled step (copy on write)."""
+    return None

@@ -1,0 +1,50 @@
+"""``ddp_overlap`` on TensorFlow: the same knobs, as MultiWorkerMirroredStrategy's
+communication options.
+
+``bucket_cap_mb`` becomes ``bytes_per_pack``: the strategy groups gradients, in
+reverse, into packs of that size, one collective each, and a pack's all-reduce
+starts as soon as its gradients exist, while backward goes on. Mode
+``no_overlap`` (intensity 0) is ``bytes_per_pack=0``: one pack, after backward.
+(TensorFlow 2.21 implements no automatic pack size: 0 means one.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...runtime.optimization import settings_on
+
+from .optimization import DDPOverlap
+
+MiB = 1 << 20
+
+
+class TfCommunication:
+    """What the strategy is built with, and what the run showed of it."""
+
+    name = DDPOverlap.name
+
+    def __init__(self, optimization: DDPOverlap) -> None:
+        self.optimization = optimization
+        settings = optimization.settings
+        overlap = settings["mode"] == "overlap"
+        self.bytes_per_pack = int(settings["bucket_cap_mb"] * MiB) if overlap else 0
+        self.implementation = settings["implementation"]
+
+    def communication_options(self) -> dict[str, Any]:
+        return {"bytes_per_pack": self.bytes_per_pack, "implementation": self.implementation}
+
+    def summary(self, run: dict[str, Any]) -> dict[str, Any]:
+        strategy = run.get("strategy", {})
+        # One collective more per step than packs: the batch-norm statistics' average
+        # (see `backends.tensorflow.step`), when the model has any.
+        return {
+            **settings_on(self.optimization, "tensorflow"),
+            "bytes_per_pack": self.bytes_per_pack,
+            "collectives_per_step": strategy.get("collectives_per_step"),
+            "comm_exposed_s": run["phases_s"]["comm_exposed"],
+        }
+
+
+def engine(optimization: DDPOverlap) -> TfCommunication:
+    return TfCommunication(optimization)

@@ -1,0 +1,39 @@
+"""``prefetch`` on TensorFlow: the same knobs on the training loop's tf.data pipeline.
+
+``workers`` batches are loaded at once by a parallel map, ``depth`` batches are
+kept ahead by ``prefetch``, and on a GPU TensorFlow sees, ``device_depth``
+batches wait on it already (``prefetch_to_device``); ``autotune`` hands the
+parallelism and depth to tf.data. Intensity 0 loads each batch when the step
+asks for it, as without the optimization.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...runtime.optimization import settings_on
+
+from ...backends.tensorflow.data import InputPlan
+from .optimization import Prefetch
+
+
+class TfPrefetch:
+    name = Prefetch.name
+
+    def __init__(self, optimization: Prefetch) -> None:
+        self.optimization = optimization
+
+    def input_plan(self) -> InputPlan:
+        s = self.optimization.settings
+        return InputPlan(s["workers"], s["depth"], s["device_depth"], s["autotune"])
+
+    def summary(self, run: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **settings_on(self.optimization, "tensorflow"),
+            "backend": "tfdata",
+            "data_wait_s": run["phases_s"]["data_wait"],
+        }
+
+
+def engine(optimization: Prefetch) -> TfPrefetch:
+    return TfPrefetch(optimization)
