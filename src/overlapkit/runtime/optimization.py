@@ -294,7 +294,9 @@ def check_framework(optimization: Optimization, framework: str) -> None:
     """Raise `CombinationError` when ``optimization`` has no engine on ``framework``."""
     if framework in optimization.frameworks():
         for knob in optimization.knobs:
-            if knob.name in optimization.explicit and framework not in (knob.frameworks or (framework,)):
+            if knob.name in optimization.explicit and framework not in (
+                knob.frameworks or (framework,)
+            ):
                 raise CombinationError(
                     f"{optimization.name}.{knob.name} is a knob of "
                     f"{' and '.join(knob.frameworks)} only; this scenario runs on {framework}"

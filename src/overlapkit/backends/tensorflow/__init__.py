@@ -18,9 +18,13 @@ def tensorflow_missing() -> str | None:
         found = importlib.util.find_spec("tensorflow") is not None
     except (ImportError, ValueError):
         found = False
-    return None if found else (
-        "framework: tensorflow needs TensorFlow, which is not installed: "
-        "pip install 'overlapkit[tensorflow]'"
+    return (
+        None
+        if found
+        else (
+            "framework: tensorflow needs TensorFlow, which is not installed: "
+            "pip install 'overlapkit[tensorflow]'"
+        )
     )
 
 

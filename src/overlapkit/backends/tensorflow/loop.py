@@ -147,9 +147,7 @@ class TfLoop:
         scheduler, clock = self.scheduler, state.clock
         scheduler.fire(Event.FIT_START, state)  # may resume: state.step moves on
         start = state.step
-        plan = next(
-            (e.input_plan() for e in self.engines if hasattr(e, "input_plan")), InputPlan()
-        )
+        plan = next((e.input_plan() for e in self.engines if hasattr(e, "input_plan")), InputPlan())
         gpus = tf.config.get_visible_devices("GPU")
         dataset = self.batches.train(tf, cfg.total_steps, start, plan, "/gpu:0" if gpus else None)
         batches = iter(dataset)
@@ -247,7 +245,10 @@ class TfLoop:
         )
         splits = [s for _, s, _ in gathered if s is not None]
         records, split_note = split_records(records, splits)
-        summary: dict[str, Any] = {"name": self.scenario.name, **summarize(records, world.world_size)}
+        summary: dict[str, Any] = {
+            "name": self.scenario.name,
+            **summarize(records, world.world_size),
+        }
         summary["framework"] = "tensorflow"
         summary["phases_source"] = split_note
         fused = [r[FUSED + "_s"] for r in records if not r["warmup"]]

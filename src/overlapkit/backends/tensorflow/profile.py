@@ -62,10 +62,14 @@ class ProfileWindow:
             fractions = fractions_from_trace(files[0])
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
-        return None if fractions is None else PhaseSplit(self.rank, (self.start, self.stop), fractions)
+        return (
+            None if fractions is None else PhaseSplit(self.rank, (self.start, self.stop), fractions)
+        )
 
 
-def profile_window(warmup_steps: int, total_steps: int, start: int, rank: int) -> ProfileWindow | None:
+def profile_window(
+    warmup_steps: int, total_steps: int, start: int, rank: int
+) -> ProfileWindow | None:
     """The steps to profile: the last warm-up steps after the first (which compiles),
     else the first measured ones; None when the run has too few steps, and on every
     rank but 0 (TensorFlow's profiler in two processes of one cluster at once
@@ -76,7 +80,9 @@ def profile_window(warmup_steps: int, total_steps: int, start: int, rank: int) -
         first = max(1, warmup_steps - WINDOW_STEPS)
         window = ProfileWindow(first, warmup_steps, rank)
     else:
-        window = ProfileWindow(max(1, warmup_steps), min(total_steps, max(1, warmup_steps) + WINDOW_STEPS), rank)
+        window = ProfileWindow(
+            max(1, warmup_steps), min(total_steps, max(1, warmup_steps) + WINDOW_STEPS), rank
+        )
     if window.start < start or window.stop <= window.start:
         return None
     return window
@@ -121,7 +127,12 @@ def fractions_from_trace(path: str) -> dict[str, float] | None:
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
     steps: list[tuple[int, int]] = []
-    ops: dict[str, list[tuple[int, int]]] = {"forward": [], "backward": [], "optimizer": [], "comm": []}
+    ops: dict[str, list[tuple[int, int]]] = {
+        "forward": [],
+        "backward": [],
+        "optimizer": [],
+        "comm": [],
+    }
     for plane in space.planes:
         for line in plane.lines:
             base = line.timestamp_ns * 1000

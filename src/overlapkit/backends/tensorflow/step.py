@@ -95,14 +95,18 @@ def make_train_step(
             to_differentiate = optimizer.scale_loss(loss) if scaled else loss
         grads = tape.gradient(to_differentiate, variables)
         if decay:
-            grads = [g + decay * tf.cast(v.value, g.dtype) for g, v in zip(grads, variables)]
-        optimizer.apply_gradients(zip(grads, variables))
+            grads = [
+                g + decay * tf.cast(v.value, g.dtype) for g, v in zip(grads, variables, strict=True)
+            ]
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
         if synced:
             context = tf.distribute.get_replica_context()
             means = context.all_reduce(
-                tf.distribute.ReduceOp.MEAN, [tf.identity(v.value) for v in synced], options=one_pack
+                tf.distribute.ReduceOp.MEAN,
+                [tf.identity(v.value) for v in synced],
+                options=one_pack,
             )
-            for variable, mean in zip(synced, means):
+            for variable, mean in zip(synced, means, strict=True):
                 variable.assign(mean)
         return loss * strategy.num_replicas_in_sync  # this replica's own mean
 

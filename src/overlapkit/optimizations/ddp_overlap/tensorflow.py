@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from ...runtime.optimization import settings_on
-
 from .optimization import DDPOverlap
 
 MiB = 1 << 20

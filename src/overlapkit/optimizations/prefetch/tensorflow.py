@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...runtime.optimization import settings_on
-
 from ...backends.tensorflow.data import InputPlan
+from ...runtime.optimization import settings_on
 from .optimization import Prefetch
 
 
