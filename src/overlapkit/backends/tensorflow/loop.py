@@ -17,6 +17,7 @@ fires there: the compiled step holds the optimizer, so it cannot fire inside).
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 from pathlib import Path
 from time import perf_counter
@@ -39,7 +40,7 @@ from . import import_tensorflow
 from .data import Batches, InputPlan
 from .models import build_model
 from .profile import FUSED, PhaseSplit, profile_window, split_records
-from .step import collectives_in, make_eval_step, make_train_step
+from .step import buffers, collectives_in, make_eval_step, make_train_step
 
 
 class TfLoop:
@@ -232,18 +233,25 @@ class TfLoop:
         )
 
     # --------------------------------------------------------------- finish
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for variable in self.model.variables:
+            digest.update(variable.numpy().tobytes())
+        return digest.hexdigest()
+
     def finish(
         self, split: PhaseSplit | None, inputs: Any, targets: Any, start: int, show: bool
     ) -> dict[str, Any]:
         world = self.world
         collectives = collectives_in(self.train_step, inputs, targets)
         gathered = all_gather_objects(
-            (self.records, split, describe_node(torch.device("cpu"))), world
+            (self.records, split, describe_node(torch.device("cpu")), self.fingerprint()), world
         )
         records = sorted(
-            (r for rs, _, _ in gathered for r in rs), key=lambda r: (r["step"], r["rank"])
+            (r for rs, *_ in gathered for r in rs), key=lambda r: (r["step"], r["rank"])
         )
-        splits = [s for _, s, _ in gathered if s is not None]
+        splits = [s for _, s, *_ in gathered if s is not None]
+        prints = [p for *_, p in gathered]
         records, split_note = split_records(records, splits)
         summary: dict[str, Any] = {
             "name": self.scenario.name,
@@ -253,11 +261,17 @@ class TfLoop:
         summary["phases_source"] = split_note
         fused = [r[FUSED + "_s"] for r in records if not r["warmup"]]
         summary["compiled_step_s"] = statistics.fmean(fused) if fused else 0.0
-        summary["hardware"] = {"nodes": nodes_of([node for _, _, node in gathered])}
+        summary["hardware"] = {"nodes": nodes_of([node for _, _, node, _ in gathered])}
         summary["strategy"] = {
             "name": type(self.strategy).__name__,
             "replicas": self.strategy.num_replicas_in_sync,
-            "collectives_per_step": collectives,
+            "collective_ops_per_step": collectives,
+            # Dense gradients' packs: the all-reduces, less the batch-norm statistics' one.
+            "allreduce_packs_per_step": collectives.get("CollectiveReduceV2", 0)
+            - (1 if buffers(self.model) and world.world_size > 1 else 0),
+            # Every replica's weights and statistics, hashed at the end: the same bits?
+            "model_sha256": prints[0],
+            "replicas_identical": len(set(prints)) == 1,
         }
         optimizations = {}
         for engine in self.engines:

@@ -15,15 +15,21 @@ from keras import layers
 
 from ...models import BertConfig, ResNetConfig
 
-# He initialisation by fan-out, as torch's ResNet: the same starting scale.
-_CONV_INIT = keras.initializers.VarianceScaling(2.0, "fan_out", "untruncated_normal")
+
+# He initialisation by fan-out, as torch's ResNet: the same starting scale. One
+# initializer per layer, made after the run's seed is set: an initializer made at
+# import would draw its seed before that (and every layer would share it).
+def _conv_init() -> keras.initializers.Initializer:
+    return keras.initializers.VarianceScaling(2.0, "fan_out", "untruncated_normal")
+
+
 _BN = {"momentum": 0.9, "epsilon": 1e-5}  # torch's BatchNorm2d: momentum 0.1, eps 1e-5
 _STAGES = {"resnet18": ("basic", (2, 2, 2, 2)), "resnet50": ("bottleneck", (3, 4, 6, 3))}
 
 
 def _conv(filters: int, size: int, stride: int = 1) -> layers.Layer:
     return layers.Conv2D(
-        filters, size, stride, padding="same", use_bias=False, kernel_initializer=_CONV_INIT
+        filters, size, stride, padding="same", use_bias=False, kernel_initializer=_conv_init()
     )
 
 

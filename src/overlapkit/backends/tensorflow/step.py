@@ -131,17 +131,21 @@ def make_eval_step(tf: Any, model: keras.Model) -> Callable[[Any, Any], Any]:
     return eval_step
 
 
-def collectives_in(function: Any, *args: Any) -> int:
-    """How many collective reductions one call of the compiled ``function`` on ``args``
-    runs: read from its graph (and the functions it calls), not assumed."""
-    graph = function.get_concrete_function(*args).graph
+def collectives_in(function: Any, *args: Any) -> dict[str, int]:
+    """The collective ops one call of the compiled ``function`` on ``args`` runs, by
+    type: read from its graph (and the functions it calls), not assumed. Dense
+    gradients are all-reduced by ``CollectiveReduceV2`` (one per pack); sparse ones
+    (embeddings) are all-gathered."""
+    counts: dict[str, int] = {}
 
-    def count(g: Any) -> int:
-        total = sum(op.type.startswith("CollectiveReduce") for op in g.get_operations())
+    def count(g: Any) -> None:
+        for op in g.get_operations():
+            if op.type.startswith("Collective"):
+                counts[op.type] = counts.get(op.type, 0) + 1
         for fn in getattr(g, "_functions", {}).values():
             inner = getattr(fn, "graph", None)
             if inner is not None:
-                total += count(inner)
-        return total
+                count(inner)
 
-    return count(graph)
+    count(function.get_concrete_function(*args).graph)
+    return counts

@@ -35,12 +35,10 @@ class TfCommunication:
 
     def summary(self, run: dict[str, Any]) -> dict[str, Any]:
         strategy = run.get("strategy", {})
-        # One collective more per step than packs: the batch-norm statistics' average
-        # (see `backends.tensorflow.step`), when the model has any.
         return {
             **settings_on(self.optimization, "tensorflow"),
             "bytes_per_pack": self.bytes_per_pack,
-            "collectives_per_step": strategy.get("collectives_per_step"),
+            "packs_per_step": strategy.get("allreduce_packs_per_step"),
             "comm_exposed_s": run["phases_s"]["comm_exposed"],
         }
 

@@ -1,0 +1,261 @@
+"""framework: tensorflow: real TensorFlow workers on MultiWorkerMirroredStrategy (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import cli_here, free_port, run_cli
+
+pytest.importorskip("tensorflow")
+
+BERT = {
+    "name": "tf-bert",
+    "framework": "tensorflow",
+    "model": {
+        "name": "bert",
+        "vocab_size": 512,
+        "hidden": 128,
+        "layers": 2,
+        "heads": 2,
+        "max_len": 16,
+        "dropout": 0.0,
+    },
+    "data": {
+        "name": "synthetic-tokens",
+        "seq_len": 16,
+        "vocab_size": 512,
+        "num_samples": 256,
+        "eval_samples": 32,
+    },
+    "train": {
+        "batch_size": 8,
+        "steps": 4,
+        "warmup_steps": 4,
+        "deterministic": True,
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+    },
+    "world": {"nprocs": 2},
+}
+RESNET = {
+    "name": "tf-resnet",
+    "framework": "tensorflow",
+    "model": {"name": "resnet18", "stem": "cifar", "num_classes": 10, "width": 4},
+    "data": {"name": "synthetic-images", "shape": [3, 8, 8], "num_samples": 256, "eval_samples": 0},
+    "train": {
+        "batch_size": 8,
+        "steps": 6,
+        "warmup_steps": 2,
+        "deterministic": True,
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+    },
+    "world": {"nprocs": 1},
+    "optimizations": {"checkpoint": {"every": 2}},
+}
+
+
+def scenario_file(folder: Path, base: dict, **changes) -> Path:
+    document = json.loads(json.dumps(base))
+    for dotted, value in changes.items():
+        *path, key = dotted.split("__")
+        node = document
+        for part in path:
+            node = node.setdefault(part, {})
+        node[key] = value
+    path = folder / f"{document['name']}-{len(list(folder.glob('*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def run(scenario: Path, out: Path, *extra: str) -> dict:
+    result = run_cli("run", scenario, "--out", out, "--json", *extra, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def losses(out: Path) -> dict[tuple[int, int], float]:
+    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    return {(r["step"], r["rank"]): r["loss"] for r in records}
+
+
+@pytest.mark.slow
+def test_two_workers_equal_one_worker_on_the_global_batch_and_packs_follow_the_knob(tmp_path):
+    # Two workers with 8 samples each read, together, the 16 samples one worker reads.
+    packed = run(
+        scenario_file(tmp_path, BERT, optimizations={"ddp_overlap": {"bucket_cap_mb": 0.5}}),
+        tmp_path / "two",
+    )
+    one = run(
+        scenario_file(tmp_path, BERT, world__nprocs=1, train__batch_size=16), tmp_path / "one"
+    )
+    assert packed["strategy"]["replicas"] == 2 and one["strategy"]["replicas"] == 1
+    assert packed["strategy"]["replicas_identical"]  # every weight, bit for bit
+    two_losses, one_losses = losses(tmp_path / "two"), losses(tmp_path / "one")
+    for step in range(8):
+        mean_of_ranks = (two_losses[(step, 0)] + two_losses[(step, 1)]) / 2
+        assert mean_of_ranks == pytest.approx(one_losses[(step, 0)], rel=2e-4, abs=2e-5)
+    # bytes_per_pack from bucket_cap_mb: the ~1.6 MB of dense gradients in 0.5 MB packs
+    # are several all-reduces; intensity 0 (bytes_per_pack 0) is one, after backward.
+    one_pack = run(
+        scenario_file(tmp_path, BERT, optimizations={"ddp_overlap": {"intensity": 0}}),
+        tmp_path / "flat",
+    )
+    assert one_pack["optimizations"]["ddp_overlap"]["bytes_per_pack"] == 0
+    assert one_pack["strategy"]["allreduce_packs_per_step"] == 1
+    assert one_pack["strategy"]["collective_ops_per_step"]["CollectiveReduceV2"] == 1
+    assert packed["optimizations"]["ddp_overlap"]["bytes_per_pack"] == 512 * 1024
+    assert packed["strategy"]["allreduce_packs_per_step"] >= 3
+    assert packed["optimizations"]["ddp_overlap"]["packs_per_step"] >= 3
+    # The compiled step was split by a sampled profile, and says so.
+    assert "sampled TensorFlow profile" in packed["phases_source"]
+    assert packed["phases_s"]["backward"] > 0 and packed["phases_s"]["forward"] > 0
+
+
+def test_prefetched_batches_equal_the_synchronous_ones():
+    import tensorflow as tf
+
+    from overlapkit.backends.tensorflow.data import Batches, InputPlan
+    from overlapkit.data import SyntheticImages, build_loaders
+
+    train, _ = build_loaders(SyntheticImages((3, 8, 8), num_samples=96), None, 8, 1, 2, seed=3)
+    batches = Batches(train)
+    plain = list(batches.train(tf, 9, 2, InputPlan(), None))  # across an epoch's end
+    ahead = list(batches.train(tf, 9, 2, InputPlan(workers=3, depth=4), None))
+    assert len(plain) == len(ahead) == 7
+    for (x, y), (x2, y2) in zip(plain, ahead, strict=True):
+        assert np.array_equal(x.numpy(), x2.numpy()) and np.array_equal(y.numpy(), y2.numpy())
+    # The samples the torch loader reads, in its order (batch 2 on), channels last.
+    order = batches.train_indices(9)[16:24]
+    expected = np.stack([train.dataset[int(i)][0].numpy() for i in order])
+    assert np.array_equal(plain[0][0].numpy(), expected.transpose(0, 2, 3, 1))
+
+
+STALL_PERSIST = textwrap.dedent(
+    """
+    import sys, time
+    from overlapkit.optimizations.checkpoint import persister
+    original = persister.write_state
+
+    def stalled(path, tree, gate=None):
+        if "step-00000004" in str(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".partial").write_bytes(b"half")
+            print("MID-PERSIST", flush=True)
+            time.sleep(600)
+        return original(path, tree, gate)
+
+    persister.write_state = stalled
+    from overlapkit.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_persist_resumes_bit_identically(tmp_path):
+    scenario = scenario_file(tmp_path, RESNET)
+    whole = run(scenario, tmp_path / "whole")
+    out = tmp_path / "killed"
+    victim = subprocess.Popen(
+        [sys.executable, "-c", STALL_PERSIST, "run", str(scenario), "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert victim.stdout.readline().strip() == "MID-PERSIST"
+        victim.send_signal(signal.SIGKILL)
+    finally:
+        victim.wait(timeout=30)
+    manifest = json.loads((out / "checkpoints" / "manifest.json").read_text())["checkpoints"]
+    assert [e["step"] for e in manifest] == [2]  # step 4's persist never completed
+    resumed = run(scenario, out)
+    assert resumed["resumed_from_step"] == 2
+    assert resumed["optimizations"]["checkpoint"]["resumed_from_step"] == 2
+    assert resumed["strategy"]["model_sha256"] == whole["strategy"]["model_sha256"]
+    whole_losses, resumed_losses = losses(tmp_path / "whole"), losses(out)
+    assert all(resumed_losses[key] == whole_losses[key] for key in resumed_losses)
+    assert sorted(resumed_losses) == [(s, 0) for s in range(2, 8)]
+
+
+@pytest.mark.slow
+def test_a_peer_that_never_starts_is_a_clear_error_within_the_time_out(tmp_path):
+    scenario = scenario_file(tmp_path, BERT, world__timeout_s=5)
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    code = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from overlapkit.backends.tensorflow.worker import tf_rank_main
+        from overlapkit.scenarios import load_scenario
+        tf_rank_main(load_scenario(Path({str(scenario)!r})), None, False, False)
+        """
+    )
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert "PeerTimeoutError" in result.stderr
+    assert "waited 5 s (world.timeout_s) for the other ranks" in result.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_pipeline_is_refused_on_tensorflow_before_start(tmp_path):
+    scenario = scenario_file(tmp_path, BERT, optimizations={"pipeline": {"stages": 2}})
+    result = cli_here("check", scenario)
+    assert result.returncode == 2
+    assert "pipeline does not run on tensorflow" in result.stderr
+    assert "framework: torch" in result.stderr and "backend: tfdata" in result.stderr
+    torch_knob = scenario_file(tmp_path, BERT, optimizations={"ddp_overlap": {"comm_hook": "fp16"}})
+    result = cli_here("check", torch_knob)
+    assert result.returncode == 2 and "comm_hook is a knob of torch only" in result.stderr
+
+
+def test_list_says_which_optimization_runs_on_which_framework():
+    result = cli_here("list", "--json")
+    assert result.returncode == 0
+    frameworks = {o["name"]: o["frameworks"] for o in json.loads(result.stdout)}
+    assert frameworks["pipeline"] == ["torch"]
+    for name in ("ddp_overlap", "prefetch", "checkpoint"):
+        assert frameworks[name] == ["torch", "tensorflow"]
+
+
+@pytest.mark.slow
+def test_tune_runs_a_small_study_on_a_tensorflow_scenario(tmp_path):
+    scenario = scenario_file(
+        tmp_path,
+        RESNET,
+        optimizations={"prefetch": {"intensity": 1}},
+        tune={
+            "trials": 2,
+            "references": False,
+            "finalists": 0,
+            "repeats": 1,
+            "policy": False,
+            "steps": 2,
+            "warmup_steps": 1,
+            "prune": False,
+        },
+    )
+    result = run_cli("tune", scenario, "--out", tmp_path / "study", timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = json.loads((tmp_path / "study" / "tune.json").read_text())
+    assert trials  # the study's results, from TensorFlow runs
