@@ -232,7 +232,8 @@ def test_pipeline_is_refused_on_tensorflow_before_start(tmp_path):
 def test_list_says_which_optimization_runs_on_which_framework():
     result = cli_here("list", "--json")
     assert result.returncode == 0
-    frameworks = {o["name"]: o["frameworks"] for o in json.loads(result.stdout)}
+    listed = json.loads(result.stdout)["optimizations"]
+    frameworks = {o["name"]: o["frameworks"] for o in listed}
     assert frameworks["pipeline"] == ["torch"]
     for name in ("ddp_overlap", "prefetch", "checkpoint"):
         assert frameworks[name] == ["torch", "tensorflow"]

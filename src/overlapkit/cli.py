@@ -215,7 +215,8 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
         console.print("no optimizations are installed yet")
     for entry in catalogue["optimizations"]:
         table = Table(
-            title=f"{entry['name']}: {entry['doc']}  (resources: {', '.join(entry['resources'])})"
+            title=f"{entry['name']}: {entry['doc']}  (resources: {', '.join(entry['resources'])}; "
+            f"runs on {' and '.join(entry['frameworks'])})"
         )
         table.add_column("knob")
         table.add_column("type")
@@ -235,7 +236,10 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
                 span = ""
             values = [entry["intensity_mapping"][p][knob["name"]] for p in points]
             cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in values]
-            table.add_row(knob["name"], knob["type"], span, str(knob["default"]), *cells)
+            name = knob["name"] + (
+                f" ({', '.join(knob['frameworks'])})" if "frameworks" in knob else ""
+            )
+            table.add_row(name, knob["type"], span, str(knob["default"]), *cells)
         console.print(table)
     console.print(
         "intensity 0 turns an optimization off, unless an @0 column shows a mode of its own; "
