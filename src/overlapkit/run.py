@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .data import build_loaders
 from .launch.interrupt import RunInterrupted, stop_on_signals
 from .launch.local import NodePlace, launch_local, under_torchrun
 from .runtime import CombinationError, Session
@@ -91,17 +90,8 @@ def rank_main(
 def _train(scenario: Scenario, session: Session, model: torch.nn.Module) -> dict[str, Any]:
     cfg, world = scenario.train, session.world
     shard, shards = session.data_shard  # the ranks of one pipeline read the same batches
-    train_set, eval_set = scenario.data.build(cfg.seed)
-    wants_eval = bool(cfg.eval.every or cfg.eval.at_end)
-    train_loader, eval_loader = build_loaders(
-        train_set,
-        eval_set if wants_eval else None,
-        cfg.batch_size,
-        shard,
-        shards,
-        cfg.seed,
-        cfg.eval.max_samples,
-        pin_memory=world.device.type == "cuda",
+    train_loader, eval_loader = scenario.build_loaders(
+        shard, shards, pin_memory=world.device.type == "cuda"
     )
     seed_everything(cfg.seed + 1 + world.rank)  # dropout and the like differ per rank
     return train(cfg, session, model, train_loader, eval_loader)

@@ -14,7 +14,7 @@ from pydantic_core import PydanticCustomError
 
 from ..backends.tensorflow import tensorflow_missing
 from ..config import Config
-from ..data import DataConfig
+from ..data import DataConfig, ResumableLoader, build_loaders
 from ..launch.config import WorldConfig
 from ..models import ModelConfig
 from ..optimizations import get_optimization, registered_optimizations
@@ -128,6 +128,25 @@ class Scenario(Config):
                 "world.backend is torch's process-group back end; with framework: tensorflow "
                 "the collective implementation is optimizations.ddp_overlap.implementation",
             )
+
+    def build_loaders(
+        self, shard: int, shards: int, pin_memory: bool = False
+    ) -> tuple[ResumableLoader, Any]:
+        """Data shard ``shard`` of ``shards``: its training loader, and its evaluation
+        loader when ``train.eval`` asks for evaluation (else None)."""
+        cfg = self.train
+        train_set, eval_set = self.data.build(cfg.seed)
+        wants_eval = bool(cfg.eval.every or cfg.eval.at_end)
+        return build_loaders(
+            train_set,
+            eval_set if wants_eval else None,
+            cfg.batch_size,
+            shard,
+            shards,
+            cfg.seed,
+            cfg.eval.max_samples,
+            pin_memory=pin_memory,
+        )
 
     def build_optimizations(self) -> list[Optimization]:
         """The enabled optimizations (intensity 0 means off, unless it is a mode of

@@ -2,35 +2,24 @@
 
 One process per rank, started by overlapkit's launcher; a custom training loop
 with one compiled step per ``strategy.run``; the optimizations that exist on
-TensorFlow plug in through their ``tensorflow`` engines (see `engine`).
+TensorFlow plug in through their ``tensorflow`` engines (see
+`overlapkit.runtime.optimization.engine_for`).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from typing import Any
+from ...optimizations.prefetch.extras import installed
+from ...optimizations.prefetch.tfdata_backend import import_tensorflow
 
 
 def tensorflow_missing() -> str | None:
     """Why TensorFlow cannot run here (not installed), or None."""
-    try:
-        found = importlib.util.find_spec("tensorflow") is not None
-    except (ImportError, ValueError):
-        found = False
+    if installed("tensorflow"):
+        return None
     return (
-        None
-        if found
-        else (
-            "framework: tensorflow needs TensorFlow, which is not installed: "
-            "pip install 'overlapkit[tensorflow]'"
-        )
+        "framework: tensorflow needs TensorFlow, which is not installed: "
+        "pip install 'overlapkit[tensorflow]'"
     )
 
 
-def import_tensorflow() -> Any:
-    """TensorFlow, imported quietly (its C++ start-up chatter goes to stderr)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
-
-    return tf
+__all__ = ["import_tensorflow", "tensorflow_missing"]

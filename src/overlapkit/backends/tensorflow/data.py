@@ -17,6 +17,7 @@ import numpy as np
 
 from ...data import ResumableLoader
 from ...optimizations.prefetch.samples import SampleLayout, epoch_indices
+from ...optimizations.prefetch.tfdata_backend import load_overlapped
 
 
 @dataclass(frozen=True)
@@ -89,28 +90,16 @@ class Batches:
         batch_size = self.loader.batch_size
         indices = self.train_indices(steps)[start * batch_size :]
         dataset = tf.data.Dataset.from_tensor_slices(indices).batch(batch_size)
-        load = self._map(tf)
-        if plan.autotune:
-            dataset = dataset.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        elif plan.workers:
-            dataset = dataset.map(load, num_parallel_calls=plan.workers, deterministic=True)
-        else:
-            dataset = dataset.map(load)
-        if plan.autotune or plan.depth:
-            dataset = dataset.prefetch(tf.data.AUTOTUNE if plan.autotune else plan.depth)
-        if device is not None and plan.device_depth:
-            dataset = dataset.apply(
-                tf.data.experimental.prefetch_to_device(device, buffer_size=plan.device_depth)
-            )
-        options = tf.data.Options()
-        options.deterministic = True
-        options.autotune.enabled = plan.autotune
-        if not plan.autotune:
-            # tf.data's own rewrites (injected prefetch, map parallelism) stay off, so the
-            # knobs mean what they say and no prefetch loads nothing ahead.
-            options.experimental_optimization.apply_default_optimizations = False
-            options.threading.private_threadpool_size = plan.workers + 1
-        return dataset.with_options(options)
+        return load_overlapped(
+            tf,
+            dataset,
+            self._map(tf),
+            plan.workers,
+            plan.depth,
+            plan.autotune,
+            device=device,
+            device_depth=plan.device_depth,
+        )
 
     def in_order(self, tf: Any) -> Any:
         """Every batch of the sampler's shard, in order (evaluation)."""

@@ -26,7 +26,6 @@ from typing import Any
 import keras
 import torch
 
-from ...data import build_loaders
 from ...runtime.distributed import World, all_gather_objects
 from ...runtime.events import Event
 from ...runtime.hardware import describe_node, nodes_of
@@ -58,17 +57,7 @@ class TfLoop:
         self.cfg = cfg = scenario.train
         self.engines, self.run_dir = engines, run_dir
         self.notes: list[str] = []
-        train_set, eval_set = scenario.data.build(cfg.seed)
-        wants_eval = bool(cfg.eval.every or cfg.eval.at_end)
-        train_loader, eval_loader = build_loaders(
-            train_set,
-            eval_set if wants_eval else None,
-            cfg.batch_size,
-            world.rank,
-            world.world_size,
-            cfg.seed,
-            cfg.eval.max_samples,
-        )
+        train_loader, eval_loader = scenario.build_loaders(world.rank, world.world_size)
         self.batches = Batches(train_loader)
         self.eval_batches = Batches(eval_loader) if eval_loader is not None else None
         with strategy.scope():

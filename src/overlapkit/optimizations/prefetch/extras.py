@@ -16,16 +16,19 @@ class MissingDependencyError(ImportError):
     """A back end's optional package is not installed."""
 
 
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or blocked in sys.modules
+        return False
+
+
 def missing(backend: str) -> str | None:
     """Why ``backend`` cannot run here (its package is not installed), or None."""
     if backend not in NEEDS:
         return None
     module, package, extra = NEEDS[backend]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package missing, or blocked in sys.modules
-        found = False
-    if found:
+    if installed(module):
         return None
     return (
         f"prefetch backend {backend!r} needs {package}, which is not installed: "

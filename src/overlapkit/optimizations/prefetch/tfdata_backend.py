@@ -37,6 +37,42 @@ def import_tensorflow() -> Any:
     return tf
 
 
+def load_overlapped(
+    tf: Any,
+    dataset: Any,
+    load: Any,
+    workers: int,
+    depth: int,
+    autotune: bool,
+    device: str | None = None,
+    device_depth: int = 0,
+) -> Any:
+    """``dataset`` mapped by ``load`` as the prefetch knobs say: ``workers`` calls at
+    once (0: on the pipeline's own thread), ``depth`` batches ahead (0: none), and on
+    ``device`` ``device_depth`` batches already there; or tf.data's ``autotune``.
+    Without autotune tf.data's own rewrites (injected prefetch, map parallelism) stay
+    off, so the knobs mean what they say and depth 0 loads nothing ahead."""
+    if autotune:
+        dataset = dataset.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    elif workers:
+        dataset = dataset.map(load, num_parallel_calls=workers, deterministic=True)
+    else:
+        dataset = dataset.map(load)
+    if autotune or depth:
+        dataset = dataset.prefetch(tf.data.AUTOTUNE if autotune else depth)
+    if device is not None and device_depth:
+        dataset = dataset.apply(
+            tf.data.experimental.prefetch_to_device(device, buffer_size=device_depth)
+        )
+    options = tf.data.Options()
+    options.deterministic = True
+    options.autotune.enabled = autotune
+    if not autotune:
+        options.experimental_optimization.apply_default_optimizations = False
+        options.threading.private_threadpool_size = workers + 1
+    return dataset.with_options(options)
+
+
 class TfDataBackend:
     name = "tfdata"
 
@@ -73,25 +109,16 @@ class TfDataBackend:
         dataset = tf.data.Dataset.from_tensor_slices(np.asarray(indices, dtype=np.int64))
         dataset = dataset.batch(batch_size, drop_remainder=self.inner.sampler.drop_last)
         load = tf.autograph.experimental.do_not_convert(self._map)
-        if self.autotune:
-            dataset = dataset.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        elif self.workers:
-            dataset = dataset.map(load, num_parallel_calls=self.workers, deterministic=True)
-        else:
-            dataset = dataset.map(load)
-        if self.autotune or self.depth:
-            dataset = dataset.prefetch(tf.data.AUTOTUNE if self.autotune else self.depth)
-        if self.target is not None:
-            dataset = dataset.apply(
-                tf.data.experimental.prefetch_to_device(self.target, buffer_size=max(1, self.depth))
-            )
-        options = tf.data.Options()
-        options.deterministic = True
-        options.autotune.enabled = self.autotune
-        if not self.autotune:
-            options.experimental_optimization.apply_default_optimizations = False
-            options.threading.private_threadpool_size = self.workers + 1
-        return dataset.with_options(options)
+        return load_overlapped(
+            tf,
+            dataset,
+            load,
+            self.workers,
+            self.depth,
+            self.autotune,
+            device=self.target,
+            device_depth=max(1, self.depth),
+        )
 
     def iterate(self, epoch: int, start: int) -> Iterator[Any]:
         for leaves in self.pipeline(epoch, start):
