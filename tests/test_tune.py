@@ -116,6 +116,26 @@ def test_the_space_comes_from_the_knob_declarations():
     assert [d.name for d in default.dimensions] == ["checkpoint.intensity", "prefetch.intensity"]
 
 
+def test_the_space_on_tensorflow_holds_only_what_runs_there():
+    """On TensorFlow priority runs as free, so the policy is not searched; a torch-only
+    knob or an optimization TensorFlow lacks is refused with the reason."""
+    tune = TuneConfig(search={"ddp_overlap": ["intensity", "implementation"]})
+    tf_space = build_space({}, tune, "tensorflow")
+    assert [d.name for d in tf_space.dimensions] == [
+        "ddp_overlap.intensity",
+        "ddp_overlap.implementation",
+    ]
+    assert "scheduler.policy" in [
+        d.name for d in build_space({"prefetch": {}}, TuneConfig()).dimensions
+    ]
+    with pytest.raises(SpaceError, match="implementation is a knob of tensorflow only"):
+        build_space({}, tune, "torch")
+    with pytest.raises(SpaceError, match="comm_hook is a knob of torch only"):
+        build_space({}, TuneConfig(search={"ddp_overlap": ["comm_hook"]}), "tensorflow")
+    with pytest.raises(SpaceError, match="pipeline cannot be searched on tensorflow"):
+        build_space({"pipeline": {"stages": 2}}, TuneConfig(), "tensorflow")
+
+
 def test_a_trials_scenario_applies_the_setting():
     base = {
         "name": "s",

@@ -109,7 +109,7 @@ class Scenario(Config):
             self._check_tensorflow()
         if self.tune.search is not None:
             try:
-                build_space(self.optimizations, self.tune)
+                build_space(self.optimizations, self.tune, self.framework)
             except SpaceError as error:
                 raise located(error.path, str(error), error.allowed) from None
         return self

@@ -202,7 +202,10 @@ def study_analysis(study: optuna.Study, args: argparse.Namespace) -> Analysis:
         if getattr(args, figure, None) is not None:
             settings[figure] = getattr(args, figure)
     config = TuneConfig(**settings)
-    space = build_space(study.user_attrs["scenario"].get("optimizations") or {}, config)
+    scenario = study.user_attrs["scenario"]
+    space = build_space(
+        scenario.get("optimizations") or {}, config, scenario.get("framework", "torch")
+    )
     return Analysis.of(study, space, config)
 
 

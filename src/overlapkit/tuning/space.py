@@ -137,8 +137,14 @@ class SearchSpace:
         return params
 
 
-def build_space(optimizations: dict[str, Any], tune: TuneConfig) -> SearchSpace:
-    """The space for a scenario's ``optimizations`` section and its ``tune`` section."""
+def build_space(
+    optimizations: dict[str, Any], tune: TuneConfig, framework: str = "torch"
+) -> SearchSpace:
+    """The space for a scenario's ``optimizations`` section and its ``tune`` section, on
+    ``framework``: an optimization or knob that does not run there cannot be searched,
+    and the scheduler's policy is searched only where its choices differ (on
+    TensorFlow, nothing inside the compiled step says when it waits on communication:
+    ``priority`` runs as ``free``)."""
     search = tune.search if tune.search is not None else {name: None for name in optimizations}
     dims: list[Dimension] = []
     for name, knobs in search.items():
@@ -146,6 +152,11 @@ def build_space(optimizations: dict[str, Any], tune: TuneConfig) -> SearchSpace:
             cls = get_optimization(name)
         except KnobError as error:
             raise SpaceError(f"tune.search.{name}", str(error), error.allowed) from None
+        if framework not in cls.frameworks():
+            reason = cls.unavailable.get(framework, f"it runs on {' and '.join(cls.frameworks())}")
+            raise SpaceError(
+                f"tune.search.{name}", f"{name} cannot be searched on {framework}: {reason}"
+            )
         if knobs is None:
             knobs = ["intensity"]
         if isinstance(knobs, list):
@@ -155,15 +166,15 @@ def build_space(optimizations: dict[str, Any], tune: TuneConfig) -> SearchSpace:
         if "intensity" not in knobs:
             dims.append(Dimension(name, "on", "categorical", choices=(True, False)))
         for knob, given in knobs.items():
-            dims.append(_dimension(cls, knob, given, tune.intensity_step))
-    if tune.policy:
+            dims.append(_dimension(cls, knob, given, tune.intensity_step, framework))
+    if tune.policy and framework == "torch":
         dims.append(Dimension("scheduler", "policy", "categorical", choices=tuple(POLICIES)))
     if not any(d.owner != "scheduler" for d in dims):
         raise SpaceError("tune.search", "nothing to search: the scenario lists no optimizations")
     return SearchSpace(tuple(dims))
 
 
-def _dimension(cls: type, knob_name: str, given: Any, step: float) -> Dimension:
+def _dimension(cls: type, knob_name: str, given: Any, step: float, framework: str) -> Dimension:
     path = f"tune.search.{cls.name}.{knob_name}"
     if knob_name == "intensity":
         if given is not None:
@@ -174,6 +185,13 @@ def _dimension(cls: type, knob_name: str, given: Any, step: float) -> Dimension:
         allowed = ["intensity", *by_name]
         raise SpaceError(path, f"{cls.name} has no knob {knob_name!r}", allowed)
     knob = by_name[knob_name]
+    if framework not in (knob.frameworks or (framework,)):
+        raise SpaceError(
+            path,
+            f"{cls.name}.{knob_name} is a knob of {' and '.join(knob.frameworks)} only; "
+            f"this scenario runs on {framework}",
+            [k.name for k in cls.knobs if framework in (k.frameworks or (framework,))],
+        )
     try:
         if isinstance(given, list):
             values = tuple(dict.fromkeys(knob.coerce(v) for v in given))

@@ -63,7 +63,9 @@ class TuneJob:
 
     @property
     def space(self) -> SearchSpace:
-        return build_space(self.base.get("optimizations") or {}, self.tune)
+        return build_space(
+            self.base.get("optimizations") or {}, self.tune, self.base.get("framework", "torch")
+        )
 
     @property
     def objectives(self) -> list[str]:

@@ -139,6 +139,12 @@ class TfLoop:
         start = state.step
         plan = next((e.input_plan() for e in self.engines if hasattr(e, "input_plan")), InputPlan())
         gpus = tf.config.get_visible_devices("GPU")
+        if gpus:
+            self.notes.append(
+                "each step's loss is read when the step ends, which waits for the GPU: "
+                "TensorFlow has no device events to read later, so the step times are the "
+                "device's; the tf.data pipeline's own threads still load ahead"
+            )
         dataset = self.batches.train(tf, cfg.total_steps, start, plan, "/gpu:0" if gpus else None)
         batches = iter(dataset)
         bar = (
