@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ...runtime.distributed import World, all_gather_objects, close_world, init_world
+from ...runtime.gpus import check_rank_count
 from ...runtime.optimization import engine_for
 from . import import_tensorflow
 from .step import PRECISION_POLICY
@@ -87,8 +88,11 @@ def tf_rank_main(scenario: Any, run_dir: Path | None, progress: bool, print_summ
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     gpus = tf.config.list_physical_devices("GPU")
-    if gpus:  # one GPU per rank, never shared
-        tf.config.set_visible_devices(gpus[world.local_rank % len(gpus)], "GPU")
+    if gpus and scenario.world.device == "cpu":
+        tf.config.set_visible_devices([], "GPU")
+    elif gpus:  # one GPU per rank, never shared
+        check_rank_count(world.local_world_size, len(gpus))
+        tf.config.set_visible_devices(gpus[world.local_rank], "GPU")
     optimizations = scenario.build_optimizations()
     engines = [engine_for(opt, "tensorflow") for opt in optimizations]
     options: dict[str, Any] = {}
