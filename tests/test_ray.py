@@ -266,6 +266,27 @@ def test_a_run_on_two_machines_matches_two_local_ranks_and_resumes(
     )
 
 
+def test_a_tensorflow_run_on_two_machines_equals_two_local_ranks(cluster, tiny_scenario, tmp_path):
+    """MultiWorkerMirroredStrategy across two Ray machines: each machine's rank finds
+    its TensorFlow server's address and port, and the result is bit for bit the one
+    of two ranks on one machine."""
+    pytest.importorskip("tensorflow")
+    text = TINY_SCENARIO.replace("name: tiny", "name: tiny\nframework: tensorflow")
+    text = text.replace("world: {nprocs: 1}", "world: {nprocs: 1, nodes: 2, device: cpu}")
+    text = text.replace("  seed: 0", "  seed: 0\n  deterministic: true")
+    path = tiny_scenario(text + "optimizations: {ddp_overlap: {intensity: 0.5}}\n")
+    result = run_cli("run", path, "--ray", cluster.address, "--out", tmp_path / "ray", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["world_size"] == 2 and summary["strategy"]["replicas"] == 2
+    assert summary["strategy"]["replicas_identical"]
+    local = tmp_path / "local"
+    two = ["--set", "world.nodes=1", "--set", "world.nprocs=2"]
+    assert run_cli("run", path, "--out", local, "--quiet", *two).returncode == 0
+    local_summary = json.loads((local / "summary.json").read_text())
+    assert summary["strategy"]["model_sha256"] == local_summary["strategy"]["model_sha256"]
+
+
 def test_no_cluster_at_the_address_is_a_clear_error_at_once(tiny_scenario):
     from conftest import free_port
 
