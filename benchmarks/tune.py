@@ -30,7 +30,7 @@ from rich.table import Table
 
 from overlapkit.tuning import TuneConfig
 from overlapkit.tuning.analysis import ANALYSIS_ROLES, Analysis
-from overlapkit.tuning.report import print_report, report_document, write_report
+from overlapkit.tuning.report import print_report, report_document, short_setting, write_report
 from overlapkit.tuning.runner import tune
 from overlapkit.tuning.space import apply_params
 from overlapkit.tuning.study import TuneJob, default_storage, trial_metrics
@@ -64,21 +64,6 @@ def remeasure(job: TuneJob, settings: dict[str, dict], scratch: Path) -> dict[st
             values[label].append(trial_metrics(summary, job.tune)["goodput"])
             shutil.rmtree(folder, ignore_errors=True)
     return values
-
-
-def short(params: dict) -> str:
-    """E.g. "ddp_overlap 1, prefetch 0, checkpoint every 8, free"."""
-    parts = []
-    for name, value in params.items():
-        owner, knob = name.split(".")
-        if owner == "scheduler":
-            parts.append(str(value))
-        elif knob == "on":
-            if value is False:
-                parts.append(f"{owner} off")
-        elif params.get(f"{owner}.on", True):
-            parts.append(f"{owner} {value:g}" if knob == "intensity" else f"{owner} {knob} {value}")
-    return ", ".join(parts)
 
 
 def trials_to_find(analysis: Analysis) -> int:
@@ -161,7 +146,7 @@ def main() -> None:
                 f"{min(again[label]):.1f}-{max(again[label]):.1f}",
                 f"{median[label] / median['naive all on']:.2f}x",
                 counts.get(label, ""),
-                short(params),
+                short_setting(params),
             )
         console.print(table)
         search = sum(1 for m in tuned.measured if m.role == "search")

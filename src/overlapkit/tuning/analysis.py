@@ -7,10 +7,20 @@ a setting measured once serves every row that needs it. A setting measured
 more than once counts by its median; the best setting is chosen among those
 measured `repeats` times (the confirmed ones), so that one lucky measurement
 cannot win.
+
+Nothing is claimed that the study's own noise does not support. The noise is
+estimated from every setting measured more than once, in a way that holds at
+2-3 repeats: each setting's range of log-values divided by d2(n), the
+range-to-sigma constant of n samples (1.128 at 2, 1.693 at 3), and the median
+over settings, so one setting with a wild repeat does not set it. Two settings
+differ when their medians are more than `Z` standard errors apart; a setting
+whose own repeats disagree by more than `DISAGREE` times the noise is flagged
+and judged by its own spread.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import warnings
 from dataclasses import dataclass, field
@@ -28,11 +38,49 @@ from .space import SearchSpace
 UNUSED = "unused"  # the role of a trial that found the queue empty (pruned at once)
 # Trials of the analysis phase (around the center) and their repeats.
 ANALYSIS_ROLES = ("sweep:", "pair:", "policy", "repeat:analysis")
-FLAT = 0.02  # a curve within 2 % of its peak (or within the noise) has stopped paying
+FLAT = 0.02  # with no noise estimate (nothing measured twice), closer than 2 % is "equal"
+Z = 2.0  # a difference is claimed beyond this many standard errors
+DISAGREE = 3.0  # a setting whose own spread is this many times the noise: its repeats disagree
+# d2(n): the expected range of n normal samples in standard deviations.
+D2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
+NOISE_METHOD = (
+    "each setting measured 2+ times: the range of its log-values / d2(n) "
+    "(1.128 at n=2, 1.693 at n=3); the median over those settings"
+)
 
 
 def setting_key(params: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(sorted((k, round(v, 9) if isinstance(v, float) else v) for k, v in params.items()))
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One setting's measurements of one metric: median, range, n and own sigma."""
+
+    values: tuple[float, ...]  # sorted
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def low(self) -> float:
+        return self.values[0]
+
+    @property
+    def high(self) -> float:
+        return self.values[-1]
+
+    @property
+    def sigma(self) -> float | None:
+        """Relative standard deviation from this setting's own range (None below n=2)."""
+        if self.n < 2 or self.low <= 0:
+            return None
+        return math.log(self.high / self.low) / D2.get(self.n, D2[10])
 
 
 @dataclass
@@ -116,15 +164,27 @@ class Analysis:
         same = self.measurements(params)
         return _median(same) if same else None
 
+    def spread(self, params: dict[str, Any], metric: str | None = None) -> Spread | None:
+        """``params``' measurements of ``metric`` (the study's by default)."""
+        same = self.measurements(params)
+        if not same:
+            return None
+        return Spread(tuple(sorted(m.value(metric or self.metric) for m in same)))
+
+    def value(self, params: dict[str, Any]) -> float | None:
+        """The median of ``params``' measurements."""
+        spread = self.spread(params)
+        return None if spread is None else spread.median
+
     def ranked(self, searched: bool = False) -> list[Measurement]:
-        """Each setting's median measurement, best first; ``searched``: only the
+        """Each setting's median measurement, best median first; ``searched``: only the
         settings that the references or the search measured (not the analysis)."""
         medians = [
             _median(same)
             for same in self.groups.values()
             if not searched or any(not m.role.startswith(ANALYSIS_ROLES) for m in same)
         ]
-        return sorted(medians, key=lambda m: m.value(self.metric), reverse=True)
+        return sorted(medians, key=lambda m: self.value(m.params), reverse=True)
 
     def _best_of(self, ranked: list[Measurement]) -> Measurement | None:
         """The best median among settings measured `repeats` times (among all when
@@ -145,21 +205,53 @@ class Analysis:
 
     @cached_property
     def noise(self) -> float | None:
-        """How much one setting's measurements vary: the median over repeated
-        settings of half their range relative to their median (0.05 = +-5 %)."""
-        spreads = [
-            (same[-1].value(self.metric) - same[0].value(self.metric))
-            / 2
-            / _median(same).value(self.metric)
-            for same in self.groups.values()
-            if len(same) > 1 and _median(same).value(self.metric) > 0
+        """One measurement's relative standard deviation (0.05: about +-5 %), from the
+        settings measured more than once (see `NOISE_METHOD`); None when none was."""
+        sigmas = [
+            sigma for params in self._settings() if (sigma := self.spread(params).sigma) is not None
         ]
-        return statistics.median(spreads) if spreads else None
+        return statistics.median(sigmas) if sigmas else None
 
     @property
-    def tolerance(self) -> float:
-        """Levels this close to a curve's peak count as equal to it."""
-        return max(FLAT, self.noise or 0.0)
+    def noise_settings(self) -> int:
+        """How many settings the noise was estimated from."""
+        return sum(1 for p in self._settings() if self.spread(p).sigma is not None)
+
+    def _settings(self) -> list[dict[str, Any]]:
+        return [same[0].params for same in self.groups.values()]
+
+    def flagged(self, spread: Spread | None) -> bool:
+        """Its repeats disagree by more than the noise explains."""
+        if spread is None or spread.sigma is None or self.noise is None:
+            return False
+        return spread.sigma > DISAGREE * self.noise and spread.high / spread.low > 1.01
+
+    def _sigma(self, spread: Spread) -> float:
+        """The standard deviation to judge ``spread`` by: its own when its repeats
+        disagree, else the study's noise (FLAT / Z when nothing was measured twice)."""
+        if self.flagged(spread):
+            return spread.sigma or 0.0
+        return self.noise if self.noise is not None else FLAT / Z / math.sqrt(2)
+
+    def differs(self, a: Spread | None, b: Spread | None) -> bool:
+        """Whether the medians of ``a`` and ``b`` are further apart than the noise allows
+        (more than `Z` standard errors of the difference of their log-medians)."""
+        if a is None or b is None or a.median <= 0 or b.median <= 0:
+            return False
+        error = math.sqrt(self._sigma(a) ** 2 / a.n + self._sigma(b) ** 2 / b.n)
+        return abs(math.log(a.median / b.median)) > Z * error
+
+    def ties(self, of: Measurement | None) -> list[Measurement]:
+        """The other settings whose median cannot be told apart from ``of``'s."""
+        if of is None:
+            return []
+        mine = self.spread(of.params)
+        return [
+            m
+            for m in self.ranked()
+            if setting_key(m.params) != setting_key(of.params)
+            and not self.differs(mine, self.spread(m.params))
+        ]
 
     @property
     def baseline(self) -> Measurement | None:
@@ -181,7 +273,7 @@ class Analysis:
             # Like the best: among the levels measured `repeats` times, if any is.
             confirmed = [vm for vm in on if len(self.measurements(vm[1].params)) >= self.repeats]
             if on:
-                out[name] = max(confirmed or on, key=lambda vm: vm[1].value(self.metric))[0]
+                out[name] = max(confirmed or on, key=lambda vm: self.value(vm[1].params))[0]
         return out
 
     def _levels(self, name: str) -> list[Any]:
@@ -213,9 +305,11 @@ class Analysis:
         return rows
 
     def comparison(self) -> list[dict[str, Any]]:
-        """The reference rows and the tuned best, each with its median, how many
-        times it was measured and the range of those measurements."""
+        """The reference rows and the tuned best: each with its median, range and n,
+        its ratio to the baseline and whether that ratio exceeds the noise, and a
+        flag when its own repeats disagree."""
         base = self.baseline
+        base_spread = None if base is None else self.spread(base.params)
         best = self.best
         rows = [(label, self.lookup(s) if s else None, d) for label, s, d in self.reference_rows()]
         rows.append(("tuned best", best, _describe(best.params) if best else ""))
@@ -224,40 +318,70 @@ class Analysis:
             row = {
                 "row": label,
                 "setting": setting,
+                "params": None if m is None else m.params,
                 "trial": None,
                 "throughput": None,
                 "goodput": None,
                 "vs_baseline": None,
+                "beyond_noise": None,
+                "disagree": False,
                 "measured": 0,
                 "low": None,
                 "high": None,
             }
             if m is not None:
-                same = self.measurements(m.params)
+                spread = self.spread(m.params)
                 row.update(
                     trial=m.number,
-                    throughput=m.throughput,
-                    goodput=m.goodput,
-                    measured=len(same),
-                    low=same[0].value(self.metric),
-                    high=same[-1].value(self.metric),
+                    throughput=self.spread(m.params, "throughput").median,
+                    goodput=self.spread(m.params, "goodput").median,
+                    measured=spread.n,
+                    low=spread.low,
+                    high=spread.high,
+                    disagree=self.flagged(spread),
                 )
-                if base is not None and base.value(self.metric) > 0:
-                    row["vs_baseline"] = m.value(self.metric) / base.value(self.metric)
+                if base_spread is not None and base_spread.median > 0:
+                    row["vs_baseline"] = spread.median / base_spread.median
+                    row["beyond_noise"] = self.differs(spread, base_spread)
             out.append(row)
         return out
 
+    def _curve(self, settings: list[tuple[Any, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """(level, setting) pairs -> the measured points: level, median, range, n."""
+        points = []
+        for level, params in settings:
+            spread = self.spread(params)
+            if spread is not None:
+                points.append(
+                    {
+                        "level": level,
+                        "median": spread.median,
+                        "low": spread.low,
+                        "high": spread.high,
+                        "n": spread.n,
+                        "disagree": self.flagged(spread),
+                        "values": list(spread.values),
+                    }
+                )
+        return points
+
     def curves(self) -> dict[str, dict[str, Any]]:
-        """Per optimization: its metric along its level alone and with the others
-        held at the analysis center (the best setting of the search), and the contention point: the lowest level within
-        `tolerance` of the with-others peak (beyond it, more overlap stops paying)."""
+        """Per optimization: its metric along its level alone and with the others held
+        at the analysis center (the best setting of the search), and the contention
+        point: the lowest level that the noise cannot tell apart from the with-others
+        peak (beyond it, more overlap stops paying). When no level differs from the
+        peak beyond the noise, there is no point to claim: ``flat`` is true."""
         best = self.center
+        base = {"scheduler.policy": "free"}
         out = {}
         for name in self.space.optimizations:
             level = self.space.level(name)
-            alone = [(v, m.value(self.metric)) for v, m in self.alone(name) if m is not None]
-            together: list[tuple[Any, float]] = []
+            alone = self._curve(
+                [(v, self.space.setting(base, **{name: v})) for v in self._levels(name)]
+            )
+            together: list[dict[str, Any]] = []
             if best is not None:
+                settings = []
                 for v in self._levels(name):
                     params = dict(best.params)
                     if v == "off":
@@ -266,51 +390,81 @@ class Analysis:
                         params[level.name] = v
                         if f"{name}.on" in params:
                             params[f"{name}.on"] = True
-                    m = self.lookup(params)
-                    if m is not None:
-                        together.append((v, m.value(self.metric)))
+                    settings.append((v, params))
+                together = self._curve(settings)
+            with_point, flat = self._knee(together)
+            alone_point, alone_flat = self._knee(alone)
             out[name] = {
                 "level": level.name,
-                "alone": alone,
-                "with_others": together,
-                "contention_point": _knee(together, self.tolerance),
-                "alone_point": _knee(alone, self.tolerance),
-                "drop_at_max": _drop(together),
+                "alone": [(p["level"], p["median"]) for p in alone],
+                "with_others": [(p["level"], p["median"]) for p in together],
+                "points": {"alone": alone, "with_others": together},
+                "contention_point": with_point,
+                "flat": flat,
+                "alone_point": alone_point,
+                "alone_flat": alone_flat,
+                **self._drop(together),
             }
         return out
+
+    def _knee(self, points: list[dict[str, Any]]) -> tuple[Any, bool]:
+        """(the lowest level the noise cannot tell apart from the peak, whether every
+        level is within the noise of the peak)."""
+        if not points:
+            return None, False
+        spreads = {id(p): _spread_of(p) for p in points}
+        peak = max(points, key=lambda p: p["median"])
+        equal = [p for p in points if not self.differs(spreads[id(p)], spreads[id(peak)])]
+        flat = len(equal) == len(points) and len(points) > 1
+        ordered = sorted(equal, key=lambda p: _order(p["level"]))
+        return ordered[0]["level"], flat
+
+    def _drop(self, points: list[dict[str, Any]]) -> dict[str, Any]:
+        """How far the highest level is below the peak (0.1 = 10 % lower) and whether
+        that drop exceeds the noise."""
+        numeric = [p for p in points if _is_number(p["level"])]
+        if not numeric:
+            return {"drop_at_max": None, "drop_beyond_noise": False}
+        peak = max(numeric, key=lambda p: p["median"])
+        last = max(numeric, key=lambda p: p["level"])
+        drop = 1 - last["median"] / peak["median"] if peak["median"] > 0 else None
+        beyond = self.differs(_spread_of(last), _spread_of(peak))
+        return {"drop_at_max": drop, "drop_beyond_noise": beyond}
 
     def interactions(self) -> list[dict[str, Any]]:
         """For each pair at their alone-best levels: each one's gain over the
         baseline alone, their gain together, and the interaction
-        (together / (gain A x gain B) - 1: below 0, turning one on takes from the other)."""
+        (together / (gain A x gain B) - 1: below 0, turning one on takes from the
+        other), claimed (``beyond_noise``) only where it exceeds the noise of the four
+        medians it is made of."""
         base, best_alone, out = self.baseline, self.alone_best(), []
-        if base is None or base.value(self.metric) <= 0:
+        if base is None or self.value(base.params) <= 0:
             return out
-        b = base.value(self.metric)
+        free = {"scheduler.policy": "free"}
         for first, second in combinations(self.space.optimizations, 2):
             if first not in best_alone or second not in best_alone:
                 continue
-            free = {"scheduler.policy": "free"}
-            one = self.lookup(self.space.setting(free, **{first: best_alone[first]}))
-            two = self.lookup(self.space.setting(free, **{second: best_alone[second]}))
-            both = self.lookup(
-                self.space.setting(free, **{first: best_alone[first], second: best_alone[second]})
-            )
-            if one is None or two is None or both is None:
+            settings = [
+                base.params,
+                self.space.setting(free, **{first: best_alone[first]}),
+                self.space.setting(free, **{second: best_alone[second]}),
+                self.space.setting(free, **{first: best_alone[first], second: best_alone[second]}),
+            ]
+            spreads = [self.spread(p) for p in settings]
+            if any(sp is None or sp.median <= 0 for sp in spreads):
                 continue
-            g1, g2, g12 = (
-                one.value(self.metric) / b,
-                two.value(self.metric) / b,
-                both.value(self.metric) / b,
-            )
+            b, one, two, both = (sp.median for sp in spreads)
+            interaction = both * b / (one * two)
+            error = math.sqrt(sum(self._sigma(sp) ** 2 / sp.n for sp in spreads))
             out.append(
                 {
                     "a": first,
                     "b": second,
-                    "gain_a": g1,
-                    "gain_b": g2,
-                    "gain_together": g12,
-                    "interaction": g12 / (g1 * g2) - 1,
+                    "gain_a": one / b,
+                    "gain_b": two / b,
+                    "gain_together": both / b,
+                    "interaction": interaction - 1,
+                    "beyond_noise": abs(math.log(interaction)) > Z * error,
                 }
             )
         return out
@@ -335,9 +489,9 @@ class Analysis:
             return {}
         out = {}
         for choice in self.space.grid()["scheduler.policy"]:
-            m = self.lookup({**best.params, "scheduler.policy": choice})
-            if m is not None:
-                out[choice] = m.value(self.metric)
+            value = self.value({**best.params, "scheduler.policy": choice})
+            if value is not None:
+                out[choice] = value
         return out
 
     def pareto(self) -> list[Measurement]:
@@ -369,25 +523,10 @@ def _is_off(space: SearchSpace, name: str, value: Any) -> bool:
     return value == "off" or value == space.level(name).off_value
 
 
-def _numeric(curve: list[tuple[Any, float]]) -> list[tuple[float, float]]:
-    return [
-        (float(v), y) for v, y in curve if isinstance(v, (int, float)) and not isinstance(v, bool)
-    ]
-
-
 def _median(same: list[Measurement]) -> Measurement:
     """The median of measurements sorted by the metric (the lower one of an even
     count: a setting does not gain from being measured twice)."""
     return same[(len(same) - 1) // 2]
-
-
-def _knee(curve: list[tuple[Any, float]], tolerance: float = FLAT) -> Any:
-    """The lowest level whose metric is within ``tolerance`` of the curve's peak."""
-    if not curve:
-        return None
-    peak = max(y for _, y in curve)
-    ordered = sorted(curve, key=lambda p: _order(p[0]))
-    return next(v for v, y in ordered if y >= (1 - tolerance) * peak)
 
 
 def _order(value: Any) -> Any:
@@ -398,14 +537,12 @@ def _order(value: Any) -> Any:
     )
 
 
-def _drop(curve: list[tuple[Any, float]]) -> float | None:
-    """How far the metric at the highest level is below the peak (0.1 = 10 % lower)."""
-    points = _numeric(curve)
-    if not points:
-        return None
-    peak = max(y for _, y in points)
-    last = max(points)[1]
-    return 1 - last / peak if peak > 0 else None
+def _spread_of(point: dict[str, Any]) -> Spread:
+    return Spread(tuple(point["values"]))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _describe(params: dict[str, Any]) -> str:

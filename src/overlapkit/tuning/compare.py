@@ -68,7 +68,10 @@ def compare_document(entries: list[tuple[str, Analysis]]) -> dict[str, Any]:
                 "tuned_vs_naive": _ratio(tuned[analysis.metric], naive[analysis.metric]),
                 "tuned_vs_baseline": _ratio(tuned[analysis.metric], base[analysis.metric]),
                 "noise": analysis.noise,
-                "contention_points": {n: c["contention_point"] for n, c in curves.items()},
+                "contention_points": {
+                    n: "within noise" if c["flat"] else c["contention_point"]
+                    for n, c in curves.items()
+                },
                 "curves": {n: c["with_others"] for n, c in curves.items()},
             }
         )
@@ -139,7 +142,8 @@ def _markdown(document: dict[str, Any], plot: bool) -> str:
         "# Studies side by side",
         "",
         "Contention point: the lowest intensity within the noise of the best with the "
-        "other optimizations at their best; beyond it more overlap stops paying.",
+        "other optimizations at their best; beyond it more overlap stops paying. "
+        '"within noise": no intensity differs from the best beyond the noise.',
         "",
         head,
         "|" + "---|" * (len(studies) + 1),

@@ -17,7 +17,7 @@ import yaml  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from .analysis import Analysis  # noqa: E402
+from .analysis import DISAGREE, NOISE_METHOD, Analysis, Z  # noqa: E402
 from .space import apply_params  # noqa: E402
 
 
@@ -37,9 +37,10 @@ def write_report(
         files["best"] = folder / "best.yaml"
         header = (
             f"# The best setting of study {analysis.study.study_name} (trial "
-            f"{analysis.best.number}: {analysis.best.throughput:.1f} samples/s, "
-            f"goodput {analysis.best.goodput:.1f}; median of "
-            f"{len(analysis.measurements(analysis.best.params))}).\n"
+            f"{analysis.best.number}; median of "
+            f"{len(analysis.measurements(analysis.best.params))}: "
+            f"{analysis.spread(analysis.best.params, 'throughput').median:.1f} samples/s, "
+            f"goodput {analysis.spread(analysis.best.params, 'goodput').median:.1f}).\n"
             f"# Run it: overlapkit run {files['best']}\n"
         )
         files["best"].write_text(header + yaml.safe_dump(best, sort_keys=False))
@@ -54,6 +55,7 @@ def write_report(
 
 def report_document(analysis: Analysis) -> dict[str, Any]:
     best = analysis.best
+    best_spread = None if best is None else analysis.spread(best.params)
     return {
         "study": analysis.study.study_name,
         "metric": analysis.metric,
@@ -69,9 +71,16 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
         else {
             "trial": best.number,
             "params": best.params,
-            "throughput": best.throughput,
-            "goodput": best.goodput,
-            "measured": len(analysis.measurements(best.params)),
+            "throughput": analysis.spread(best.params, "throughput").median,
+            "goodput": analysis.spread(best.params, "goodput").median,
+            "measured": best_spread.n,
+            "low": best_spread.low,
+            "high": best_spread.high,
+            # Settings the noise cannot tell apart from the best.
+            "ties": [
+                {"trial": m.number, "params": m.params, "value": analysis.value(m.params)}
+                for m in analysis.ties(best)
+            ],
         },
         "center": None
         if analysis.center is None
@@ -83,7 +92,14 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
         },
         "repeats": analysis.repeats,
         "noise": analysis.noise,
-        "tolerance": analysis.tolerance,
+        "noise_method": NOISE_METHOD,
+        "noise_settings": analysis.noise_settings,
+        "claim_rule": (
+            f"a difference is claimed beyond {Z:g} standard errors of the difference of "
+            f"the log-medians; a setting whose own spread exceeds {DISAGREE:g}x the noise "
+            "is flagged and judged by its own spread"
+        ),
+        "warnings": _warnings(analysis),
         "comparison": analysis.comparison(),
         "curves": analysis.curves(),
         "interactions": analysis.interactions(),
@@ -102,24 +118,84 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
     }
 
 
+def _warnings(analysis: Analysis) -> list[str]:
+    out = []
+    if analysis.repeats < 3:
+        out.append(
+            f"tune.repeats is {analysis.repeats}: "
+            + (
+                "nothing was measured again, so nothing is confirmed and the noise is unknown"
+                if analysis.repeats < 2
+                else "the median of 2 is their mean, and one slow run moves it by half"
+            )
+            + "; use 3 or more for figures you act on"
+        )
+    if analysis.noise is None:
+        out.append(
+            "no setting was measured twice: the noise is unknown, and differences under "
+            "2 % are read as equal without knowing whether that is enough"
+        )
+    disagree = [r["row"] for r in analysis.comparison() if r["disagree"]]
+    if disagree:
+        out.append(
+            "repeats disagree by more than the noise in: "
+            + ", ".join(disagree)
+            + " (their medians are judged by their own spread)"
+        )
+    return out
+
+
 def comparison_table(document: dict[str, Any]) -> Table:
-    table = Table(title=f"study {document['study']}: where overlap pays ({document['metric']})")
-    columns = ("setting", "samples/s", "goodput", "vs baseline", "range", "trial", "knobs")
+    """The comparison for a terminal: fits 80 columns without cutting a name (knobs
+    abbreviated as `short_setting` does; the files keep them whole)."""
+    metric = document["metric"]
+    table = Table(title=f"study {document['study']}: where overlap pays ({metric})")
+    columns = ("setting", f"{metric} median", "vs base", "range", "n", "knobs")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("setting", "knobs") else "right")
+        table.add_column(
+            column,
+            justify="left" if column in ("setting", "knobs") else "right",
+            overflow="fold",
+        )
     for row in document["comparison"]:
         table.add_row(
-            row["row"],
-            _num(row["throughput"]),
-            _num(row["goodput"]),
-            "" if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x",
+            row["row"] + (" (!)" if row["disagree"] else ""),
+            _num(row[metric]),
+            _ratio_text(row, short=True),
             _range(row),
-            "" if row["trial"] is None else str(row["trial"]),
-            row["setting"],
+            str(row["measured"] or ""),
+            short_setting(row["params"]) if row["params"] else "",
         )
-    if document["noise"] is not None:
-        table.caption = _noise_text(document)
+    table.caption = _noise_text(document, short=True)
     return table
+
+
+def short_setting(params: dict[str, Any]) -> str:
+    """E.g. "ddp_overlap 1, prefetch 0, checkpoint every 8, free"."""
+    parts = []
+    for name, value in params.items():
+        owner, knob = name.split(".")
+        if owner == "scheduler":
+            parts.append(str(value))
+        elif knob == "on":
+            if value is False:
+                parts.append(f"{owner} off")
+        elif params.get(f"{owner}.on", True):
+            parts.append(f"{owner} {value:g}" if knob == "intensity" else f"{owner} {knob} {value}")
+    return ", ".join(parts)
+
+
+def _ratio_text(row: dict[str, Any], short: bool = False) -> str:
+    """The ratio to the baseline; "~" (short) or "(within noise)" when the noise
+    cannot tell it from 1."""
+    if row["vs_baseline"] is None:
+        return ""
+    if row["row"].startswith("baseline"):
+        return "1.00x"
+    text = f"{row['vs_baseline']:.2f}x"
+    if row["beyond_noise"]:
+        return text
+    return f"~{text}" if short else f"{text} (within noise)"
 
 
 def _goodput_text(figures: dict[str, float]) -> str:
@@ -134,27 +210,70 @@ def _range(row: dict[str, Any]) -> str:
     """The measurements' range, when the row was measured more than once."""
     if row["measured"] < 2:
         return ""
-    return f"{row['low']:.1f}-{row['high']:.1f} (n={row['measured']})"
+    return f"{row['low']:.1f}-{row['high']:.1f}"
 
 
-def _noise_text(document: dict[str, Any]) -> str:
+def _noise_text(document: dict[str, Any], short: bool = False) -> str:
+    if document["noise"] is None:
+        return "rows are medians; noise unknown (no setting was measured twice)"
+    if short:
+        return (
+            f"medians; (!) repeats disagree; ~ within noise (one run varies by "
+            f"+-{document['noise']:.1%}, 1 sigma, from {document['noise_settings']} "
+            "repeated settings: see report.md)"
+        )
     return (
-        f"rows are medians; a setting measured again varies by +-{document['noise']:.0%} "
-        f"(median half-range), so levels within {document['tolerance']:.0%} of a peak count as equal"
+        f"rows are medians; (!) = its repeats disagree. Noise: one measurement varies by "
+        f"about +-{document['noise']:.1%} (1 sigma; {document['noise_method']}, "
+        f"{document['noise_settings']} settings); {document['claim_rule']}"
     )
+
+
+def _best_text(document: dict[str, Any]) -> str:
+    best = document["best"]
+    if best is None:
+        return "no trial finished"
+    text = f"best: trial {best['trial']}, median of {best['measured']}"
+    if not best["ties"]:
+        return text + ", ahead of every other setting beyond the noise"
+    others = "; ".join(short_setting(t["params"]) for t in best["ties"][:4])
+    more = len(best["ties"]) - 4
+    return (
+        text
+        + f"; within noise of it ({len(best['ties'])} setting(s) cannot be told apart): "
+        + others
+        + (f"; and {more} more" if more > 0 else "")
+    )
+
+
+def _curve_text(name: str, curve: dict[str, Any]) -> str | None:
+    point = curve["contention_point"]
+    if point is None:
+        return None
+    if curve["flat"]:
+        return (
+            f"{name}: no level of {curve['level']} differs from the best beyond the noise, "
+            "so where more overlap stops paying cannot be told"
+        )
+    if curve["level"].endswith(".intensity"):
+        text = f"{name}: more overlap stops paying beyond {curve['level']}={point}"
+    else:
+        text = f"{name}: as good as its best (within noise) from {curve['level']}={point}"
+    drop = curve.get("drop_at_max")
+    if drop and curve.get("drop_beyond_noise"):
+        text += f" ({drop:.0%} lower at the maximum)"
+    return text
 
 
 def print_report(document: dict[str, Any], files: dict[str, Path], console: Console) -> None:
     console.print(comparison_table(document))
+    for warning in document["warnings"]:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
+    console.print(_best_text(document))
     for name, curve in document["curves"].items():
-        point = curve["contention_point"]
-        if point is None:
-            continue
-        if curve["level"].endswith(".intensity"):
-            text = f"{name}: more overlap stops paying beyond {curve['level']}={point}"
-        else:
-            text = f"{name}: within {document['tolerance']:.0%} of its best from {curve['level']}={point}"
-        console.print(text + _drop_text(curve))
+        text = _curve_text(name, curve)
+        if text:
+            console.print(text)
     console.print(f"report: {files['markdown']}  (also {files['html'].name}, report.json, plots)")
     if "best" in files:
         console.print(f"best setting: overlapkit run {files['best']}")
@@ -162,11 +281,6 @@ def print_report(document: dict[str, Any], files: dict[str, Path], console: Cons
 
 def _num(value: float | None) -> str:
     return "not measured" if value is None else f"{value:.1f}"
-
-
-def _drop_text(curve: dict[str, Any]) -> str:
-    drop = curve.get("drop_at_max")
-    return f" ({drop:.0%} lower at the maximum)" if drop and drop > 0.005 else ""
 
 
 # ------------------------------------------------------------------- plots
@@ -255,23 +369,34 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
         "",
         "## Comparison (all measured in this study)",
         "",
-        "| setting | samples/s | goodput | vs baseline | range | trial | knobs |",
-        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for warning in document["warnings"]:
+        lines += [f"> **Warning:** {warning}", ""]
+    lines += [
+        "| setting | samples/s | goodput | vs baseline | range | n | trial | knobs |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in document["comparison"]:
-        ratio = "" if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x"
         trial = "" if row["trial"] is None else str(row["trial"])
+        flag = " (!)" if row["disagree"] else ""
         lines.append(
-            f"| {row['row']} | {_num(row['throughput'])} | {_num(row['goodput'])} | {ratio} | {_range(row)} | {trial} | {row['setting']} |"
+            f"| {row['row']}{flag} | {_num(row['throughput'])} | {_num(row['goodput'])} | "
+            f"{_ratio_text(row)} | {_range(row)} | {row['measured'] or ''} | {trial} | "
+            f"{row['setting']} |"
         )
-    if document["noise"] is not None:
-        lines += ["", _noise_text(document) + "."]
-    center = document["center"]
-    if center is not None and document["best"] and center["params"] != document["best"]["params"]:
+    lines += ["", _noise_text(document) + ".", "", _best_text(document) + "."]
+    center, best = document["center"], document["best"]
+    if center is not None and best and center["params"] != best["params"]:
+        confirmed = best["measured"] >= max(2, document["repeats"])
         lines += [
             "",
-            f"The tuned best was found by the analysis phase, around the search's best "
-            f"(trial {center['trial']}), and confirmed by its repeats.",
+            "The tuned best was found by the analysis phase, around the search's best "
+            f"(trial {center['trial']})"
+            + (
+                f", and confirmed by its {best['measured']} measurements."
+                if confirmed
+                else f"; it was measured {best['measured']} time(s), not confirmed."
+            ),
         ]
     if "best" in files:
         lines += [
@@ -285,13 +410,24 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
     ]
     for name, curve in document["curves"].items():
         drop = curve["drop_at_max"]
-        lines.append(
-            f"| {name} | {curve['level']} | {curve['alone_point']} | {curve['contention_point']} | "
-            f"{'' if drop is None else f'-{drop:.0%}'} |"
+        drop_text = ""
+        if drop is not None:
+            drop_text = f"-{drop:.0%}" if curve["drop_beyond_noise"] else "within noise"
+        alone = "within noise" if curve["alone_flat"] else curve["alone_point"]
+        together = "within noise" if curve["flat"] else curve["contention_point"]
+        lines.append(f"| {name} | {curve['level']} | {alone} | {together} | {drop_text} |")
+        points = ", ".join(
+            f"{p['level']}: {p['median']:.1f}"
+            + (f" ({p['low']:.1f}-{p['high']:.1f}, n={p['n']})" if p["n"] > 1 else "")
+            for p in curve["points"]["with_others"]
         )
-        points = ", ".join(f"{v}: {y:.1f}" for v, y in curve["with_others"])
         if points:
             lines.append(f"|  | curve with the others | {points} | | |")
+    lines += [
+        "",
+        '"within noise": no level differs from the curve\'s best beyond the noise, so '
+        "the study cannot tell where more overlap stops paying.",
+    ]
     if "contention_plot" in files:
         lines += ["", "![contention curves](contention.png)"]
     lines += ["", "## Pairwise interactions", ""]
@@ -301,12 +437,16 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
             "|---|---|---:|---:|---:|---:|",
         ]
         for i in document["interactions"]:
+            value = f"{i['interaction']:+.0%}" + ("" if i["beyond_noise"] else " (within noise)")
             lines.append(
-                f"| {i['a']} | {i['b']} | {i['gain_a']:.2f}x | {i['gain_b']:.2f}x | {i['gain_together']:.2f}x | {i['interaction']:+.0%} |"
+                f"| {i['a']} | {i['b']} | {i['gain_a']:.2f}x | {i['gain_b']:.2f}x | "
+                f"{i['gain_together']:.2f}x | {value} |"
             )
         lines += [
             "",
-            "A negative interaction means turning one on takes from the other's gain (they contend).",
+            "A negative interaction means turning one on takes from the other's gain "
+            '(they contend); "within noise": the four medians it is made of cannot '
+            "tell it from none.",
         ]
     else:
         lines.append("Not measured (needs the reference trials of two or more optimizations).")
