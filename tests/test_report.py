@@ -97,6 +97,8 @@ def test_a_planted_outlier_is_flagged_and_nothing_is_claimed_from_it(tmp_path):
         "prefetch.intensity": 0.0,
     } in tied
     assert "within noise of it" in markdown
+    # The overview: a bar per row with its range, drawn and linked from the report.
+    assert (tmp_path / "overview.png").stat().st_size > 10_000 and "(overview.png)" in markdown
 
 
 def test_differences_beyond_the_noise_are_claimed(tmp_path):
@@ -123,3 +125,53 @@ def test_with_one_measurement_per_setting_nothing_is_confirmed(tmp_path):
     assert any("nothing is confirmed" in w for w in document["warnings"])
     assert "confirmed by" not in markdown
     assert "noise unknown" in markdown
+
+
+def curve_points(levels_values: list[tuple[object, list[float]]]) -> list[dict]:
+    return [
+        {
+            "level": level,
+            "median": sorted(values)[len(values) // 2],
+            "low": min(values),
+            "high": max(values),
+            "n": len(values),
+            "disagree": False,
+            "values": sorted(values),
+        }
+        for level, values in levels_values
+    ]
+
+
+def test_contention_curves_are_relative_with_ranges_and_never_join_categories():
+    from overlapkit.tuning.plots import contention, ordered_levels, plt
+
+    assert ordered_levels([8, "off", 2, "fp16", 0.5]) == ["off", 0.5, 2, 8, "fp16"]
+    # A checkpoint panel: off, then every 8 and every 2 (in the order the study met them).
+    alone = curve_points([("off", [10.0, 11.0]), (8, [30.0, 33.0]), (2, [20.0])])
+    together = curve_points([(2, [400.0, 420.0]), ("off", [500.0, 510.0]), (8, [450.0])])
+    curve = {
+        "level": "checkpoint.every",
+        "points": {"alone": alone, "with_others": together},
+        "contention_point": 8,
+        "flat": False,
+    }
+    fig = contention({"checkpoint": curve}, "goodput")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["off", "2", "8"]
+    # Each series is an errorbar container whose bars span the repeats' range...
+    containers = [c for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
+    assert len(containers) == 2
+    xs, ys = containers[0].lines[0].get_data()  # alone: relative to its value off
+    assert list(ys) == pytest.approx([1.0, 20.0 / 11.0, 33.0 / 11.0])  # off, 2, 8
+    # ...and a joining line only runs between numeric levels (2 and 8), never from off.
+    joined = [
+        line
+        for line in ax.get_lines()
+        if line.get_linestyle() == "-" and line.get_color() in ("tab:blue", "tab:orange")
+    ]
+    assert joined  # the numeric levels are joined
+    off = 0  # the x position of "off"
+    for line in joined:
+        assert all(abs(x - off) > 0.5 for x in line.get_xdata())
+        assert sorted(line.get_xdata()) == list(line.get_xdata())  # 2 then 8, left to right
+    plt.close(fig)

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .analysis import Analysis
-from .report import plt, save_figure
+from .plots import plt, save_figure
 
 
 def compare_command(targets: list[str], args: argparse.Namespace, console: Console) -> int:

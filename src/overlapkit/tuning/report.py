@@ -9,16 +9,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import yaml
+from rich.console import Console
+from rich.table import Table
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import yaml  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from .analysis import DISAGREE, NOISE_METHOD, Analysis, Z  # noqa: E402
-from .space import apply_params  # noqa: E402
+from .analysis import DISAGREE, NOISE_METHOD, Analysis, Z
+from .plots import write_plots
+from .space import apply_params
 
 
 def write_report(
@@ -44,7 +41,7 @@ def write_report(
             f"# Run it: overlapkit run {files['best']}\n"
         )
         files["best"].write_text(header + yaml.safe_dump(best, sort_keys=False))
-    files.update(_plots(analysis, document, folder))
+    files.update(write_plots(analysis, document, folder))
     markdown = _markdown(analysis, document, files)
     files["markdown"] = folder / "report.md"
     files["markdown"].write_text(markdown)
@@ -283,79 +280,6 @@ def _num(value: float | None) -> str:
     return "not measured" if value is None else f"{value:.1f}"
 
 
-# ------------------------------------------------------------------- plots
-def _plots(analysis: Analysis, document: dict[str, Any], folder: Path) -> dict[str, Path]:
-    files = {}
-    curves = document["curves"]
-    if curves:
-        fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.4), squeeze=False)
-        for ax, (name, curve) in zip(axes[0], curves.items(), strict=True):
-            for key, label, style in (
-                ("alone", "alone", "o--"),
-                ("with_others", "with the others at best", "s-"),
-            ):
-                points = [(str(v), y) for v, y in curve[key]]
-                if points:
-                    ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
-            if curve["contention_point"] is not None:
-                ax.axvline(
-                    str(curve["contention_point"]),
-                    color="grey",
-                    linestyle=":",
-                    label="contention point",
-                )
-            ax.set_title(name)
-            ax.set_xlabel(curve["level"])
-            ax.set_ylabel(f"{analysis.metric} (samples/s)")
-            ax.legend(fontsize=7)
-        files["contention_plot"] = save_figure(fig, folder / "contention.png")
-    if analysis.measured:
-        fig, ax = plt.subplots(figsize=(6, 3.4))
-        ordered = sorted(analysis.measured, key=lambda m: m.number)
-        values = [m.value(analysis.metric) for m in ordered]
-        ax.plot([m.number for m in ordered], values, "o", label="trial", alpha=0.6)
-        best_so_far = [max(values[: i + 1]) for i in range(len(values))]
-        ax.plot([m.number for m in ordered], best_so_far, "-", label="best so far")
-        ax.set_xlabel("trial")
-        ax.set_ylabel(f"{analysis.metric} (samples/s)")
-        ax.legend(fontsize=7)
-        files["history_plot"] = save_figure(fig, folder / "history.png")
-    if document["importances"]:
-        fig, ax = plt.subplots(figsize=(6, 0.5 + 0.4 * len(document["importances"])))
-        names = list(document["importances"])[::-1]
-        ax.barh(names, [document["importances"][n] for n in names])
-        ax.set_xlabel("importance")
-        files["importance_plot"] = save_figure(fig, folder / "importances.png")
-    pareto = analysis.pareto()
-    if pareto:
-        fig, ax = plt.subplots(figsize=(5, 3.6))
-        ax.plot(
-            [m.throughput for m in analysis.measured],
-            [m.goodput for m in analysis.measured],
-            "o",
-            alpha=0.4,
-            label="trials",
-        )
-        ax.plot(
-            [m.throughput for m in pareto],
-            [m.goodput for m in pareto],
-            "o",
-            color="red",
-            label="Pareto front",
-        )
-        ax.set_xlabel("throughput (samples/s)")
-        ax.set_ylabel("goodput (samples/s)")
-        ax.legend(fontsize=7)
-        files["pareto_plot"] = save_figure(fig, folder / "pareto.png")
-    return files
-
-
-def save_figure(fig: Any, path: Path) -> Path:
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
 # ----------------------------------------------------------------- markdown
 def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Path]) -> str:
     trials = document["trials"]
@@ -385,6 +309,8 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
             f"{row['setting']} |"
         )
     lines += ["", _noise_text(document) + ".", "", _best_text(document) + "."]
+    if "overview_plot" in files:
+        lines += ["", "![baseline, each alone, naive and tuned](overview.png)"]
     center, best = document["center"], document["best"]
     if center is not None and best and center["params"] != best["params"]:
         confirmed = best["measured"] >= max(2, document["repeats"])

@@ -1,0 +1,186 @@
+"""The report's PNG plots: an overview of the comparison rows, the contention
+curves, the study's history, knob importances and (with two objectives) the
+Pareto front.
+
+Every measured point is drawn at its median with its repeats' range as an error
+bar. Each contention curve is drawn relative to its own lowest level (off, or
+intensity 0), so a curve of small numbers (goodput without checkpoints) reads as
+well as one of large numbers. Levels sit in a fixed order (off, then numbers
+ascending, then other choices as declared), and a line joins only numeric
+levels: off and categorical choices are points of their own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .analysis import Analysis  # noqa: E402
+
+STYLES = {
+    "alone": ("alone (the others off)", "tab:blue", "o", -0.08),
+    "with_others": ("with the others at the best setting", "tab:orange", "s", 0.08),
+}
+
+
+def write_plots(analysis: Analysis, document: dict[str, Any], folder: Path) -> dict[str, Path]:
+    files = {}
+    rows = [r for r in document["comparison"] if r["measured"]]
+    if rows:
+        files["overview_plot"] = save_figure(
+            overview(rows, analysis.metric), folder / "overview.png"
+        )
+    if document["curves"]:
+        files["contention_plot"] = save_figure(
+            contention(document["curves"], analysis.metric), folder / "contention.png"
+        )
+    if analysis.measured:
+        files["history_plot"] = save_figure(history(analysis), folder / "history.png")
+    if document["importances"]:
+        files["importance_plot"] = save_figure(
+            importances(document["importances"]), folder / "importances.png"
+        )
+    if analysis.pareto():
+        files["pareto_plot"] = save_figure(pareto(analysis), folder / "pareto.png")
+    return files
+
+
+def overview(rows: list[dict[str, Any]], metric: str) -> Any:
+    """Baseline, each optimization alone, the naive combination and the tuned best:
+    median bars with the repeats' range; "~" where the ratio to the baseline is
+    within noise, hatched where a row's repeats disagree."""
+    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(rows)))
+    labels = [r["row"] for r in rows][::-1]
+    rows = rows[::-1]
+    medians = [r[metric] for r in rows]
+    errors = [
+        [m - r["low"] for m, r in zip(medians, rows, strict=True)],
+        [r["high"] - m for m, r in zip(medians, rows, strict=True)],
+    ]
+    bars = ax.barh(labels, medians, xerr=errors, capsize=3, color="tab:blue", alpha=0.75)
+    for bar, row in zip(bars, rows, strict=True):
+        if row["disagree"]:
+            bar.set_hatch("//")
+            bar.set_alpha(0.4)
+        ratio = "" if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x"
+        if ratio and not row["beyond_noise"] and not row["row"].startswith("baseline"):
+            ratio = "~" + ratio
+        ax.text(
+            row["high"],
+            bar.get_y() + bar.get_height() / 2,
+            f"  {ratio} (n={row['measured']})",
+            va="center",
+            fontsize=8,
+        )
+    ax.set_xlabel(f"{metric} (samples/s): median, bar = range of the repeats")
+    ax.set_xlim(0, max(r["high"] for r in rows) * 1.3)
+    ax.set_title("~: within noise of the baseline; hatched: the repeats disagree", fontsize=8)
+    return fig
+
+
+def contention(curves: dict[str, dict[str, Any]], metric: str) -> Any:
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.4 * len(curves), 3.6), squeeze=False)
+    for ax, (name, curve) in zip(axes[0], curves.items(), strict=True):
+        series = curve["points"]
+        levels = ordered_levels([p["level"] for key in series for p in series[key]])
+        where = {level: i for i, level in enumerate(levels)}
+        for key, points in series.items():
+            if not points:
+                continue
+            label, color, marker, shift = STYLES[key]
+            points = sorted(points, key=lambda p: where[p["level"]])
+            reference = points[0]["median"] or 1.0  # its lowest level
+            xs = [where[p["level"]] + shift for p in points]
+            ys = [p["median"] / reference for p in points]
+            low = [(p["median"] - p["low"]) / reference for p in points]
+            high = [(p["high"] - p["median"]) / reference for p in points]
+            ax.errorbar(xs, ys, yerr=[low, high], fmt=marker, color=color, capsize=3, label=label)
+            numeric = [(x, y) for x, y, p in zip(xs, ys, points, strict=True) if _number(p)]
+            if len(numeric) > 1:
+                ax.plot([x for x, _ in numeric], [y for _, y in numeric], "-", color=color)
+        ax.axhline(1.0, color="grey", linewidth=0.6)
+        point = curve["contention_point"]
+        if curve["flat"]:
+            ax.set_title(f"{name}: within noise at every level", fontsize=9)
+        else:
+            ax.set_title(f"{name}: stops paying beyond {point}", fontsize=9)
+            if point in where:
+                ax.axvline(where[point], color="grey", linestyle=":", label="contention point")
+        ax.set_xticks(range(len(levels)), [str(level) for level in levels])
+        ax.set_xlabel(curve["level"])
+        ax.set_ylabel(f"{metric} / its value at {levels[0]}" if levels else metric)
+        ax.legend(fontsize=7)
+    fig.suptitle("contention curves: median and range of the repeats", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def ordered_levels(levels: list[Any]) -> list[Any]:
+    """off first, then numbers ascending, then other choices in the order given."""
+    unique = list(dict.fromkeys(levels))
+    numbers = sorted(v for v in unique if _is_number(v))
+    others = [v for v in unique if not _is_number(v) and v != "off"]
+    return (["off"] if "off" in unique else []) + numbers + others
+
+
+def history(analysis: Analysis) -> Any:
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ordered = sorted(analysis.measured, key=lambda m: m.number)
+    values = [m.value(analysis.metric) for m in ordered]
+    ax.plot([m.number for m in ordered], values, "o", label="trial", alpha=0.6)
+    best_so_far = [max(values[: i + 1]) for i in range(len(values))]
+    ax.plot([m.number for m in ordered], best_so_far, "-", label="best so far")
+    ax.set_xlabel("trial")
+    ax.set_ylabel(f"{analysis.metric} (samples/s)")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def importances(values: dict[str, float]) -> Any:
+    fig, ax = plt.subplots(figsize=(6, 0.5 + 0.4 * len(values)))
+    names = list(values)[::-1]
+    ax.barh(names, [values[n] for n in names])
+    ax.set_xlabel("importance")
+    return fig
+
+
+def pareto(analysis: Analysis) -> Any:
+    front = analysis.pareto()
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    ax.plot(
+        [m.throughput for m in analysis.measured],
+        [m.goodput for m in analysis.measured],
+        "o",
+        alpha=0.4,
+        label="trials",
+    )
+    ax.plot(
+        [m.throughput for m in front],
+        [m.goodput for m in front],
+        "o",
+        color="red",
+        label="Pareto front",
+    )
+    ax.set_xlabel("throughput (samples/s)")
+    ax.set_ylabel("goodput (samples/s)")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number(point: dict[str, Any]) -> bool:
+    return _is_number(point["level"])
