@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -39,6 +40,7 @@ def tune_tiny(tiny_scenario, tmp_path, optimizations: str, tune: str):
     path = scenario_with(tiny_scenario, optimizations, tune)
     result = run_cli("tune", path, "--out", out, timeout=600)
     assert result.returncode == 0, result.stderr
+    (out / "tune-stderr.txt").write_text(result.stderr)
     return out
 
 
@@ -134,6 +136,31 @@ def test_the_space_on_tensorflow_holds_only_what_runs_there():
         build_space({}, TuneConfig(search={"ddp_overlap": ["comm_hook"]}), "tensorflow")
     with pytest.raises(SpaceError, match="pipeline cannot be searched on tensorflow"):
         build_space({"pipeline": {"stages": 2}}, TuneConfig(), "tensorflow")
+
+
+def test_the_study_plan_bounds_each_phase_and_time_left_comes_from_finished_trials():
+    from overlapkit.tuning.progress import StudyPlan, time_left
+    from overlapkit.tuning.study import analysis_settings, reference_settings
+
+    tune = TuneConfig(trials=4, intensity_step=0.5, repeats=2, finalists=3)
+    space = build_space({"ddp_overlap": {}, "prefetch": {}, "checkpoint": {}}, tune)
+    plan = StudyPlan.of(space, tune)
+    assert plan.counts["references"] == len(reference_settings(space))  # exact
+    assert plan.counts["search"] == 4
+    assert plan.counts["confirm"] == (3 + 5) * 1  # finalists + 5 comparison rows, once more
+    center = space.setting({"scheduler.policy": "priority"}, ddp_overlap=0.5, prefetch=1.0)
+    around = analysis_settings(
+        space, center, {"ddp_overlap": 0.5, "prefetch": 1.0, "checkpoint": 1.0}
+    )
+    assert len({str(sorted(p.items())) for _, p in around}) <= plan.counts["analysis"]
+    assert plan.describe().startswith(
+        f"up to {plan.total} trials: 8 references, 4 search, then up to 8 confirm"
+    )
+    plan.started("confirm", 2)
+    assert plan.counts["confirm"] == 2 and plan.total == 8 + 4 + 2 + 2 * plan.counts["analysis"]
+    # Time left: the median trial (outliers aside) per remaining trial, 2 at once.
+    assert time_left([], 10, 2) is None
+    assert time_left([10.0, 12.0, 300.0], 5, 2) == 12.0 * 3
 
 
 def test_a_trials_scenario_applies_the_setting():
@@ -289,6 +316,19 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
         "study.db",
     ):
         assert (out / name).stat().st_size > 0, name
+    # The phases were announced up front, and the study kept within them.
+    announced = re.search(
+        r"up to (\d+) trials: (\d+) references, 2 search, then up to",
+        (out / "tune-stderr.txt").read_text(),
+    )
+    assert announced, (out / "tune-stderr.txt").read_text()[:2000]
+    ran = [t for t in load(out).trials if t.user_attrs.get("role") != "unused"]
+    assert len(ran) <= int(announced[1])
+    assert sum(
+        t.user_attrs.get("role", "").startswith("alone:")
+        or t.user_attrs.get("role") in ("baseline", "all_on")
+        for t in ran
+    ) == int(announced[2])
     document = json.loads((out / "report.json").read_text())
     rows = {row["row"]: row for row in document["comparison"]}
     assert list(rows) == [

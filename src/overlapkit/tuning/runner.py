@@ -14,6 +14,7 @@ from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 
 from .analysis import UNUSED, Analysis
+from .progress import StudyPlan, StudyProgress
 from .study import (
     FINISHED,
     TuneJob,
@@ -57,31 +58,75 @@ def tune(
     orphans = fail_orphans(study)
     if orphans:
         console.print(f"trials {orphans} were interrupted: marked failed and queued again")
-    shown = {t.number for t in study.get_trials(deepcopy=False, states=FINISHED)}
-    if shown:
-        console.print(f"study {job.study_name}: {len(shown)} trials already done, continuing")
+    finished = study.get_trials(deepcopy=False, states=FINISHED)
+    shown = Shown({t.number for t in finished}, console)
+    plan = StudyPlan.of(job.space, job.tune)
+    console.print(f"study {job.study_name}: {plan.describe()}")
+    if shown.numbers:
+        console.print(
+            f"study {job.study_name}: {len(shown.numbers)} trials already done, continuing"
+        )
+    done = sum(1 for t in finished if t.user_attrs.get("role") != UNUSED)
+    shown.progress = StudyProgress(plan, done, pool.at_once, console)
+    try:
+        _phases(job, study, queue, pool, deadline, shown)
+    finally:
+        shown.progress.close()
+    return Analysis.of(study, job.space)
+
+
+def _phases(
+    job: TuneJob,
+    study: optuna.Study,
+    queue: Callable[[], int],
+    pool: Pool,
+    deadline: float | None,
+    shown: Shown,
+) -> None:
     if job.tune.references:
         enqueue(study, reference_settings(job.space))
-        _phase("references", job, study, queue, pool, deadline, shown, console)
+        _phase("references", job, study, queue, pool, deadline, shown)
     budget = lambda: job.tune.trials - search_done(study)  # noqa: E731
-    _phase("search", job, study, budget, pool, deadline, shown, console)
+    _phase("search", job, study, budget, pool, deadline, shown)
     if job.tune.repeats > 1:
         repeats = confirm_settings(study, Analysis.of(study, job.space), job.tune)
         enqueue(study, repeats, again=True)
-        _phase("confirm", job, study, queue, pool, deadline, shown, console)
+        _phase("confirm", job, study, queue, pool, deadline, shown)
     if job.tune.references:
         analysis = Analysis.of(study, job.space)
         if analysis.center is not None:
             around = analysis_settings(job.space, analysis.center.params, analysis.alone_best())
             enqueue(study, around)
-            _phase("analysis", job, study, queue, pool, deadline, shown, console)
+            _phase("analysis", job, study, queue, pool, deadline, shown)
             if job.tune.repeats > 1:  # the curves from medians too
                 measured = Analysis.of(study, job.space).measurements
                 again = [params for _, params in around if measured(params)]
                 repeats = repeat_settings(study, again, job.tune.repeats, "repeat:analysis")
                 enqueue(study, repeats, again=True)
-                _phase("confirm curves", job, study, queue, pool, deadline, shown, console)
-    return Analysis.of(study, job.space)
+                _phase("confirm curves", job, study, queue, pool, deadline, shown)
+
+
+@dataclass
+class Shown:
+    """The trials printed so far, and the study's progress bar."""
+
+    numbers: set[int]
+    console: Console
+    progress: StudyProgress | None = None
+
+    def new(self, study: optuna.Study) -> None:
+        """Print the trials that finished since the last call, and advance the bar."""
+        for trial in study.get_trials(deepcopy=False, states=FINISHED):
+            if trial.number in self.numbers:
+                continue
+            self.numbers.add(trial.number)
+            if trial.user_attrs.get("role") == UNUSED:
+                continue
+            self.console.print(_line(trial), highlight=False)
+            if self.progress is not None:
+                start, end = trial.datetime_start, trial.datetime_complete
+                took = (end - start).total_seconds() if start and end else None
+                self.progress.finished(took)
 
 
 @dataclass
@@ -91,6 +136,10 @@ class Pool:
     workers: int = 1
     gpus: list[list[str]] | None = None
     ray: RayTrials | None = None
+
+    @property
+    def at_once(self) -> int:
+        return self.ray.concurrency if self.ray is not None else self.workers
 
     def describe(self, trials: int) -> str:
         if self.ray is not None:
@@ -105,8 +154,7 @@ def _phase(
     todo: Callable[[], int],
     pool: Pool,
     deadline: float | None,
-    shown: set[int],
-    console: Console,
+    shown: Shown,
 ) -> None:
     """Run the phase's ``todo()`` trials; again while ``todo()`` says trials are left
     and the last round lost a machine under a trial (its setting was queued again and
@@ -115,10 +163,12 @@ def _phase(
     first = True
     while (trials := todo()) > 0 and (deadline is None or time.time() < deadline):
         if first:
-            console.print(f"[bold]{name}[/]: {trials} trials {pool.describe(trials)}")
+            shown.console.print(f"[bold]{name}[/]: {trials} trials {pool.describe(trials)}")
+            if shown.progress is not None:
+                shown.progress.phase(name, trials)
         first = False
         lost = _queued_again_count(study)
-        _round(job, study, trials, pool, deadline, shown, console, queued=name != "search")
+        _round(job, study, trials, pool, deadline, shown, queued=name != "search")
         if _queued_again_count(study) == lost:
             return
 
@@ -133,14 +183,13 @@ def _round(
     trials: int,
     pool: Pool,
     deadline: float | None,
-    shown: set[int],
-    console: Console,
+    shown: Shown,
     queued: bool,
 ) -> None:
     """Up to ``trials`` trials (``queued``: every one with its setting queued)."""
 
     def show(study: optuna.Study, trial: FrozenTrial) -> None:
-        _show_new(study, shown, console)
+        shown.new(study)
 
     if pool.ray is not None:  # in this process, one thread per trial in flight
         in_flight = min(pool.ray.concurrency, trials)
@@ -166,22 +215,14 @@ def _round(
     try:
         while any(p.is_alive() for p in processes):
             time.sleep(POLL_S)
-            _show_new(study, shown, console)
+            shown.new(study)
     finally:
         for process in processes:
             process.join()
-    _show_new(study, shown, console)
+    shown.new(study)
     failed = [p.exitcode for p in processes if p.exitcode != 0]
     if failed:
-        console.print(f"[red]{len(failed)} worker(s) stopped with exit codes {failed}[/]")
-
-
-def _show_new(study: optuna.Study, shown: set[int], console: Console) -> None:
-    for trial in study.get_trials(deepcopy=False, states=FINISHED):
-        if trial.number not in shown:
-            shown.add(trial.number)
-            if trial.user_attrs.get("role") != UNUSED:
-                console.print(_line(trial), highlight=False)
+        shown.console.print(f"[red]{len(failed)} worker(s) stopped with exit codes {failed}[/]")
 
 
 def _line(trial: FrozenTrial) -> str:

@@ -1,0 +1,146 @@
+"""How far a study is: its phases' trial counts announced before the first trial
+(the later phases' as upper bounds, since what they measure depends on what the
+search finds), and a progress bar whose time left comes from the trials that
+finished, divided among the trials that run at once."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..runtime.progress import ProgressBar
+from .config import TuneConfig
+from .space import SearchSpace
+
+PHASES = ("references", "search", "confirm", "analysis", "confirm curves")
+
+
+@dataclass
+class StudyPlan:
+    """Trials per phase: exact once the phase starts, an upper bound before."""
+
+    counts: dict[str, int]
+    exact: set[str] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, space: SearchSpace, tune: TuneConfig) -> StudyPlan:
+        optimizations = space.optimizations
+        references = 2 + sum(  # baseline, each alone at each level it is on, all on
+            len([v for v in space.level(n).values() if v != space.level(n).off_value])
+            for n in optimizations
+        )
+        rows = 2 + len(optimizations)  # the comparison rows the confirm phase repeats
+        again = max(0, tune.repeats - 1)
+        sweeps = sum(
+            len(space.level(n).values()) + (space.level(n).off_value is None) for n in optimizations
+        )
+        pairs = math.comb(len(optimizations), 2)
+        policies = sum(len(d.choices) - 1 for d in space.dimensions if d.owner == "scheduler")
+        analysis = sweeps + pairs + policies if tune.references else 0
+        counts = {
+            "references": references if tune.references else 0,
+            # A grid ends with its last point.
+            "search": min(tune.trials, space.grid_size())
+            if tune.sampler == "grid"
+            else tune.trials,
+            "confirm": (tune.finalists + (rows if tune.references else 0)) * again,
+            "analysis": analysis,
+            "confirm curves": analysis * again,
+        }
+        return cls(counts)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def started(self, phase: str, trials: int) -> None:
+        """``phase`` starts with ``trials`` to run: its count is now known."""
+        self.counts[phase] = trials
+        self.exact.add(phase)
+
+    def describe(self) -> str:
+        """E.g. "up to 35 trials: 9 references, 4 search, then up to 12 confirm, ..."."""
+        first = [p for p in PHASES[:2] if self.counts[p]]
+        later = [p for p in PHASES[2:] if self.counts[p]]
+        text = f"up to {self.total} trials: " + ", ".join(f"{self.counts[p]} {p}" for p in first)
+        if later:
+            text += ", then up to " + ", ".join(f"{self.counts[p]} {p}" for p in later)
+        return text + " (each later phase depends on what the search finds)"
+
+
+def time_left(durations: list[float], remaining: int, at_once: int) -> float | None:
+    """Seconds left: the median finished trial's time for each remaining trial, with
+    ``at_once`` trials running side by side (None before any trial finished)."""
+    if not durations:
+        return None
+    return statistics.median(durations) * math.ceil(remaining / max(1, at_once))
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "time left: after the first trial"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"about {hours}:{minutes:02d}:{secs:02d} left (at most)"
+
+
+class StudyProgress:
+    """The bar under the trial lines (on a terminal; elsewhere the plan line alone)."""
+
+    def __init__(self, plan: StudyPlan, done: int, at_once: int, console: Console) -> None:
+        self.plan, self.done, self.at_once = plan, done, at_once
+        self.durations: list[float] = []
+        self._last = time.monotonic()
+        self._progress = None
+        if console.is_terminal and ProgressBar.wanted():
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[left]}"),
+                console=console,
+                refresh_per_second=2,
+            )
+            self._task = self._progress.add_task(
+                "study", total=max(plan.total, done), completed=done, left=_clock(None)
+            )
+            self._progress.start()
+
+    def phase(self, name: str, trials: int) -> None:
+        self.plan.started(name, trials)
+        self._update(description=name)
+
+    def finished(self, duration_s: float | None) -> None:
+        """One trial ended (``duration_s``: its own time, when the storage has it)."""
+        now = time.monotonic()
+        self.durations.append(duration_s if duration_s is not None else now - self._last)
+        self._last = now
+        self.done += 1
+        self._update()
+
+    def seconds_left(self) -> float | None:
+        return time_left(self.durations, max(0, self.total - self.done), self.at_once)
+
+    @property
+    def total(self) -> int:
+        return max(self.plan.total, self.done)
+
+    def _update(self, **fields: str) -> None:
+        if self._progress is not None:
+            self._progress.update(
+                self._task,
+                completed=self.done,
+                total=self.total,
+                left=_clock(self.seconds_left()),
+                **fields,
+            )
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
