@@ -161,6 +161,17 @@ def _parser() -> argparse.ArgumentParser:
             help=f"goodput at another {meaning} (default: the study's)",
         )
 
+    compare = commands.add_parser(
+        "compare", help="finished runs side by side: throughput, phases, key figures"
+    )
+    compare.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    compare.add_argument(
+        "--out",
+        type=Path,
+        help="where compare.json and phases.png go (default: runs/compare-<time>)",
+    )
+    compare.add_argument("--json", action="store_true", help="print compare.json to stdout")
+
     check = commands.add_parser("check", help="validate a scenario without running it")
     _scenario_arguments(check)
 
@@ -332,6 +343,25 @@ def _command(
         from .tuning.commands import report_command
 
         return report_command(args, console)
+    if args.command == "compare":
+        from .compare_runs import (
+            RunFolderError,
+            compare_document,
+            comparison_table,
+            write_comparison,
+        )
+
+        try:
+            document = compare_document(args.runs)
+        except RunFolderError as error:
+            raise UsageError(str(error)) from None
+        files = write_comparison(document, args.out)
+        if args.json:
+            print(json.dumps(document, indent=2))
+        else:
+            console.print(comparison_table(document))
+            console.print(f"phases: {files['plot']}  (also {files['json'].name})", highlight=False)
+        return 0
     scenario = load_scenario(args.scenario, args.overrides)
     if args.command == "tune":
         from .tuning.commands import tune_command

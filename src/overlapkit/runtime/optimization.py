@@ -205,6 +205,9 @@ class Optimization:
     # (see `engine_for`); and why it does not run on others, where that is known.
     engines: ClassVar[Mapping[str, str]] = {}
     unavailable: ClassVar[Mapping[str, str]] = {}
+    # What `overlapkit compare` shows of its summary section: label -> dotted path
+    # (the first path that the section has, for figures that differ by framework).
+    key_figures: ClassVar[Mapping[str, tuple[str, ...]]] = {}
 
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
         self.intensity = float(intensity)

@@ -35,6 +35,11 @@ class Checkpoint(Optimization):
     """Two-phase checkpoints (snapshot, then persist) overlapped with training."""
 
     name = "checkpoint"
+    key_figures = {
+        "checkpoints": ("checkpoints",),
+        "stall per checkpoint s": ("stall_s_mean",),
+        "persist s": ("persist_s_mean",),
+    }
     knobs = (
         Knob(
             name="every",

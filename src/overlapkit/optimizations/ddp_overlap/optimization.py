@@ -56,6 +56,10 @@ class DDPOverlap(Optimization):
     """Overlaps gradient all-reduce with backward (DistributedDataParallel)."""
 
     name = "ddp_overlap"
+    key_figures = {
+        "buckets (packs) per step": ("buckets_per_step", "packs_per_step"),
+        "all-reduce hidden": ("overlap.hidden_fraction",),
+    }
     knobs = (
         Knob(
             name="mode",

@@ -53,6 +53,11 @@ class Pipeline(Optimization):
     """Splits the model into stages across ranks, micro-batch by micro-batch."""
 
     name = "pipeline"
+    key_figures = {
+        "schedule": ("schedule",),
+        "bubble": ("measured.bubble_fraction",),
+        "ideal bubble": ("measured.ideal_bubble_fraction",),
+    }
     knobs = (
         Knob(name="stages", type=int, default=2, low=2, high=1024, help="pipeline ranks"),
         Knob(

@@ -42,6 +42,7 @@ class Prefetch(Optimization):
     """Input loading and host-to-device copies overlapped with compute."""
 
     name = "prefetch"
+    key_figures = {"backend": ("backend",), "workers": ("workers",), "depth": ("depth",)}
     knobs = (
         Knob(name="backend", type=str, default="torch", choices=BACKENDS),
         Knob(

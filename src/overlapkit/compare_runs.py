@@ -1,0 +1,188 @@
+"""``overlapkit compare RUN_DIR...``: finished runs side by side.
+
+A table (throughput and its ratio to the first run, step time, each phase per
+step, the POP metrics and each optimization's key figures, as the optimization
+declares them), ``compare.json`` for machines and ``phases.png``: a stacked bar
+per run of where each step's time went."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from .optimizations import get_optimization
+from .runtime import KnobError
+from .tuning.plots import plt, save_figure
+
+POP = {
+    "load_balance": "load balance",
+    "communication_efficiency": "communication efficiency",
+    "parallel_efficiency": "parallel efficiency",
+}
+
+
+class RunFolderError(ValueError):
+    """A folder that holds no finished run."""
+
+
+def load_run(folder: Path) -> dict[str, Any]:
+    path = Path(folder) / "summary.json"
+    if not Path(folder).is_dir():
+        raise RunFolderError(f"{folder}: no such folder")
+    if not path.is_file():
+        raise RunFolderError(
+            f"{folder}: no summary.json (not a run folder, or a run that did not finish)"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise RunFolderError(f"{path}: not valid JSON ({error})") from None
+
+
+def compare_document(folders: list[Path]) -> dict[str, Any]:
+    summaries = [load_run(folder) for folder in folders]
+    labels = _labels(folders, summaries)
+    phases = list(dict.fromkeys(p for s in summaries for p in s.get("phases_s", {})))
+    first = summaries[0]["samples_per_s"]
+    runs = []
+    for folder, label, summary in zip(folders, labels, summaries, strict=True):
+        runs.append(
+            {
+                "label": label,
+                "run_dir": str(folder),
+                "name": summary.get("name"),
+                "framework": summary.get("framework", "torch"),
+                "world_size": summary.get("world_size"),
+                "steps": summary.get("steps"),
+                "samples_per_s": summary["samples_per_s"],
+                "vs_first": summary["samples_per_s"] / first if first else None,
+                "step_ms_p50": summary["step_time_s"]["p50"] * 1e3,
+                "phases_ms": {p: summary.get("phases_s", {}).get(p, 0.0) * 1e3 for p in phases},
+                "phases_source": summary.get("phases_source"),
+                "pop": {key: summary.get("pop", {}).get(key) for key in POP},
+                "optimizations": {
+                    name: key_figures(name, section)
+                    for name, section in summary.get("optimizations", {}).items()
+                },
+            }
+        )
+    return {"runs": runs, "phases": phases}
+
+
+def key_figures(name: str, section: dict[str, Any]) -> dict[str, Any]:
+    """The figures ``name`` declares as its key ones, read from its summary section."""
+    try:
+        declared = get_optimization(name).key_figures
+    except KnobError:  # a plug-in this installation lacks: its intensity only
+        declared = {}
+    out: dict[str, Any] = {"intensity": section.get("intensity")}
+    for label, paths in declared.items():
+        out[label] = next(
+            (value for path in paths if (value := _at(section, path)) is not None), None
+        )
+    return out
+
+
+def _at(section: dict[str, Any], dotted: str) -> Any:
+    node: Any = section
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _labels(folders: list[Path], summaries: list[dict[str, Any]]) -> list[str]:
+    """Each run's folder name; its parent's too where two share a name."""
+    names = [Path(f).resolve().name for f in folders]
+    taken = Counter(names)
+    return [
+        name if taken[name] == 1 else f"{Path(f).resolve().parent.name}/{name}"
+        for name, f in zip(names, folders, strict=True)
+    ]
+
+
+def comparison_table(document: dict[str, Any]) -> Table:
+    runs = document["runs"]
+    table = Table(title="runs side by side", show_lines=False)
+    table.add_column("", overflow="fold")
+    for run in runs:
+        table.add_column(run["label"], justify="right", overflow="fold")
+
+    def row(label: str, cells: list[str]) -> None:
+        table.add_row(label, *cells)
+
+    row("scenario", [str(r["name"]) for r in runs])
+    row("framework, ranks", [f"{r['framework']}, {r['world_size']}" for r in runs])
+    row("samples/s", [f"{r['samples_per_s']:.1f}" for r in runs])
+    row("vs the first", [f"{r['vs_first']:.2f}x" if r["vs_first"] else "-" for r in runs])
+    row("step ms (p50)", [f"{r['step_ms_p50']:.1f}" for r in runs])
+    for phase in document["phases"]:
+        row(f"  {phase} ms", [f"{r['phases_ms'][phase]:.2f}" for r in runs])
+    for key, label in POP.items():
+        row(label, [_fraction(r["pop"][key]) for r in runs])
+    names = list(dict.fromkeys(n for r in runs for n in r["optimizations"]))
+    for name in names:
+        figures = list(dict.fromkeys(f for r in runs for f in r["optimizations"].get(name, {})))
+        for figure in figures:
+            cells = []
+            for r in runs:
+                section = r["optimizations"].get(name)
+                cells.append("off" if section is None else _value(section.get(figure)))
+            row(f"{name}: {figure}", cells)
+    sampled = [r["label"] for r in runs if r["phases_source"]]
+    if sampled:
+        table.caption = (
+            "phases split from a sampled profile (see each summary's phases_source): "
+            + ", ".join(sampled)
+        )
+    return table
+
+
+def phases_plot(document: dict[str, Any], path: Path) -> Path:
+    runs, phases = document["runs"], document["phases"]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(runs), 4.2))
+    labels = [r["label"] for r in runs]
+    bottom = [0.0] * len(runs)
+    colors = plt.get_cmap("tab10")
+    for i, phase in enumerate(phases):
+        values = [r["phases_ms"][phase] for r in runs]
+        if not any(values):
+            continue
+        ax.bar(labels, values, bottom=bottom, label=phase, color=colors(i % 10))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, (total, run) in enumerate(zip(bottom, runs, strict=True)):
+        ax.text(x, total, f"{run['samples_per_s']:.0f}/s", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("ms per step (mean over ranks)")
+    ax.set_title("where each step's time went (label: samples/s)", fontsize=9)
+    handles, names = ax.get_legend_handles_labels()  # top of the stack first
+    ax.legend(handles[::-1], names[::-1], fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
+    ax.set_ylim(0, max(bottom) * 1.12 if max(bottom) > 0 else 1)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
+    return save_figure(fig, path)
+
+
+def write_comparison(document: dict[str, Any], folder: Path | None) -> dict[str, Path]:
+    folder = folder or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"json": folder / "compare.json", "plot": folder / "phases.png"}
+    files["json"].write_text(json.dumps(document, indent=2) + "\n")
+    phases_plot(document, files["plot"])
+    return files
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)

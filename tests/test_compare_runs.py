@@ -1,0 +1,59 @@
+"""overlapkit compare RUN_DIR...: two real runs of the tiny scenario side by side."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY_SCENARIO, cli_here, run_cli
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("runs")
+    scenario = folder / "tiny.yaml"
+    scenario.write_text(TINY_SCENARIO)
+    plain, checkpointed = folder / "plain", folder / "checkpointed"
+    assert run_cli("run", scenario, "--out", plain, "--quiet").returncode == 0
+    result = run_cli(
+        "run", scenario, "--out", checkpointed, "--quiet",
+        "--set", "optimizations.checkpoint.every=2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return plain, checkpointed
+
+
+def test_two_runs_side_by_side_with_phases_and_key_figures(two_runs, tmp_path):
+    plain, checkpointed = two_runs
+    result = cli_here("compare", plain, checkpointed, "--out", tmp_path, "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    first, second = document["runs"]
+    summaries = [json.loads((f / "summary.json").read_text()) for f in two_runs]
+    assert (first["label"], second["label"]) == ("plain", "checkpointed")
+    assert first["samples_per_s"] == summaries[0]["samples_per_s"]
+    assert second["vs_first"] == pytest.approx(
+        summaries[1]["samples_per_s"] / summaries[0]["samples_per_s"]
+    )
+    assert second["phases_ms"]["ckpt_stall"] == pytest.approx(
+        summaries[1]["phases_s"]["ckpt_stall"] * 1e3
+    )
+    # The checkpoint's key figures, as it declares them; absent from the plain run.
+    figures = second["optimizations"]["checkpoint"]
+    assert figures["checkpoints"] == summaries[1]["optimizations"]["checkpoint"]["checkpoints"] > 0
+    assert "checkpoint" not in first["optimizations"]
+    assert (tmp_path / "phases.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "compare.json").read_text()) == document
+    # The table: every phase and the key figures, "off" where a run lacks the optimization.
+    table = cli_here("compare", plain, checkpointed, "--out", tmp_path).stdout
+    for text in ("samples/s", "ckpt_stall ms", "parallel efficiency", "checkpoint: checkpoints"):
+        assert text in table
+    assert "off" in table.split("checkpoint: checkpoints")[1].splitlines()[0]
+
+
+def test_a_folder_without_a_finished_run_is_a_clear_error(two_runs, tmp_path):
+    result = cli_here("compare", two_runs[0], tmp_path)
+    assert result.returncode == 2
+    assert f"{tmp_path}: no summary.json" in result.stderr
+    assert "Traceback" not in result.stderr
