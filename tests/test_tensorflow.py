@@ -96,7 +96,10 @@ def test_two_workers_equal_one_worker_on_the_global_batch_and_packs_follow_the_k
         tmp_path / "two",
     )
     one = run(
-        scenario_file(tmp_path, BERT, world__nprocs=1, train__batch_size=16), tmp_path / "one"
+        scenario_file(tmp_path, BERT, world__nprocs=1, train__batch_size=16),
+        tmp_path / "one",
+        "--tensorboard",
+        str(tmp_path / "board"),
     )
     assert packed["strategy"]["replicas"] == 2 and one["strategy"]["replicas"] == 1
     assert packed["strategy"]["replicas_identical"]  # every weight, bit for bit
@@ -104,6 +107,12 @@ def test_two_workers_equal_one_worker_on_the_global_batch_and_packs_follow_the_k
     for step in range(8):
         mean_of_ranks = (two_losses[(step, 0)] + two_losses[(step, 1)]) / 2
         assert mean_of_ranks == pytest.approx(one_losses[(step, 0)], rel=2e-4, abs=2e-5)
+    # TensorBoard gets the TensorFlow loop's steps too, as the torch loop's.
+    from test_tensorboard import scalars
+
+    logged = scalars(tmp_path / "board")
+    assert logged["train/loss"] == [(s, pytest.approx(one_losses[(s, 0)])) for s in range(8)]
+    assert "phases_ms/compiled_step" in logged or "phases_ms/data_wait" in logged
     # bytes_per_pack from bucket_cap_mb: the ~1.6 MB of dense gradients in 0.5 MB packs
     # are several all-reduces; intensity 0 (bytes_per_pack 0) is one, after backward.
     one_pack = run(

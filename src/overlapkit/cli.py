@@ -73,6 +73,12 @@ def _scenario_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _tensorboard_argument(parser: argparse.ArgumentParser, text: str) -> None:
+    parser.add_argument(
+        "--tensorboard", metavar="DIR", help=f"{text} (as --set log.tensorboard=DIR)"
+    )
+
+
 def _ray_argument(parser: argparse.ArgumentParser, text: str) -> None:
     parser.add_argument(
         "--ray",
@@ -103,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
         help="continue the newest run folder of this scenario (under runs/)",
     )
     run.add_argument("--json", action="store_true", help="print summary.json to stdout")
+    _tensorboard_argument(run, "write TensorBoard event files (per-step scalars) into DIR")
     _ray_argument(run, "run its world.nodes machines on the Ray cluster at ADDRESS")
     run.add_argument(
         "--node-rank",
@@ -132,6 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--out", type=Path, help="tune folder (default: runs/<name>-tune)")
     tune.add_argument("--json", action="store_true", help="print report.json to stdout")
+    _tensorboard_argument(tune, "write each trial's TensorBoard run into DIR/trial-NNNNN")
     _ray_argument(tune, "run each trial in a placement group on the Ray cluster at ADDRESS")
     tune.add_argument(
         "--max-concurrent",
@@ -362,6 +370,8 @@ def _command(
             console.print(comparison_table(document))
             console.print(f"phases: {files['plot']}  (also {files['json'].name})", highlight=False)
         return 0
+    if getattr(args, "tensorboard", None):
+        args.overrides.append(f"log.tensorboard={args.tensorboard}")
     scenario = load_scenario(args.scenario, args.overrides)
     if args.command == "tune":
         from .tuning.commands import tune_command

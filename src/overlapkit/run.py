@@ -71,6 +71,7 @@ def rank_main(
                     print_summary=print_summary,
                     name=scenario.name,
                     trace=scenario.scheduler.trace,
+                    tensorboard=scenario.log.tensorboard,
                 )
                 result = _train(scenario, session, model)
                 close_world(world)

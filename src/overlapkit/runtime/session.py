@@ -58,6 +58,7 @@ from .scheduler import Scheduler
 from .script import PlainCalls, PlainValues, Start, StepLoader, note
 from .state import State
 from .steplog import PendingStep, StepLog
+from .tensorboard import TensorBoardSteps
 from .timing import AsyncScalar
 
 
@@ -88,6 +89,7 @@ class Session(EpochLoop, SavedState):
         print_summary: bool = False,
         name: str = "session",
         trace: bool = False,
+        tensorboard: str | Path | None = None,
     ) -> None:
         # A process group this session starts, it also closes (in `finish`).
         self._owns_world = world is None and not torch.distributed.is_initialized()
@@ -120,7 +122,8 @@ class Session(EpochLoop, SavedState):
         self._print_summary = print_summary and self.world.is_main
         self._trace = trace
         self._progress: ProgressBar | None = None
-        self._live: LiveSteps | None = None
+        self._tensorboard = tensorboard
+        self._logs: list[LiveSteps | TensorBoardSteps] = []  # rank 0's step logs
         self._stateful: dict[str, Any] = {}
         self._raw_model: nn.Module | None = None
         self._grad_sync: FlatAllReduce | None = None
@@ -244,7 +247,14 @@ class Session(EpochLoop, SavedState):
         if self._show_progress and ProgressBar.wanted():
             self._progress = ProgressBar(self.name, total_steps, done=self.state.step)
         if self.world.is_main and self.state.run_dir is not None:
-            self._live = LiveSteps(self.state.run_dir)
+            self._logs.append(LiveSteps(self.state.run_dir))
+        if self.world.is_main and self._tensorboard is not None:
+            setting: dict[str, Any] = {
+                o.name: {"intensity": o.intensity, **o.settings}
+                for o in self.scheduler.optimizations
+            }
+            setting["scheduler"] = {"policy": self.scheduler.policy.name}
+            self._logs.append(TensorBoardSteps(self._tensorboard, setting))
 
     def start_step(self) -> None:
         if self._gap_since is not None:  # the time since the last epoch ended
@@ -386,8 +396,8 @@ class Session(EpochLoop, SavedState):
         rate = record["samples_per_s"] * self.state.dp.size
         if self._progress is not None:
             self._progress.advance(rate, record["loss"], record["warmup"])
-        if self._live is not None:
-            self._live.write(record, rate)
+        for log in self._logs:
+            log.write(record, rate)
 
     # ------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -444,9 +454,9 @@ class Session(EpochLoop, SavedState):
         if self._progress is not None:
             self._progress.close()
             self._progress = None
-        if self._live is not None:
-            self._live.close()
-            self._live = None
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
 
     def finish(self) -> dict[str, Any]:
         """Drain background work (FIT_END), gather metrics from all ranks, write

@@ -22,6 +22,7 @@ from ..runtime import CombinationError, KnobError, Optimization, Scheduler, Sche
 from ..runtime.distributed import resolve_backend, resolve_device
 from ..runtime.gpus import check_cpu_setup, check_gpu_setup
 from ..runtime.loop import TrainConfig
+from ..runtime.tensorboard import LogConfig, tensorboard_missing
 from ..tuning import TuneConfig
 from ..tuning.space import SpaceError, build_space
 
@@ -53,6 +54,7 @@ class Scenario(Config):
     world: WorldConfig = WorldConfig()
     optimizations: dict[str, dict[str, Any] | None] = Field(default_factory=dict)
     scheduler: SchedulerConfig = SchedulerConfig()
+    log: LogConfig = LogConfig()
     tune: TuneConfig = TuneConfig()
 
     @field_validator("optimizations")
@@ -199,6 +201,8 @@ class Scenario(Config):
             reason = tensorflow_missing()
             if reason:
                 raise CombinationError(reason)
+        if self.log.tensorboard is not None and (reason := tensorboard_missing()):
+            raise CombinationError(reason)
         if self.device_type == "cuda" and gpus_here and self.framework == "torch":
             check_gpu_setup(local_ranks, self.train.precision)
         # On a Ray driver "auto" is decided by the cluster's machines, not this one.

@@ -46,6 +46,8 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
         scenario.check_setup()
     if not scenario.optimizations and scenario.tune.search is None:
         _choose_optimizations(scenario)
+    if scenario.log.tensorboard is not None:  # the trials run in folders of their own
+        scenario.log.tensorboard = str(Path(scenario.log.tensorboard).resolve())
     base = yaml.safe_load(dump_scenario(scenario))
     settings = scenario.tune.model_dump()
     if args.trials is not None:

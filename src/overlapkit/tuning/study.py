@@ -214,6 +214,9 @@ class Objective:
         data = trial_scenario(
             apply_params(job.base, self.space, params), job.tune.steps, job.tune.warmup_steps
         )
+        log = data.get("log") or {}
+        if log.get("tensorboard"):  # each trial its own TensorBoard run
+            log["tensorboard"] = str(Path(log["tensorboard"]) / f"trial-{trial.number:05d}")
         watch = None
         # Only the sampler's trials are pruned: the others are the report's reference rows.
         prunable = trial.user_attrs["role"] == "search"

@@ -30,11 +30,12 @@ from ...runtime.distributed import World, all_gather_objects
 from ...runtime.events import Event
 from ...runtime.hardware import describe_node, nodes_of
 from ...runtime.metrics import PhaseClock, step_record, summarize
-from ...runtime.optimization import Optimization
+from ...runtime.optimization import Optimization, settings_on
 from ...runtime.progress import ProgressBar
 from ...runtime.report import LiveSteps, print_summary, write_run_files
 from ...runtime.scheduler import Scheduler
 from ...runtime.state import State
+from ...runtime.tensorboard import TensorBoardSteps
 from . import import_tensorflow
 from .data import Batches, InputPlan
 from .models import build_model
@@ -55,7 +56,7 @@ class TfLoop:
         self.tf = tf = import_tensorflow()
         self.scenario, self.world, self.strategy = scenario, world, strategy
         self.cfg = cfg = scenario.train
-        self.engines, self.run_dir = engines, run_dir
+        self.engines, self.optimizations, self.run_dir = engines, optimizations, run_dir
         self.notes: list[str] = []
         train_loader, eval_loader = scenario.build_loaders(world.rank, world.world_size)
         self.batches = Batches(train_loader)
@@ -152,7 +153,7 @@ class TfLoop:
             if progress and world.is_main and ProgressBar.wanted()
             else None
         )
-        live = LiveSteps(self.run_dir) if world.is_main and self.run_dir is not None else None
+        logs = self._step_logs()
         window = profile_window(cfg.warmup_steps, cfg.total_steps, start, world.rank)
         split: PhaseSplit | None = None
         replicas = world.world_size
@@ -189,8 +190,8 @@ class TfLoop:
                 clock.pause()
             if bar is not None:
                 bar.advance(record["samples_per_s"] * replicas, loss, record["warmup"])
-            if live is not None:
-                live.write(record, record["samples_per_s"] * replicas)
+            for log in logs:
+                log.write(record, record["samples_per_s"] * replicas)
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
                 self.evaluate(step + 1)
         state.step = cfg.total_steps
@@ -200,9 +201,22 @@ class TfLoop:
         scheduler.fire(Event.FIT_END, state)
         if bar is not None:
             bar.close()
-        if live is not None:
-            live.close()
+        for log in logs:
+            log.close()
         return self.finish(split, inputs, targets, start, show_summary)
+
+    def _step_logs(self) -> list[Any]:
+        """Rank 0's step logs: the live one of the run folder, TensorBoard's."""
+        if not self.world.is_main:
+            return []
+        logs: list[Any] = [LiveSteps(self.run_dir)] if self.run_dir is not None else []
+        if self.scenario.log.tensorboard is not None:
+            setting: dict[str, Any] = {
+                o.name: settings_on(o, "tensorflow") for o in self.optimizations
+            }
+            setting["scheduler"] = {"policy": self.scheduler.policy.name}
+            logs.append(TensorBoardSteps(self.scenario.log.tensorboard, setting))
+        return logs
 
     def evaluate(self, step: int) -> None:
         if self.eval_batches is None:

@@ -1,0 +1,56 @@
+"""TensorBoard, for users who compare runs there: rank 0's steps as scalars
+(loss, samples/s, step time and each phase, per step), the run's setting as
+text, written with torch's SummaryWriter (the ``tensorboard`` package, the
+``overlapkit[tensorboard]`` extra)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+
+
+class LogConfig(Config):
+    # A folder for TensorBoard's event files (per-step loss, throughput and phase
+    # times); a study writes each trial's run in a folder of its own under it.
+    tensorboard: str | None = None
+
+
+def tensorboard_missing() -> str | None:
+    """Why TensorBoard's event files cannot be written here, or None."""
+    try:
+        if importlib.util.find_spec("tensorboard") is not None:
+            return None
+    except (ImportError, ValueError):
+        pass
+    return (
+        "log.tensorboard needs the tensorboard package, which is not installed: "
+        "pip install 'overlapkit[tensorboard]'"
+    )
+
+
+class TensorBoardSteps:
+    """Writes each finished step (the same records as ``steps.jsonl``) as scalars."""
+
+    def __init__(self, folder: str | Path, setting: dict[str, Any] | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(folder))
+        if setting:
+            text = json.dumps(setting, indent=2, default=str)
+            self._writer.add_text("setting", f"```\n{text}\n```", 0)
+
+    def write(self, record: dict[str, Any], samples_per_s: float) -> None:
+        step, add = record["step"], self._writer.add_scalar
+        if isinstance(record.get("loss"), (int, float)):
+            add("train/loss", record["loss"], step)
+        add("train/samples_per_s", samples_per_s, step)  # all replicas together
+        add("train/step_time_ms", record["step_time_s"] * 1e3, step)
+        for phase, seconds in record["phases_s"].items():
+            add(f"phases_ms/{phase}", seconds * 1e3, step)
+
+    def close(self) -> None:
+        self._writer.close()

@@ -1,0 +1,60 @@
+"""log.tensorboard: event files written by real runs and a real study, read back with
+TensorBoard's own reader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY_SCENARIO, run_cli
+
+pytest.importorskip("tensorboard")
+
+
+def scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+
+
+def test_a_run_writes_loss_throughput_and_phases_per_step(tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(TINY_SCENARIO + "optimizations: {checkpoint: {every: 3}}\n")
+    board = tmp_path / "board"
+    result = run_cli("run", scenario, "--out", tmp_path / "run", "--quiet", "--tensorboard", board)
+    assert result.returncode == 0, result.stderr[-2000:]
+    steps = [
+        json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()
+    ]
+    logged = scalars(board)
+    # Every step of steps.jsonl (warm-up too), by its step number, with its loss.
+    assert logged["train/loss"] == [(s["step"], pytest.approx(s["loss"], rel=1e-6)) for s in steps]
+    assert [step for step, _ in logged["train/samples_per_s"]] == [s["step"] for s in steps]
+    assert logged["phases_ms/ckpt_stall"] == [
+        (s["step"], pytest.approx(s["phases_s"]["ckpt_stall"] * 1e3, rel=1e-5)) for s in steps
+    ]
+    assert {"phases_ms/forward", "phases_ms/backward", "train/step_time_ms"} <= set(logged)
+
+
+def test_each_trial_of_a_study_is_a_run_of_its_own(tmp_path):
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(
+        TINY_SCENARIO
+        + "optimizations: {checkpoint: {every: 2}}\n"
+        + "tune: {trials: 2, references: false, repeats: 1, prune: false, steps: 2, warmup_steps: 1, sampler: random}\n"
+    )
+    board = tmp_path / "board"
+    result = run_cli(
+        "tune", scenario, "--out", tmp_path / "tune", "--tensorboard", board, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = sorted(p.name for p in board.iterdir())
+    assert runs == ["trial-00000", "trial-00001"]
+    for run in runs:
+        logged = scalars(board / run)
+        assert [step for step, _ in logged["train/loss"]] == [0, 1, 2]  # 1 warm-up + 2
