@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli_here
+from conftest import ROOT, TINY_SCENARIO, cli_here
 from overlapkit.scenarios import ScenarioError, dump_scenario, load_scenario
 
 
@@ -190,3 +190,37 @@ def test_cli_check_and_list(tiny_scenario):
 
 def test_scenario_files_exist_at_the_documented_paths():
     assert (Path(ROOT) / "scenarios" / "quickstart.yaml").is_file()
+
+
+def test_check_shows_the_settings_as_they_will_run_in_80_columns(tiny_scenario):
+    from rich.console import Console
+
+    from overlapkit.cli import _describe_scenario
+
+    path = tiny_scenario(
+        TINY_SCENARIO.replace("world: {nprocs: 1}", "world: {nprocs: 2}")
+        + "optimizations: {pipeline: {stages: 2, microbatches: 4}, checkpoint: {every: 2}}\n"
+        + "tune: {trials: 7, search: {checkpoint: {every: [2, 8]}}}\n"
+    )
+    console = Console(width=80, record=True)
+    console.print(_describe_scenario(load_scenario(path)))
+    text = console.export_text()
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    # No null or None, and nothing a run measures (no result fields).
+    assert "null" not in text and "None" not in text
+    for result_field in ("stall_s_mean", "bytes_written", "partition", "total_stages"):
+        assert result_field not in text
+    row = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in lines
+        if line.count("│") == 3
+    }
+    assert row["microbatches"] == "4  (set)" and row["every"] == "2  (set)"
+    assert row["dir"] == "checkpoints"
+    # The tune section, with the space it searches.
+    assert row["trials"] == "7"
+    assert row["space: checkpoint.every"] == "2, 8"
+    assert row["space: checkpoint.on"] == "yes, no"
+    # Section names whole, not cut at 80 columns.
+    assert "optimizations.checkpoint" in row and "optimizations.pipeline" in row

@@ -196,20 +196,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _describe_scenario(scenario: Scenario) -> Table:
-    table = Table(title=f"scenario {scenario.name}: ok")
-    table.add_column("section")
-    table.add_column("resolved")
-    table.add_row("model", json.dumps(scenario.model.model_dump(mode="json")))
-    table.add_row("data", json.dumps(scenario.data.model_dump(mode="json")))
-    cfg = scenario.train
-    table.add_row(
-        "train",
-        f"{cfg.warmup_steps} warm-up + {cfg.steps} measured steps of {cfg.batch_size} per rank",
-    )
-    table.add_row("world", json.dumps(scenario.world.model_dump(mode="json")))
-    for optimization in scenario.build_optimizations():
-        table.add_row(f"optimizations.{optimization.name}", json.dumps(optimization.summary()))
-    table.add_row("scheduler", json.dumps(scenario.scheduler.model_dump(mode="json")))
+    from .scenarios.describe import describe
+
+    table = Table(title=f"scenario {scenario.name}: ok, as it will run", show_header=False)
+    table.add_column("setting", overflow="fold", style="cyan")
+    table.add_column("value", overflow="fold")
+    for section, rows in describe(scenario):
+        table.add_row(f"[bold]{section}[/]", "", end_section=False)
+        for key, value in rows:
+            table.add_row(f"  {key}", value)
     return table
 
 

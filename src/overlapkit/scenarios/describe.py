@@ -1,0 +1,98 @@
+"""What ``overlapkit check`` shows: every section of a scenario as it will run, one
+setting a line (``auto`` beside what it resolves to here; an optimization's knobs
+as its intensity and the file make them, marked where the file sets them; the
+tune section and the space it searches). No result fields: nothing has run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..runtime.optimization import settings_on
+from ..tuning.space import SpaceError, build_space
+from .config import Scenario
+
+AT_START = "decided at start"
+# What an unset (None) value means, where "decided at start" would not say it.
+UNSET = {
+    "eval.max_samples": "all of the evaluation set",
+    "tensorboard": "off",
+    "storage": "SQLite in the tune folder",
+    "study": "the scenario's name",
+    "threads": "cores / ranks on each machine (decided at start)",
+}
+
+
+def describe(scenario: Scenario) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(section, [(setting, value)]) in the order of a scenario file."""
+    sections = [
+        ("scenario", [("name", scenario.name), ("framework", scenario.framework)]),
+        ("model", _flat(scenario.model.model_dump(mode="json"))),
+        ("data", _flat(scenario.data.model_dump(mode="json"))),
+        ("train", _flat(scenario.train.model_dump(mode="json"))),
+        ("world", _world(scenario)),
+    ]
+    for optimization in scenario.build_optimizations():
+        rows = []
+        for knob, value in settings_on(optimization, scenario.framework).items():
+            set_here = knob in optimization.explicit
+            rows.append((knob, _text(value) + ("  (set)" if set_here else "")))
+        sections.append((f"optimizations.{optimization.name}", rows))
+    if not scenario.optimizations:
+        sections.append(("optimizations", [("(none)", "a plain loop")]))
+    sections.append(("scheduler", _flat(scenario.scheduler.model_dump(mode="json"))))
+    sections.append(("log", _flat(scenario.log.model_dump(mode="json"))))
+    sections.append(("tune", _tune(scenario)))
+    return sections
+
+
+def _world(scenario: Scenario) -> list[tuple[str, str]]:
+    world = scenario.world
+    rows = _flat(world.model_dump(mode="json"))
+    resolved = {"device": scenario.device_type, "backend": scenario.backend}
+    out = []
+    for key, value in rows:
+        if key in resolved and value == "auto":
+            value = f"auto -> {resolved[key]} here"
+        out.append((key, value))
+    return out
+
+
+def _tune(scenario: Scenario) -> list[tuple[str, str]]:
+    rows = [(k, v) for k, v in _flat(scenario.tune.model_dump(mode="json")) if k != "search"]
+    if scenario.tune.search is None:
+        rows.insert(0, ("search", "each optimization above by its intensity"))
+    try:
+        space = build_space(scenario.optimizations, scenario.tune, scenario.framework)
+    except SpaceError as error:  # no optimization: `tune` chooses them itself
+        rows.append(("space", str(error)))
+        return rows
+    for dimension in space.dimensions:
+        rows.append((f"space: {dimension.name}", ", ".join(map(_text, dimension.values()))))
+    rows.append(("space: grid size", str(space.grid_size())))
+    return rows
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    rows = []
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            rows += _flat(value, f"{prefix}{key}.")
+        else:
+            name = f"{prefix}{key}"
+            unset = UNSET.get(name, UNSET.get(key)) if value is None else None
+            rows.append((name, unset or _text(value)))
+    return rows
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return AT_START
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_text(v) for v in value) + "]" if value else "[]"
+    if isinstance(value, dict):
+        return "{}"
+    return str(value)
