@@ -95,6 +95,7 @@ def main() -> None:
         print_report(document, files, console)
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(files["contention_plot"], args.plot)
+        shutil.copy(files["overview_plot"], args.plot.with_name("tune-overview.png"))
 
         rows = {row["row"]: row for row in document["comparison"]}
         singles = [r for r in rows.values() if r["row"].endswith(" alone") and r["goodput"]]
