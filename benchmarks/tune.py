@@ -30,9 +30,9 @@ from rich.table import Table
 
 from overlapkit.tuning import TuneConfig
 from overlapkit.tuning.analysis import ANALYSIS_ROLES, Analysis
-from overlapkit.tuning.report import print_report, report_document, short_setting, write_report
+from overlapkit.tuning.report import print_report, report_document, write_report
 from overlapkit.tuning.runner import tune
-from overlapkit.tuning.space import apply_params
+from overlapkit.tuning.space import apply_params, short_setting
 from overlapkit.tuning.study import TuneJob, default_storage, trial_metrics
 from overlapkit.tuning.trial import run_trial, trial_scenario
 

@@ -172,6 +172,8 @@ SOUND = {  # values of JUNK that are right for that argument
     "--job-hours": ("1.5",),
     "--node-rank": ("0",),
 }
+
+
 def _a_number(text: str) -> bool:
     """What Python reads as a number ("1E0", "1_0", " 2 " too): not junk."""
     try:

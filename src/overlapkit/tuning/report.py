@@ -15,7 +15,7 @@ from rich.table import Table
 
 from .analysis import DISAGREE, NOISE_METHOD, Analysis, Z
 from .plots import write_plots
-from .space import apply_params
+from .space import apply_params, short_setting
 
 
 def write_report(
@@ -165,21 +165,6 @@ def comparison_table(document: dict[str, Any]) -> Table:
         )
     table.caption = _noise_text(document, short=True)
     return table
-
-
-def short_setting(params: dict[str, Any]) -> str:
-    """E.g. "ddp_overlap 1, prefetch 0, checkpoint every 8, free"."""
-    parts = []
-    for name, value in params.items():
-        owner, knob = name.split(".")
-        if owner == "scheduler":
-            parts.append(str(value))
-        elif knob == "on":
-            if value is False:
-                parts.append(f"{owner} off")
-        elif params.get(f"{owner}.on", True):
-            parts.append(f"{owner} {value:g}" if knob == "intensity" else f"{owner} {knob} {value}")
-    return ", ".join(parts)
 
 
 def _ratio_text(row: dict[str, Any], short: bool = False) -> str:

@@ -7,7 +7,7 @@ import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -15,6 +15,7 @@ from rich.console import Console
 
 from .analysis import UNUSED, Analysis
 from .progress import StudyPlan, StudyProgress
+from .space import short_setting
 from .study import (
     FINISHED,
     TuneJob,
@@ -227,7 +228,7 @@ def _round(
 
 def _line(trial: FrozenTrial) -> str:
     role = trial.user_attrs.get("role", "search")
-    params = " ".join(f"{k}={_short(v)}" for k, v in trial.params.items())
+    params = short_setting(trial.params)
     if trial.state == TrialState.COMPLETE:
         attrs = trial.user_attrs
         result = f"{attrs['throughput']:9.1f} samples/s  goodput {attrs['goodput']:9.1f}"
@@ -237,7 +238,3 @@ def _line(trial: FrozenTrial) -> str:
         reason = str(trial.user_attrs.get("reason", "")).splitlines()
         result = f"failed ({trial.user_attrs.get('failure', 'error')}: {reason[-1][:60] if reason else ''})"
     return f"trial {trial.number:4d} {role:<22} {result}  {params}"
-
-
-def _short(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)

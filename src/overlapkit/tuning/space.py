@@ -258,3 +258,18 @@ def apply_params(
     if "scheduler.policy" in params:
         data["scheduler"] = {**(data.get("scheduler") or {}), "policy": params["scheduler.policy"]}
     return data
+
+
+def short_setting(params: dict[str, Any]) -> str:
+    """E.g. "ddp_overlap 1, prefetch 0, checkpoint every 8, free"."""
+    parts = []
+    for name, value in params.items():
+        owner, knob = name.split(".")
+        if owner == "scheduler":
+            parts.append(str(value))
+        elif knob == "on":
+            if value is False:
+                parts.append(f"{owner} off")
+        elif params.get(f"{owner}.on", True):
+            parts.append(f"{owner} {value:g}" if knob == "intensity" else f"{owner} {knob} {value}")
+    return ", ".join(parts)
