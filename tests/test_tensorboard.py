@@ -1,5 +1,6 @@
 """log.tensorboard: event files written by real runs and a real study, read back with
-TensorBoard's own reader."""
+TensorBoard's own reader (a study's trials, each a run of its own, are read back in
+test_tune's tiny study)."""
 
 from __future__ import annotations
 
@@ -39,22 +40,3 @@ def test_a_run_writes_loss_throughput_and_phases_per_step(tmp_path):
         (s["step"], pytest.approx(s["phases_s"]["ckpt_stall"] * 1e3, rel=1e-5)) for s in steps
     ]
     assert {"phases_ms/forward", "phases_ms/backward", "train/step_time_ms"} <= set(logged)
-
-
-def test_each_trial_of_a_study_is_a_run_of_its_own(tmp_path):
-    scenario = tmp_path / "tiny.yaml"
-    scenario.write_text(
-        TINY_SCENARIO
-        + "optimizations: {checkpoint: {every: 2}}\n"
-        + "tune: {trials: 2, references: false, repeats: 1, prune: false, steps: 2, warmup_steps: 1, sampler: random}\n"
-    )
-    board = tmp_path / "board"
-    result = run_cli(
-        "tune", scenario, "--out", tmp_path / "tune", "--tensorboard", board, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    runs = sorted(p.name for p in board.iterdir())
-    assert runs == ["trial-00000", "trial-00001"]
-    for run in runs:
-        logged = scalars(board / run)
-        assert [step for step, _ in logged["train/loss"]] == [0, 1, 2]  # 1 warm-up + 2

@@ -33,12 +33,12 @@ def scenario_with(tiny_scenario, optimizations: str, tune: str):
     return tiny_scenario(TINY_SCENARIO + f"optimizations: {optimizations}\ntune: {tune}\n")
 
 
-def tune_tiny(tiny_scenario, tmp_path, optimizations: str, tune: str):
+def tune_tiny(tiny_scenario, tmp_path, optimizations: str, tune: str, *extra):
     """`overlapkit tune` on the tiny scenario with these optimizations and tune
     section, into tmp_path/tune; it must succeed. Returns that folder."""
     out = tmp_path / "tune"
     path = scenario_with(tiny_scenario, optimizations, tune)
-    result = run_cli("tune", path, "--out", out, timeout=600)
+    result = run_cli("tune", path, "--out", out, *extra, timeout=600)
     assert result.returncode == 0, result.stderr
     (out / "tune-stderr.txt").write_text(result.stderr)
     return out
@@ -304,6 +304,8 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
         tmp_path,
         "{toy_sleep: {intensity: 1}, checkpoint: {every: 2}}",
         "{trials: 2, intensity_step: 1, steps: 4, warmup_steps: 1, objective: both, mtbf_hours: 2, job_hours: 1, finalists: 1, repeats: 2}",
+        "--tensorboard",
+        tmp_path / "board",
     )
     for name in (
         "report.md",
@@ -324,6 +326,18 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     assert announced, (out / "tune-stderr.txt").read_text()[:2000]
     ran = [t for t in load(out).trials if t.user_attrs.get("role") != "unused"]
     assert len(ran) <= int(announced[1])
+    # Each trial is a TensorBoard run of its own, its steps read back from the event files.
+    boards = sorted(p.name for p in (tmp_path / "board").iterdir())
+    assert boards == [f"trial-{t.number:05d}" for t in ran]
+    from test_tensorboard import scalars
+
+    assert [step for step, _ in scalars(tmp_path / "board" / boards[-1])["train/loss"]] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]  # 1 warm-up + 4 measured steps
     assert sum(
         t.user_attrs.get("role", "").startswith("alone:")
         or t.user_attrs.get("role") in ("baseline", "all_on")

@@ -87,7 +87,9 @@ def run_trial(
         returncode = _kill_group(process)
     _remove_checkpoints(run_dir)
     if returncode != 0:
-        raise failure_of(returncode, stderr_path.read_text(errors="replace"))
+        # A process that died before its run started may have written nothing.
+        said = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
+        raise failure_of(returncode, said or f"the trial's process exited with {returncode}")
     return json.loads((run_dir / "summary.json").read_text())
 
 
