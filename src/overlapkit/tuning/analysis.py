@@ -259,8 +259,16 @@ class Analysis:
 
     def alone(self, name: str) -> list[tuple[Any, Measurement | None]]:
         """``name`` alone (the others off, policy free) at each of its levels."""
+        return [(v, self.lookup(params)) for v, params in self._alone_settings(name)]
+
+    def _alone_settings(self, name: str) -> list[tuple[Any, dict[str, Any]]]:
+        """(level, setting) of ``name`` alone; its "off" (where it has an on switch)
+        is the baseline, everything off."""
         base = {"scheduler.policy": "free"}
-        return [(v, self.lookup(self.space.setting(base, **{name: v}))) for v in self._levels(name)]
+        return [
+            (v, self.space.setting(base) if v == "off" else self.space.setting(base, **{name: v}))
+            for v in self._levels(name)
+        ]
 
     def alone_best(self) -> dict[str, Any]:
         out = {}
@@ -372,13 +380,10 @@ class Analysis:
         peak (beyond it, more overlap stops paying). When no level differs from the
         peak beyond the noise, there is no point to claim: ``flat`` is true."""
         best = self.center
-        base = {"scheduler.policy": "free"}
         out = {}
         for name in self.space.optimizations:
             level = self.space.level(name)
-            alone = self._curve(
-                [(v, self.space.setting(base, **{name: v})) for v in self._levels(name)]
-            )
+            alone = self._curve(self._alone_settings(name))
             together: list[dict[str, Any]] = []
             if best is not None:
                 settings = []

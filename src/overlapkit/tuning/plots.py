@@ -99,6 +99,7 @@ def contention(curves: dict[str, dict[str, Any]], metric: str) -> Any:
             ys = [p["median"] / reference for p in points]
             low = [(p["median"] - p["low"]) / reference for p in points]
             high = [(p["high"] - p["median"]) / reference for p in points]
+            label = f"{label}, / its value at {points[0]['level']}"
             ax.errorbar(xs, ys, yerr=[low, high], fmt=marker, color=color, capsize=3, label=label)
             numeric = [(x, y) for x, y, p in zip(xs, ys, points, strict=True) if _number(p)]
             if len(numeric) > 1:
@@ -113,7 +114,7 @@ def contention(curves: dict[str, dict[str, Any]], metric: str) -> Any:
                 ax.axvline(where[point], color="grey", linestyle=":", label="contention point")
         ax.set_xticks(range(len(levels)), [str(level) for level in levels])
         ax.set_xlabel(curve["level"])
-        ax.set_ylabel(f"{metric} / its value at {levels[0]}" if levels else metric)
+        ax.set_ylabel(f"{metric}, relative to the curve's lowest level")
         ax.legend(fontsize=7)
     fig.suptitle("contention curves: median and range of the repeats", fontsize=9)
     fig.tight_layout()
