@@ -175,3 +175,20 @@ def test_contention_curves_are_relative_with_ranges_and_never_join_categories():
         assert all(abs(x - off) > 0.5 for x in line.get_xdata())
         assert sorted(line.get_xdata()) == list(line.get_xdata())  # 2 then 8, left to right
     plt.close(fig)
+
+
+def test_the_terminal_table_fits_80_columns_without_cutting_names(tmp_path):
+    from rich.console import Console
+
+    from overlapkit.tuning.report import comparison_table
+
+    document, _ = report(study_of(PLANTED, repeats=2), tmp_path)
+    console = Console(width=80, record=True)
+    console.print(comparison_table(document))
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert "…" not in text  # nothing truncated
+    cells = " ".join(line.split("│")[-2].strip() for line in text.splitlines() if "│" in line)
+    # Knobs abbreviated the same way in every row, each name whole.
+    assert "ddp_overlap 1, prefetch 0" in cells.replace("  ", " ")
+    assert "1.42x" in text and "~" in text  # the ratio and its within-noise mark

@@ -137,10 +137,10 @@ def test_parallel_workers_are_started_with_disjoint_gpus(monkeypatch):
 
     FakeProcess.started = []
     monkeypatch.setattr(runner.multiprocessing, "get_context", lambda method: Context)
-    monkeypatch.setattr(runner, "_show_new", lambda *args: None)
+    monkeypatch.setattr(runner.Shown, "new", lambda *args: None)
     split = split_gpus(3, 2, UUIDS)
-    console = Console(quiet=True)
-    runner._round(None, None, 7, runner.Pool(3, split), None, set(), console, queued=False)
+    shown = runner.Shown(set(), Console(quiet=True))
+    runner._round(None, None, 7, runner.Pool(3, split), None, shown, queued=False)
     gpus = [args[-1] for args in FakeProcess.started]  # worker_main's last argument
     assert gpus == split
     every = [gpu for ids in gpus for gpu in ids]
