@@ -288,6 +288,23 @@ def test_the_best_is_chosen_by_median_among_settings_measured_again():
     assert analysis.flagged(analysis.spread(analysis.baseline.params))  # 95..400 disagree
 
 
+def test_a_trial_process_that_dies_before_writing_anything_fails_only_that_trial(
+    tmp_path, monkeypatch
+):
+    """A trial's process that exits before its run writes stderr.txt (an import error
+    in a half-updated install) is that trial's failure, not the study's crash."""
+    from overlapkit.tuning import trial
+
+    def start(command, stdout, stderr, env, fork):  # a real process that writes nothing
+        return subprocess.Popen(["sh", "-c", "exit 3"], start_new_session=True)
+
+    monkeypatch.setattr(trial, "start_trial_process", start)
+    with pytest.raises(trial.TrialFailed) as failed:
+        trial.run_trial({"name": "x"}, tmp_path / "t", timeout_s=30)
+    assert failed.value.kind == "crashed"
+    assert "exit status 3" in failed.value.reason and "(nothing on stderr)" in failed.value.reason
+
+
 def _fake(trial, space, results):
     """An objective that records the next of ``results`` as the trial's measurement."""
     space.suggest(trial)

@@ -89,7 +89,7 @@ def run_trial(
     if returncode != 0:
         # A process that died before its run started may have written nothing.
         said = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
-        raise failure_of(returncode, said or f"the trial's process exited with {returncode}")
+        raise failure_of(returncode, said)
     return json.loads((run_dir / "summary.json").read_text())
 
 
