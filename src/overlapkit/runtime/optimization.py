@@ -106,6 +106,16 @@ class Knob:
     help: str = ""
     frameworks: tuple[str, ...] | None = None  # where it means something (None: everywhere)
 
+    def runs_on(self, framework: str) -> bool:
+        return self.frameworks is None or framework in self.frameworks
+
+    def elsewhere(self, owner: str, framework: str) -> str:
+        """Why this knob cannot be set on ``framework`` (where it does not run)."""
+        return (
+            f"{owner}.{self.name} is a knob of {' and '.join(self.frameworks or ())} only; "
+            f"this scenario runs on {framework}"
+        )
+
     def coerce(self, value: Any) -> Any:
         """Return ``value`` as this knob's type, or raise `KnobError`."""
         if self.type is bool:
@@ -238,6 +248,13 @@ class Optimization:
         return ("torch", *cls.engines)
 
     @classmethod
+    def why_not_on(cls, framework: str) -> str | None:
+        """Why it does not run on ``framework`` (None: it does)."""
+        if framework in cls.frameworks():
+            return None
+        return cls.unavailable.get(framework, f"it runs on {' and '.join(cls.frameworks())}")
+
+    @classmethod
     def describe(cls) -> dict[str, Any]:
         return {
             "name": cls.name,
@@ -295,22 +312,12 @@ FRAMEWORKS = ("torch", "tensorflow")
 
 def check_framework(optimization: Optimization, framework: str) -> None:
     """Raise `CombinationError` when ``optimization`` has no engine on ``framework``."""
-    if framework in optimization.frameworks():
-        for knob in optimization.knobs:
-            if knob.name in optimization.explicit and framework not in (
-                knob.frameworks or (framework,)
-            ):
-                raise CombinationError(
-                    f"{optimization.name}.{knob.name} is a knob of "
-                    f"{' and '.join(knob.frameworks)} only; this scenario runs on {framework}"
-                )
-        return
-    reason = optimization.unavailable.get(framework)
-    runs_on = " and ".join(optimization.frameworks())
-    raise CombinationError(
-        f"{optimization.name} does not run on {framework}"
-        + (f": {reason}" if reason else f" (it runs on {runs_on})")
-    )
+    reason = optimization.why_not_on(framework)
+    if reason is not None:
+        raise CombinationError(f"{optimization.name} does not run on {framework}: {reason}")
+    for knob in optimization.knobs:
+        if knob.name in optimization.explicit and not knob.runs_on(framework):
+            raise CombinationError(knob.elsewhere(optimization.name, framework))
 
 
 def settings_on(optimization: Optimization, framework: str) -> dict[str, Any]:
@@ -320,7 +327,7 @@ def settings_on(optimization: Optimization, framework: str) -> dict[str, Any]:
         **{
             k.name: optimization.settings[k.name]
             for k in optimization.knobs
-            if framework in (k.frameworks or (framework,))
+            if k.runs_on(framework)
         },
     }
 

@@ -152,8 +152,7 @@ def build_space(
             cls = get_optimization(name)
         except KnobError as error:
             raise SpaceError(f"tune.search.{name}", str(error), error.allowed) from None
-        if framework not in cls.frameworks():
-            reason = cls.unavailable.get(framework, f"it runs on {' and '.join(cls.frameworks())}")
+        if (reason := cls.why_not_on(framework)) is not None:
             raise SpaceError(
                 f"tune.search.{name}", f"{name} cannot be searched on {framework}: {reason}"
             )
@@ -185,13 +184,9 @@ def _dimension(cls: type, knob_name: str, given: Any, step: float, framework: st
         allowed = ["intensity", *by_name]
         raise SpaceError(path, f"{cls.name} has no knob {knob_name!r}", allowed)
     knob = by_name[knob_name]
-    if framework not in (knob.frameworks or (framework,)):
-        raise SpaceError(
-            path,
-            f"{cls.name}.{knob_name} is a knob of {' and '.join(knob.frameworks)} only; "
-            f"this scenario runs on {framework}",
-            [k.name for k in cls.knobs if framework in (k.frameworks or (framework,))],
-        )
+    if not knob.runs_on(framework):
+        allowed = [k.name for k in cls.knobs if k.runs_on(framework)]
+        raise SpaceError(path, knob.elsewhere(cls.name, framework), allowed)
     try:
         if isinstance(given, list):
             values = tuple(dict.fromkeys(knob.coerce(v) for v in given))
