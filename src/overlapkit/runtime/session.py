@@ -249,12 +249,14 @@ class Session(EpochLoop, SavedState):
         if self.world.is_main and self.state.run_dir is not None:
             self._logs.append(LiveSteps(self.state.run_dir))
         if self.world.is_main and self._tensorboard is not None:
-            setting: dict[str, Any] = {
-                o.name: {"intensity": o.intensity, **o.settings}
-                for o in self.scheduler.optimizations
-            }
-            setting["scheduler"] = {"policy": self.scheduler.policy.name}
-            self._logs.append(TensorBoardSteps(self._tensorboard, setting))
+            self._logs.append(
+                TensorBoardSteps(
+                    self._tensorboard,
+                    self.scheduler.optimizations,
+                    "torch",
+                    self.scheduler.policy.name,
+                )
+            )
 
     def start_step(self) -> None:
         if self._gap_since is not None:  # the time since the last epoch ended

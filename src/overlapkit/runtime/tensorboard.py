@@ -5,12 +5,14 @@ text, written with torch's SummaryWriter (the ``tensorboard`` package, the
 
 from __future__ import annotations
 
-import importlib.util
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ..config import Config
+from ..packages import installed
+from .optimization import Optimization, settings_on
 
 
 class LogConfig(Config):
@@ -21,11 +23,8 @@ class LogConfig(Config):
 
 def tensorboard_missing() -> str | None:
     """Why TensorBoard's event files cannot be written here, or None."""
-    try:
-        if importlib.util.find_spec("tensorboard") is not None:
-            return None
-    except (ImportError, ValueError):
-        pass
+    if installed("tensorboard"):
+        return None
     return (
         "log.tensorboard needs the tensorboard package, which is not installed: "
         "pip install 'overlapkit[tensorboard]'"
@@ -33,15 +32,23 @@ def tensorboard_missing() -> str | None:
 
 
 class TensorBoardSteps:
-    """Writes each finished step (the same records as ``steps.jsonl``) as scalars."""
+    """Writes each finished step (the same records as ``steps.jsonl``) as scalars, and
+    the run's setting (its optimizations' knobs on ``framework``, the policy) as text."""
 
-    def __init__(self, folder: str | Path, setting: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        optimizations: Iterable[Optimization],
+        framework: str,
+        policy: str,
+    ) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(folder))
-        if setting:
-            text = json.dumps(setting, indent=2, default=str)
-            self._writer.add_text("setting", f"```\n{text}\n```", 0)
+        setting: dict[str, Any] = {o.name: settings_on(o, framework) for o in optimizations}
+        setting["scheduler"] = {"policy": policy}
+        text = json.dumps(setting, indent=2, default=str)
+        self._writer.add_text("setting", f"```\n{text}\n```", 0)
 
     def write(self, record: dict[str, Any], samples_per_s: float) -> None:
         step, add = record["step"], self._writer.add_scalar

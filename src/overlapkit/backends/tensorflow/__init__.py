@@ -8,8 +8,8 @@ TensorFlow plug in through their ``tensorflow`` engines (see
 
 from __future__ import annotations
 
-from ...optimizations.prefetch.extras import installed
 from ...optimizations.prefetch.tfdata_backend import import_tensorflow
+from ...packages import installed
 
 
 def tensorflow_missing() -> str | None:

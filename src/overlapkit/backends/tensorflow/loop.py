@@ -30,7 +30,7 @@ from ...runtime.distributed import World, all_gather_objects
 from ...runtime.events import Event
 from ...runtime.hardware import describe_node, nodes_of
 from ...runtime.metrics import PhaseClock, step_record, summarize
-from ...runtime.optimization import Optimization, settings_on
+from ...runtime.optimization import Optimization
 from ...runtime.progress import ProgressBar
 from ...runtime.report import LiveSteps, print_summary, write_run_files
 from ...runtime.scheduler import Scheduler
@@ -211,11 +211,14 @@ class TfLoop:
             return []
         logs: list[Any] = [LiveSteps(self.run_dir)] if self.run_dir is not None else []
         if self.scenario.log.tensorboard is not None:
-            setting: dict[str, Any] = {
-                o.name: settings_on(o, "tensorflow") for o in self.optimizations
-            }
-            setting["scheduler"] = {"policy": self.scheduler.policy.name}
-            logs.append(TensorBoardSteps(self.scenario.log.tensorboard, setting))
+            logs.append(
+                TensorBoardSteps(
+                    self.scenario.log.tensorboard,
+                    self.optimizations,
+                    "tensorflow",
+                    self.scheduler.policy.name,
+                )
+            )
         return logs
 
     def evaluate(self, step: int) -> None:

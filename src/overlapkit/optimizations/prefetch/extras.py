@@ -3,7 +3,7 @@ says how to install them."""
 
 from __future__ import annotations
 
-import importlib.util
+from ...packages import installed
 
 # back end -> (module it imports, package users know, overlapkit extra that installs it)
 NEEDS = {
@@ -14,13 +14,6 @@ NEEDS = {
 
 class MissingDependencyError(ImportError):
     """A back end's optional package is not installed."""
-
-
-def installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package missing, or blocked in sys.modules
-        return False
 
 
 def missing(backend: str) -> str | None:
