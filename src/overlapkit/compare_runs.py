@@ -46,7 +46,7 @@ def load_run(folder: Path) -> dict[str, Any]:
 
 def compare_document(folders: list[Path]) -> dict[str, Any]:
     summaries = [load_run(folder) for folder in folders]
-    labels = _labels(folders, summaries)
+    labels = _labels(folders)
     phases = list(dict.fromkeys(p for s in summaries for p in s.get("phases_s", {})))
     first = summaries[0]["samples_per_s"]
     runs = []
@@ -97,7 +97,7 @@ def _at(section: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def _labels(folders: list[Path], summaries: list[dict[str, Any]]) -> list[str]:
+def _labels(folders: list[Path]) -> list[str]:
     """Each run's folder name; its parent's too where two share a name."""
     names = [Path(f).resolve().name for f in folders]
     taken = Counter(names)

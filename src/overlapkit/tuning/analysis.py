@@ -204,21 +204,21 @@ class Analysis:
         return self._best_of(self.ranked(searched=True))
 
     @cached_property
+    def _sigmas(self) -> list[float]:
+        """Each setting measured more than once: its own relative standard deviation."""
+        spreads = (self.spread(same[0].params) for same in self.groups.values())
+        return [spread.sigma for spread in spreads if spread.sigma is not None]
+
+    @property
     def noise(self) -> float | None:
         """One measurement's relative standard deviation (0.05: about +-5 %), from the
         settings measured more than once (see `NOISE_METHOD`); None when none was."""
-        sigmas = [
-            sigma for params in self._settings() if (sigma := self.spread(params).sigma) is not None
-        ]
-        return statistics.median(sigmas) if sigmas else None
+        return statistics.median(self._sigmas) if self._sigmas else None
 
     @property
     def noise_settings(self) -> int:
         """How many settings the noise was estimated from."""
-        return sum(1 for p in self._settings() if self.spread(p).sigma is not None)
-
-    def _settings(self) -> list[dict[str, Any]]:
-        return [same[0].params for same in self.groups.values()]
+        return len(self._sigmas)
 
     def flagged(self, spread: Spread | None) -> bool:
         """Its repeats disagree by more than the noise explains."""
@@ -417,9 +417,8 @@ class Analysis:
         level is within the noise of the peak)."""
         if not points:
             return None, False
-        spreads = {id(p): _spread_of(p) for p in points}
-        peak = max(points, key=lambda p: p["median"])
-        equal = [p for p in points if not self.differs(spreads[id(p)], spreads[id(peak)])]
+        peak = _spread_of(max(points, key=lambda p: p["median"]))
+        equal = [p for p in points if not self.differs(_spread_of(p), peak)]
         flat = len(equal) == len(points) and len(points) > 1
         ordered = sorted(equal, key=lambda p: _order(p["level"]))
         return ordered[0]["level"], flat

@@ -53,6 +53,7 @@ def write_report(
 def report_document(analysis: Analysis) -> dict[str, Any]:
     best = analysis.best
     best_spread = None if best is None else analysis.spread(best.params)
+    comparison = analysis.comparison()
     return {
         "study": analysis.study.study_name,
         "metric": analysis.metric,
@@ -96,8 +97,8 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
             f"the log-medians; a setting whose own spread exceeds {DISAGREE:g}x the noise "
             "is flagged and judged by its own spread"
         ),
-        "warnings": _warnings(analysis),
-        "comparison": analysis.comparison(),
+        "warnings": _warnings(analysis, comparison),
+        "comparison": comparison,
         "curves": analysis.curves(),
         "interactions": analysis.interactions(),
         "importances": analysis.importances(),
@@ -115,7 +116,7 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
     }
 
 
-def _warnings(analysis: Analysis) -> list[str]:
+def _warnings(analysis: Analysis, comparison: list[dict[str, Any]]) -> list[str]:
     out = []
     if analysis.repeats < 3:
         out.append(
@@ -132,7 +133,7 @@ def _warnings(analysis: Analysis) -> list[str]:
             "no setting was measured twice: the noise is unknown, and differences under "
             "2 % are read as equal without knowing whether that is enough"
         )
-    disagree = [r["row"] for r in analysis.comparison() if r["disagree"]]
+    disagree = [r["row"] for r in comparison if r["disagree"]]
     if disagree:
         out.append(
             "repeats disagree by more than the noise in: "
