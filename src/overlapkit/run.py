@@ -61,7 +61,7 @@ def rank_main(
                 model = scenario.model.build()
                 session = Session(
                     optimizations,
-                    policy=scenario.scheduler.policy,
+                    policy=scenario.scheduler.build(),
                     world=world,
                     precision=cfg.precision,
                     warmup_steps=cfg.warmup_steps,

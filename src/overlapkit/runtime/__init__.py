@@ -11,7 +11,8 @@ from ..lazy import lazy_exports
 # needs no torch (`report`'s live step log, `hardware`'s names, read by the Ray actor
 # on each machine) can then be imported without torch.
 _EXPORTS = {
-    "POLICIES": ".arbitration",
+    "POLICIES": ".policies",
+    "PartitionPolicy": ".partition",
     "ArbitrationPolicy": ".arbitration",
     "PriorityPolicy": ".arbitration",
     "Event": ".events",
@@ -19,6 +20,7 @@ _EXPORTS = {
     "PhaseClock": ".metrics",
     "COMM_WAIT": ".optimization",
     "CombinationError": ".optimization",
+    "Demand": ".optimization",
     "Knob": ".optimization",
     "KnobError": ".optimization",
     "Optimization": ".optimization",
@@ -41,10 +43,12 @@ __all__ = [
     "ArbitrationPolicy",
     "CombinationError",
     "DataParallel",
+    "Demand",
     "Event",
     "Knob",
     "KnobError",
     "Optimization",
+    "PartitionPolicy",
     "PhaseClock",
     "Plan",
     "PriorityPolicy",
@@ -64,12 +68,13 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from .arbitration import POLICIES, ArbitrationPolicy, PriorityPolicy
+    from .arbitration import ArbitrationPolicy, PriorityPolicy
     from .events import Event
     from .metrics import PHASES, PhaseClock
     from .optimization import (
         COMM_WAIT,
         CombinationError,
+        Demand,
         Knob,
         KnobError,
         Optimization,
@@ -78,6 +83,8 @@ if TYPE_CHECKING:
         WrapStage,
         register_optimization,
     )
+    from .partition import PartitionPolicy
+    from .policies import POLICIES
     from .scheduler import Scheduler, SchedulerConfig, resolve_order
     from .session import Session
     from .state import DataParallel, Shard, State

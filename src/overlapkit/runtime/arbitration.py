@@ -4,6 +4,9 @@ Critical-path code (the step itself, e.g. waiting for an all-reduce) marks the
 resources it is using with `ArbitrationPolicy.critical`. Background work (a
 checkpoint persist, a prefetch worker) wraps each chunk of its work in
 `ArbitrationPolicy.background`. The policy decides whether a chunk may run now.
+Threads that work beside the step `join` the policy when they start, and loader
+workers call its `worker_gate` before each sample: a policy that places work on
+cores (``partition``, in `partition`) does it there.
 """
 
 from __future__ import annotations
@@ -14,15 +17,71 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from .optimization import Resource
+from .optimization import Demand, Knob, KnobError, Resource
+
+if TYPE_CHECKING:
+    from .state import State
 
 
 class ArbitrationPolicy:
     """``free``: everything runs whenever it wants (the naive all-on baseline)."""
 
     name: ClassVar[str] = "free"
+    # Its own settings, declared once: scenarios set them under scheduler.<name>,
+    # `overlapkit list` shows them, the tuner can search them.
+    knobs: ClassVar[tuple[Knob, ...]] = ()
+    frameworks: ClassVar[tuple[str, ...]] = ("torch", "tensorflow")
+    why_not: ClassVar[str] = ""  # why it does not run on the other frameworks
+
+    @classmethod
+    def resolve(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        """Every knob's value: its default, or the one given (validated)."""
+        by_name = {k.name: k for k in cls.knobs}
+        unknown = [key for key in settings if key not in by_name]
+        if unknown:
+            allowed = list(by_name)
+            raise KnobError(
+                unknown[0],
+                f"the {cls.name} policy has no setting {unknown[0]!r}"
+                + (f"; allowed: {', '.join(allowed)}" if allowed else "; it has none"),
+                allowed,
+            )
+        return {
+            k.name: k.coerce(settings[k.name]) if k.name in settings else k.default
+            for k in cls.knobs
+        }
+
+    # Placement: only a policy that divides the cores does something here.
+    def arrange(
+        self,
+        state: State,
+        demands: list[Demand],
+        mark: Callable[[int, str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        """Before the first step, once the wrappers have started what they declare;
+        ``mark(step, name, args)`` puts an instant into the trace."""
+
+    def step_done(self, state: State, samples: int = 0) -> None:
+        """After each step (``samples``: what it took on this rank)."""
+
+    def join(self, consumer: str) -> None:
+        """Called by a thread working beside the step (``consumer``: "feeder",
+        "persist") when it starts."""
+
+    def worker_gate(
+        self, consumer: str, *resources: Resource, on_cpu: bool = True
+    ) -> Callable[[], None] | None:
+        """What a loader worker (``consumer``) calls before each sample; None: nothing."""
+        return self.process_gate(*resources) if on_cpu else None
+
+    def close(self) -> None:
+        """After the last step: undo what the policy changed in this process."""
+
+    def detail(self) -> dict[str, Any] | None:
+        """This rank's part of the summary (the summary has one per rank); None: none."""
+        return None
 
     @contextmanager
     def critical(self, *resources: Resource) -> Iterator[None]:
@@ -153,9 +212,3 @@ class ProcessGate:
         with self.shared.waits.get_lock():
             self.shared.waits[0] += 1
             self.shared.waits[1] += time.perf_counter() - start
-
-
-POLICIES: dict[str, type[ArbitrationPolicy]] = {
-    ArbitrationPolicy.name: ArbitrationPolicy,
-    PriorityPolicy.name: PriorityPolicy,
-}

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .cores import available
 from .gpus import GPUSetupError, check_rank_count
 
 
@@ -29,6 +30,7 @@ class World:
     device: torch.device
     backend: str
     adopted: bool = False  # the process group was started by someone else (Ray Train)
+    threads: int | None = None  # compute threads the user asked for (None: the default)
 
     @property
     def is_main(self) -> bool:
@@ -95,9 +97,9 @@ def init_world(
         os.environ.update(environment(backend))
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
-    # Ranks on one host share its cores; oversubscribing them slows every rank.
-    cores = os.cpu_count() or 1
-    torch.set_num_threads(threads or max(1, cores // local_world_size))
+    # Ranks on one host share the cores it lets this process use (its CPU affinity);
+    # oversubscribing them slows every rank.
+    torch.set_num_threads(threads or max(1, len(available()) // local_world_size))
     if world_size > 1 and not adopted:
         dist.init_process_group(
             process_group_backend(backend),
@@ -106,7 +108,9 @@ def init_world(
             timeout=timedelta(seconds=timeout_s),
             device_id=torch_device if torch_device.type == "cuda" else None,
         )
-    return World(rank, world_size, local_rank, local_world_size, torch_device, backend, adopted)
+    return World(
+        rank, world_size, local_rank, local_world_size, torch_device, backend, adopted, threads
+    )
 
 
 def _adopt_backend(wanted: str) -> str:

@@ -37,6 +37,19 @@ class Resource(str, Enum):
 COMM_WAIT = (Resource.NETWORK, Resource.HOST_CPU)
 
 
+@dataclass(frozen=True)
+class Demand:
+    """Work of an optimization that runs beside the step on the rank's host cores,
+    as it declares it: ``threads`` threads or processes of ``consumer`` ("loader",
+    "feeder", "persist"). Its cost is measured, not declared: the threads join
+    the policy (`ArbitrationPolicy.join`, or a worker gate), which reads their CPU
+    time."""
+
+    consumer: str
+    threads: int
+    owner: str = ""
+
+
 class WrapStage(IntEnum):
     """The fixed order in which wrappers are applied: split the model, then
     wrap it for data parallelism, then everything else."""
@@ -295,6 +308,11 @@ class Optimization:
 
     def wrap_loader(self, loader: Any, state: State) -> Any:
         return loader
+
+    def cpu_demands(self, state: State) -> list[Demand]:
+        """What this optimization runs beside the step on the host's cores, once
+        its wrappers are applied (the ``partition`` policy divides the cores by it)."""
+        return []
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -13,16 +13,41 @@ from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any, Literal
 
+from pydantic import model_validator
+
 from ..config import Config
-from .arbitration import POLICIES, ArbitrationPolicy
+from .arbitration import ArbitrationPolicy
 from .events import Event
-from .optimization import CombinationError, Optimization, Plan, WrapStage, check_framework
+from .optimization import (
+    CombinationError,
+    KnobError,
+    Optimization,
+    Plan,
+    WrapStage,
+    check_framework,
+)
+from .policies import POLICIES
 from .state import State
 
 
 class SchedulerConfig(Config):
-    policy: Literal["free", "priority"] = "free"
+    policy: Literal["free", "priority", "partition"] = "free"
     trace: bool = False  # also write a Chrome/Perfetto trace of the hooks
+    # The partition policy's own knobs (`PartitionPolicy.knobs`); used when it is chosen.
+    partition: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _check_settings(self) -> SchedulerConfig:
+        try:
+            POLICIES["partition"].resolve(self.partition)
+        except KnobError as error:
+            raise ValueError(f"scheduler.partition: {error}") from None
+        return self
+
+    def build(self) -> ArbitrationPolicy:
+        """The policy, with its settings."""
+        cls = POLICIES[self.policy]
+        return cls(**self.partition) if cls.name == "partition" else cls()
 
 
 class Trace:
@@ -35,7 +60,12 @@ class Trace:
         self.entries: list[tuple[int, str, str, float, float]] = []
         self.max_entries = max_entries
         self.totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+        self.marks: list[tuple[int, str, float, dict[str, Any]]] = []  # instants, with details
         self._origin = perf_counter()
+
+    def mark(self, step: int, name: str, args: dict[str, Any]) -> None:
+        """An instant worth seeing in the trace (the policy's split of the cores)."""
+        self.marks.append((step, name, perf_counter() - self._origin, args))
 
     def record(self, step: int, event: Event, name: str, start: float, end: float) -> None:
         if len(self.entries) < self.max_entries:
@@ -60,7 +90,7 @@ class Trace:
 
     def chrome_events(self, pid: int = 0) -> list[dict[str, Any]]:
         """Entries in the Chrome trace-event format (opens in Perfetto)."""
-        return [
+        hooks = [
             {
                 "name": f"{name}.{event}",
                 "cat": "hook",
@@ -73,6 +103,20 @@ class Trace:
             }
             for step, event, name, start, duration in self.entries
         ]
+        marks = [
+            {
+                "name": name,
+                "cat": "scheduler",
+                "ph": "i",
+                "s": "p",
+                "ts": at * 1e6,
+                "pid": pid,
+                "tid": 0,
+                "args": {"step": step, **args},
+            }
+            for step, name, at, args in self.marks
+        ]
+        return hooks + marks
 
 
 def resolve_order(optimizations: Sequence[Optimization]) -> list[Optimization]:
@@ -157,6 +201,11 @@ class Scheduler:
         framework: str = "torch",
     ) -> None:
         """Each optimization's own checks, then its checks of the whole plan."""
+        if framework not in self.policy.frameworks:
+            raise CombinationError(
+                f"scheduler.policy {self.policy.name} runs on {' and '.join(self.policy.frameworks)}"
+                f" only: {self.policy.why_not}"
+            )
         for opt in self.optimizations:
             check_framework(opt, framework)
         for opt in self.optimizations:
@@ -199,6 +248,11 @@ class Scheduler:
                 state.optimizer = opt.wrap_optimizer(state.optimizer, state)
             if state.loader is not None:
                 state.loader = opt.wrap_loader(state.loader, state)
+
+    def arrange(self, state: State) -> None:
+        """Before the first step: the policy places the work the optimizations declare."""
+        demands = [d for opt in self.optimizations for d in opt.cpu_demands(state)]
+        self.policy.arrange(state, demands, self.trace.mark)
 
     def fire(self, event: Event, state: State) -> None:
         hooks = self._hooks[event]

@@ -241,6 +241,7 @@ class Session(EpochLoop, SavedState):
             return
         self._started = True
         self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
+        self.scheduler.arrange(self.state)
         self._start = self._where()
         if self._start.resumed_from is not None and self.world.is_main:
             note(self._start.describe())
@@ -392,6 +393,7 @@ class Session(EpochLoop, SavedState):
         state.step += 1
         self._steps_this_run += 1
         self._in_step = False
+        state.policy.step_done(state, self._step_samples)
 
     def _record(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -467,6 +469,7 @@ class Session(EpochLoop, SavedState):
         if self._in_step:  # a loop left mid-step (an exception, a generator not closed)
             self.end_step()
         self.scheduler.fire(Event.FIT_END, self.state)
+        self.scheduler.policy.close()
         self._warn_if_no_steps()
         for record in self._step_log.drain():
             self._record(record)
@@ -476,14 +479,15 @@ class Session(EpochLoop, SavedState):
                 self.records,
                 self.scheduler.trace.chrome_events(self.world.rank) if self._trace else None,
                 describe_node(self.world.device),
+                self.scheduler.policy.detail(),
             ),
             self.world,
         )
         records = sorted(
-            (r for rs, _, _ in gathered for r in rs), key=lambda r: (r["step"], r["rank"])
+            (r for rs, *_ in gathered for r in rs), key=lambda r: (r["step"], r["rank"])
         )
         summary = {"name": self.name, **summarize(records, self.world.world_size)}
-        summary["hardware"] = {"nodes": nodes_of([node for _, _, node in gathered])}
+        summary["hardware"] = {"nodes": nodes_of([node for _, _, node, _ in gathered])}
         summary["optimizations"] = self.scheduler.summary()
         summary["scheduler"] = {
             "policy": self.scheduler.policy.name,
@@ -491,6 +495,9 @@ class Session(EpochLoop, SavedState):
             "hooks": self.scheduler.trace.summary(),
             **self.scheduler.policy.stats(),
         }
+        details = [detail for *_, detail in gathered]
+        if any(d is not None for d in details):
+            summary["scheduler"][self.scheduler.policy.name] = details  # one per rank
         if self._grad_sync is not None:
             summary["grad_sync"] = {
                 "mode": "flat_allreduce",
@@ -511,7 +518,7 @@ class Session(EpochLoop, SavedState):
         run_dir = self.state.run_dir
         if run_dir is not None and self.world.is_main:
             trace = (
-                [e for _, events, _ in gathered for e in (events or [])] if self._trace else None
+                [e for _, events, *_ in gathered for e in (events or [])] if self._trace else None
             )
             write_run_files(run_dir, records, summary, trace)
         if self._print_summary:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-from ...runtime import Knob, Optimization, Resource, State, register_optimization
+from ...runtime import Demand, Knob, Optimization, Resource, State, register_optimization
 from ...runtime.distributed import all_gather_objects
 from ...runtime.timing import Marks
 from .coordination import Collectives, Domains, probe_domains
@@ -130,7 +131,9 @@ class Checkpoint(Optimization):
     def _start_writers(self, state: State) -> None:
         world = state.world
         self._marks = Marks(world.device)
-        self._snapshotter = Snapshotter(world.device, self.settings["max_in_flight"])
+        self._snapshotter = Snapshotter(
+            world.device, self.settings["max_in_flight"], join=partial(state.policy.join, "persist")
+        )
         self._persister = Persister(
             self.root,
             world.rank,
@@ -143,6 +146,10 @@ class Checkpoint(Optimization):
             nice=self.settings["persist_nice"],
         )
         self._last_step = state.step
+
+    def cpu_demands(self, state: State) -> list[Demand]:
+        # The persist thread (and, on a CPU, each snapshot's background copy).
+        return [Demand("persist", 1, self.name)] if self._persister is not None else []
 
     def _make_root(self) -> None:
         try:

@@ -75,6 +75,7 @@ class Persister:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        self.policy.join("persist")  # a policy that places work on cores places this thread
         # Linux applies nice values per thread: the persist fills the cores' idle gaps
         # instead of taking them from the training step's compute threads.
         if self.nice:

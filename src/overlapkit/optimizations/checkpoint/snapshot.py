@@ -150,8 +150,14 @@ class Snapshotter:
     """Takes snapshots into reused host buffers, deferring the tensors in
     ``deferrable`` (by storage address) to the background."""
 
-    def __init__(self, device: torch.device, buffer_sets: int = 1) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        buffer_sets: int = 1,
+        join: Callable[[], None] | None = None,
+    ) -> None:
         self.device = device
+        self._join = join  # called first on each background copy's thread
         self.sets = [HostBuffers(pin=device.type == "cuda") for _ in range(buffer_sets)]
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._reserving: threading.Thread | None = None
@@ -223,9 +229,10 @@ class Snapshotter:
             ).start()
         return snapshot
 
-    @staticmethod
-    def _copy(snapshot: Snapshot, deferred: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _copy(self, snapshot: Snapshot, deferred: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         try:
+            if self._join is not None:
+                self._join()
             with torch.no_grad():
                 for buffer, tensor in deferred:
                     buffer.copy_(tensor)  # releases the GIL: overlaps the training thread

@@ -31,9 +31,11 @@ class Feeder:
         device: torch.device,
         depth: int,
         gate: Callable[[], None] | None = None,
+        join: Callable[[], None] | None = None,
     ) -> None:
         self.device = device
         self._gate = gate  # called before loading each batch: background work may wait
+        self._join = join  # called once on the thread: the policy may place it
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -44,6 +46,8 @@ class Feeder:
 
     def _run(self, source: Iterator[Any]) -> None:
         try:
+            if self._join is not None:
+                self._join()
             # On a GPU the back end's own copies (DALI's) and ours run on the side stream.
             with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
                 while True:

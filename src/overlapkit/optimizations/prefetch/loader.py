@@ -41,16 +41,18 @@ class PrefetchLoader:
         device: torch.device,
         feeder_depth: int,
         gate: Callable[[], None] | None = None,
+        join: Callable[[], None] | None = None,
     ) -> None:
         self.inner, self.backend = inner, backend
         self.device, self.feeder_depth, self.gate = device, feeder_depth, gate
+        self.join = join  # called by the feeder thread when it starts
         self.dataset, self.batch_size, self.sampler = inner.dataset, inner.batch_size, inner.sampler
         self.epoch, self.position = inner.epoch, inner.position
 
     def __iter__(self) -> Iterator[Any]:
         batches = self.backend.iterate(self.epoch, self.position)
         if self.feeder_depth:
-            batches = iter(Feeder(batches, self.device, self.feeder_depth, self.gate))
+            batches = iter(Feeder(batches, self.device, self.feeder_depth, self.gate, self.join))
         try:
             for batch in batches:
                 self.position += 1

@@ -9,7 +9,6 @@ handed over (on a GPU: copied to the device on a side stream). At intensity
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 from ...data import ResumableLoader, ScriptLoader
 from ...runtime import (
     CombinationError,
+    Demand,
     Knob,
     Optimization,
     Plan,
@@ -25,6 +25,7 @@ from ...runtime import (
     State,
     register_optimization,
 )
+from ...runtime.cores import available, rank_share
 from .extras import missing
 from .gated import GatedDataset
 from .loader import PrefetchLoader
@@ -134,13 +135,13 @@ class Prefetch(Optimization):
             )
         device = state.world.device
         pin = s["pin_memory"] and device.type == "cuda"
-        # On a CPU, loading competes with the step for the cores: under the "priority"
-        # policy the workers (and the feeder thread) wait while the step waits on
-        # communication, sample by sample.
+        # Workers (processes, or a back end's threads) call the policy's gate before each
+        # sample: on a CPU, under "priority", they wait while the step waits on
+        # communication; under "partition" they move onto the cores it gives loading.
         on_cpu = device.type == "cpu"
-        if on_cpu and s["workers"] and not isinstance(loader.dataset, GatedDataset):
+        if s["workers"] and not isinstance(loader.dataset, GatedDataset):
             # Asked for only here: once made, every critical section also marks shared memory.
-            worker_gate = state.policy.process_gate(Resource.HOST_CPU)
+            worker_gate = state.policy.worker_gate("loader", Resource.HOST_CPU, on_cpu=on_cpu)
             if worker_gate is not None:
                 loader.dataset = GatedDataset(loader.dataset, worker_gate)
         backend = _build_backend(s, loader, device, pin)
@@ -150,12 +151,23 @@ class Prefetch(Optimization):
         if s["backend"] in ("torch", "dali") and s["workers"] == 0:
             feeder_depth = max(feeder_depth, s["depth"])
         gate = partial(state.policy.pause, Resource.HOST_CPU) if on_cpu else None
-        self.loader = PrefetchLoader(loader, backend, device, feeder_depth, gate)
-        self.cores = max(1, (os.cpu_count() or 1) // max(1, state.world.local_world_size))
+        join = partial(state.policy.join, "feeder")
+        self.loader = PrefetchLoader(loader, backend, device, feeder_depth, gate, join)
+        world = state.world
+        self.cores = len(rank_share(available(), world.local_rank, world.local_world_size))
         self.compute_threads = torch.get_num_threads()
         return self.loader
 
+    def cpu_demands(self, state: State) -> list[Demand]:
+        if self.loader is None:
+            return []
+        demands = [Demand("loader", self.settings["workers"], self.name)]
+        if self.loader.feeder_depth:
+            demands.append(Demand("feeder", 1, self.name))
+        return [d for d in demands if d.threads]
+
     def on_fit_end(self, state: State) -> None:
+        self.compute_threads = torch.get_num_threads()  # as the policy left them
         if self.loader is not None:
             self.loader.close()
 

@@ -1,0 +1,399 @@
+"""``partition``: the rank's cores divided between the step's compute threads and
+the work beside it (loader workers, the prefetch feeder, checkpoint persists).
+
+Before the first step the split follows what the optimizations declare
+(`Optimization.cpu_demands`): compute keeps every core of the rank and the
+background work shares them at a low priority, so it fills the step's idle
+gaps instead of preempting it. After ``profile_steps`` steps the policy knows
+what the background work really costs (the CPU time of its threads, read from
+/proc) and divides again: the background gets as many cores of its own as it
+kept busy on average, compute the rest (its thread count follows). With
+``spill`` the background may still use the compute cores at that low priority
+when they idle. Communication (gloo's threads) runs on the compute cores: it
+works while the step waits for it.
+
+Each thread or process is pinned with ``sched_setaffinity``; the split is in
+the summary (``scheduler.partition``, one entry per rank) and in the trace.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from time import perf_counter
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from . import cores as linux
+from .arbitration import ArbitrationPolicy
+from .optimization import Demand, Knob, Resource
+
+if TYPE_CHECKING:
+    from .state import State
+
+COMPUTE = "compute"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the first steps measured: the wall time of a step and the CPU time the
+    background work needs per step. Loader workers run ahead of the step or fall
+    behind it, so theirs is their CPU time per sample loaded times the samples a
+    step takes; the other threads' is their CPU time over the steps."""
+
+    steps: int
+    step_s: float
+    background_cpu_s: float
+    loader_cpu_s_per_sample: float | None = None
+
+    @property
+    def cores_needed(self) -> float:
+        """How many cores the background kept busy on average."""
+        return self.background_cpu_s / self.step_s if self.step_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Split:
+    """The rank's cores, and which of them compute and each background consumer use."""
+
+    cores: tuple[int, ...]
+    compute: tuple[int, ...]
+    background: tuple[int, ...]  # the background's own cores (may be none)
+    compute_threads: int
+    consumers: dict[str, tuple[int, ...]] = field(default_factory=dict)  # background ones
+    basis: str = "declared"  # declared, profiled, set (by a knob or world.threads)
+    profile: Profile | None = None
+
+    def cores_of(self, consumer: str) -> tuple[int, ...]:
+        return self.compute if consumer == COMPUTE else self.consumers.get(consumer, self.compute)
+
+    def shares_compute(self, consumer: str) -> bool:
+        return bool(set(self.cores_of(consumer)) & set(self.compute))
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {
+            "cores": list(self.cores),
+            "compute": list(self.compute),
+            "compute_threads": self.compute_threads,
+            "background": list(self.background),
+            "consumers": {name: list(c) for name, c in self.consumers.items()},
+            "basis": self.basis,
+        }
+        if self.profile is not None:
+            out["profile"] = {**asdict(self.profile), "cores_needed": self.profile.cores_needed}
+        return out
+
+
+def size_split(
+    cores: list[int],
+    demands: list[Demand],
+    *,
+    threads: int | None = None,
+    background_cores: int | None = None,
+    spill: bool = True,
+    profile: Profile | None = None,
+) -> Split:
+    """Divide ``cores``: the background keeps ``background_cores`` of its own if set,
+    else what ``threads`` (world.threads) leaves, else as many as the ``profile``
+    says it kept busy (rounded), else none (the declared split). Compute always
+    keeps at least one core, and the background never more cores than its
+    threads. Without cores of its own, or with ``spill``, the background also
+    runs on the compute cores."""
+    n = len(cores)
+    wanted = sum(d.threads for d in demands)
+    if background_cores is not None:
+        basis, own = "set", background_cores
+    elif threads is not None:
+        basis, own = "set", n - threads
+    elif profile is not None:
+        basis, own = "profiled", math.floor(profile.cores_needed + 0.5)
+    else:
+        basis, own = "declared", 0
+    own = max(0, min(own, n - 1, wanted))
+    compute = tuple(cores[: n - own])
+    background = tuple(cores[n - own :])
+    shared = spill or not background
+    places = tuple(sorted(set(background) | (set(compute) if shared else set())))
+    consumers = {d.consumer: places for d in demands if d.threads}
+    return Split(
+        cores=tuple(cores),
+        compute=compute,
+        background=background,
+        compute_threads=threads if threads is not None else len(compute),
+        consumers=consumers,
+        basis=basis,
+        profile=profile,
+    )
+
+
+class PinGate:
+    """Called by a loader worker (a process, or a thread of a back end) before each
+    sample: the first time, and whenever the split changes, it moves its own thread
+    onto its consumer's cores (at the background's priority where they are the
+    compute cores too) and records its thread id, so that the policy can measure
+    the CPU time it uses. It reaches worker processes by inheritance or pickling."""
+
+    SLOTS = 256
+
+    def __init__(self) -> None:
+        self.mask = multiprocessing.RawArray("b", max(linux.available(), default=0) + 1)
+        self.nice = multiprocessing.RawValue("i", 0)
+        self.version = multiprocessing.RawValue("i", 0)
+        self.slots = multiprocessing.Array("i", self.SLOTS)  # thread ids, with a lock
+        self.counts = multiprocessing.RawArray("q", self.SLOTS)  # samples, one writer each
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    def set(self, cores: tuple[int, ...], nice: int) -> None:
+        for i in range(len(self.mask)):
+            self.mask[i] = 1 if i in cores else 0
+        self.nice.value = nice
+        self.version.value += 1
+
+    def tids(self) -> list[int]:
+        with self.slots.get_lock():
+            return [t for t in self.slots if t]
+
+    def samples(self) -> int:
+        return sum(self.counts)
+
+    def __call__(self) -> None:
+        local = self._local
+        seen = getattr(local, "seen", None)
+        if seen is None:
+            tid = linux.this_thread()
+            with self.slots.get_lock():
+                slot = next((i for i, t in enumerate(self.slots) if t in (0, tid)), None)
+                if slot is not None:
+                    self.slots[slot] = tid
+            local.slot = slot
+        if local.slot is not None:
+            self.counts[local.slot] += 1
+        version = self.version.value
+        if seen == version:
+            return
+        tid = linux.this_thread()
+        local.seen = version
+        if version:
+            linux.pin(tid, [i for i, on in enumerate(self.mask) if on])
+            if self.nice.value:
+                linux.lower_priority(tid, self.nice.value)
+
+
+class PartitionPolicy(ArbitrationPolicy):
+    """``partition``: compute threads, loader workers, the feeder and the persist
+    thread each on cores of their own, sized from a profile of the first steps."""
+
+    name: ClassVar[str] = "partition"
+    frameworks: ClassVar[tuple[str, ...]] = ("torch",)
+    why_not: ClassVar[str] = (
+        "TensorFlow runs its compute and tf.data threads in pools of its own, which "
+        "cannot be placed on cores from outside (use free)"
+    )
+    knobs: ClassVar[tuple[Knob, ...]] = (
+        Knob(
+            name="profile_steps",
+            type=int,
+            default=3,
+            low=0,
+            high=1000,
+            help="steps measured before the cores are divided by what the work costs "
+            "(0: keep the split made at the start)",
+        ),
+        Knob(
+            name="background_cores",
+            type=int,
+            default=None,
+            low=0,
+            high=4096,
+            help="cores kept for loader workers, the feeder and persists (unset: "
+            "as many as the profile shows them busy)",
+        ),
+        Knob(
+            name="spill",
+            type=bool,
+            default=True,
+            help="background work may also run on the compute cores, at low priority",
+        ),
+        Knob(
+            name="background_nice",
+            type=int,
+            default=0,
+            low=0,
+            high=19,
+            help="CPU priority of background work where it shares the compute cores "
+            "(19: only when they idle; measured, 19 starves latency-bound loading)",
+        ),
+    )
+
+    def __init__(self, **settings: Any) -> None:
+        self.settings = self.resolve(settings)
+        self.split: Split | None = None
+        self.history: list[dict[str, Any]] = []  # every split made, with its step
+        self._demands: list[Demand] = []
+        self._cores: list[int] = []
+        self._threads: int | None = None
+        self._joined: dict[str, set[int]] = defaultdict(set)
+        self._gates: dict[str, PinGate] = {}
+        self._lock = threading.Lock()
+        self._mark: Callable[[int, str, dict[str, Any]], None] | None = None
+        self._steps_seen = 0
+        self._window: tuple[float, float, float, int] | None = None  # `_reading` at its start
+        self._samples = 0  # taken by the steps of the profile
+        self._restore: tuple[set[int], int] | None = None
+
+    # ------------------------------------------------------------- the split
+    def arrange(
+        self,
+        state: State,
+        demands: list[Demand],
+        mark: Callable[[int, str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        import torch
+
+        world = state.world
+        self._demands, self._mark = demands, mark
+        self._restore = (set(linux.available()), torch.get_num_threads())
+        self._cores = linux.rank_share(linux.available(), world.local_rank, world.local_world_size)
+        self._threads = world.threads
+        self._divide(state.step, None)
+
+    def _divide(self, step: int, profile: Profile | None) -> None:
+        s = self.settings
+        split = size_split(
+            self._cores,
+            self._demands,
+            threads=self._threads,
+            background_cores=s["background_cores"],
+            spill=s["spill"],
+            profile=profile,
+        )
+        with self._lock:
+            self.split = split
+            self.history.append({"step": step, **split.as_dict()})
+        self._apply(split)
+        if self._mark is not None:
+            self._mark(step, "partition", split.as_dict())
+
+    def _apply(self, split: Split) -> None:
+        import torch
+
+        if torch.get_num_threads() != split.compute_threads:
+            torch.set_num_threads(split.compute_threads)  # new pool threads: pinned below
+        with self._lock:
+            joined = {tid: name for name, tids in self._joined.items() for tid in tids}
+        for tid in linux.threads_of():
+            if tid not in joined:
+                linux.pin(tid, split.compute)
+        for tid, consumer in joined.items():
+            self._place(split, consumer, tid)
+        for consumer, gate in self._gates.items():
+            gate.set(split.cores_of(consumer), self._nice(split, consumer))
+
+    def _nice(self, split: Split, consumer: str) -> int:
+        # The feeder hands each batch over to the step: a low priority would delay it.
+        if consumer == "feeder" or not split.shares_compute(consumer):
+            return 0
+        return self.settings["background_nice"]
+
+    def _place(self, split: Split, consumer: str, tid: int) -> None:
+        linux.pin(tid, split.cores_of(consumer))
+        if nice := self._nice(split, consumer):
+            linux.lower_priority(tid, nice)
+
+    # ------------------------------------------------------------ background
+    def join(self, consumer: str) -> None:
+        tid = linux.this_thread()
+        with self._lock:
+            # Threads that have ended leave (a snapshot's copy thread lives one checkpoint).
+            alive = {t for t in self._joined[consumer] if linux.cpu_seconds(t) is not None}
+            self._joined[consumer] = alive | {tid}
+            split = self.split
+        if split is not None:
+            self._place(split, consumer, tid)
+
+    def worker_gate(
+        self, consumer: str, *resources: Resource, on_cpu: bool = True
+    ) -> Callable[[], None]:
+        if consumer not in self._gates:
+            gate = self._gates[consumer] = PinGate()
+            if self.split is not None:
+                gate.set(self.split.cores_of(consumer), self._nice(self.split, consumer))
+        return self._gates[consumer]
+
+    def _reading(self) -> tuple[float, float, float, int]:
+        """Now: the time, the CPU time of the joined threads and of the workers, and
+        the samples the workers have loaded."""
+        with self._lock:
+            tids = {t for ts in self._joined.values() for t in ts}
+        workers = {t for gate in self._gates.values() for t in gate.tids()} - tids
+        return (
+            perf_counter(),
+            sum(linux.cpu_seconds(t) or 0.0 for t in tids),
+            sum(linux.cpu_seconds(t) or 0.0 for t in workers),
+            sum(gate.samples() for gate in self._gates.values()),
+        )
+
+    # --------------------------------------------------------------- profile
+    def step_done(self, state: State, samples: int = 0) -> None:
+        """The first step (start-up) is left out; the next ``profile_steps`` are
+        measured, then the cores are divided again. ``samples``: what the step took."""
+        self._steps_seen += 1
+        steps = self.settings["profile_steps"]
+        if not steps or self._steps_seen > steps + 1:
+            return
+        if self._steps_seen == 1:
+            self._window = self._reading()
+            self._samples = 0
+            return
+        self._samples += samples
+        if self._steps_seen == steps + 1 and self._window is not None:
+            (t0, threads0, workers0, loaded0), (t1, threads1, workers1, loaded1) = (
+                self._window,
+                self._reading(),
+            )
+            background = max(0.0, threads1 - threads0) / steps
+            per_sample = None
+            if loaded1 > loaded0:
+                per_sample = max(0.0, workers1 - workers0) / (loaded1 - loaded0)
+                background += per_sample * self._samples / steps
+            else:  # the workers loaded nothing: ahead of the step all along
+                background += max(0.0, workers1 - workers0) / steps
+            profile = Profile(steps, (t1 - t0) / steps, background, per_sample)
+            self._divide(state.step, profile)  # from the next step on
+
+    def close(self) -> None:
+        """Give the process's threads back the cores and thread count they had
+        (the process may run another session)."""
+        if self._restore is None:
+            return
+        import torch
+
+        cores, threads = self._restore
+        torch.set_num_threads(threads)
+        for tid in linux.threads_of():
+            linux.pin(tid, cores)
+        self._restore = None
+
+    def detail(self) -> dict[str, Any] | None:
+        if self.split is None:
+            return None
+        with self._lock:
+            threads = {name: len(tids) for name, tids in self._joined.items()}
+        for name, gate in self._gates.items():
+            threads[name] = threads.get(name, 0) + len(gate.tids())
+        return {
+            **self.split.as_dict(),
+            "threads_joined": threads,
+            "demands": [asdict(d) for d in self._demands],
+            "history": self.history,
+        }
