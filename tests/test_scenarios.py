@@ -183,7 +183,8 @@ def test_cli_check_and_list(tiny_scenario):
     catalogue = json.loads(result.stdout)
     probe = next(o for o in catalogue["optimizations"] if o["name"] == "toy_probe")
     assert probe["intensity_mapping"]["1.0"]["depth"] == 16
-    assert catalogue["scheduler_policies"] == ["free", "priority"]
+    assert catalogue["scheduler_policies"] == ["free", "priority", "partition"]
+    assert [k["name"] for k in catalogue["policy_knobs"]["partition"]][0] == "profile_steps"
     table = cli_here("list")
     assert "toy_probe" in table.stdout and "@0.5" in table.stdout
 

@@ -111,7 +111,7 @@ def test_the_space_comes_from_the_knob_declarations():
     assert dims["ddp_overlap.intensity"].values() == [0.0, 0.5, 1.0]
     assert "fp16" in dims["ddp_overlap.comm_hook"].values()  # the declared choices
     assert dims["toy_probe.depth"].values() == [2, 3, 6, 10, 16]  # log-spaced
-    assert dims["scheduler.policy"].values() == ["free", "priority"]
+    assert dims["scheduler.policy"].values() == ["free", "priority", "partition"]
     assert space.level("checkpoint").name == "checkpoint.every"
     # By default: each optimization of the scenario by its intensity.
     default = build_space({"checkpoint": {"every": 3}, "prefetch": None}, TuneConfig(policy=False))
@@ -383,7 +383,7 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     kept = 3600 / ((7200 + 60) * math.expm1(0.5))
     assert baseline["goodput"] == pytest.approx(baseline["throughput"] * kept)
     assert document["curves"]["toy_sleep"]["contention_point"] == 0.0
-    assert set(document["policy"]) == {"free", "priority"}
+    assert set(document["policy"]) == {"free", "priority", "partition"}
     # Pairwise interactions: each pair's gains over the baseline, alone and together (the
     # rows' medians), and together / (gain A x gain B) - 1.
     base_goodput = rows["baseline (all off)"]["goodput"]

@@ -221,6 +221,9 @@ def _catalogue() -> dict[str, Any]:
         "models": list(MODEL_NAMES),
         "data": list(DATA_NAMES),
         "scheduler_policies": list(POLICIES),
+        "policy_knobs": {
+            name: [k.describe() for k in cls.knobs] for name, cls in POLICIES.items() if cls.knobs
+        },
     }
 
 
@@ -262,6 +265,14 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
     console.print(f"models: {', '.join(catalogue['models'])}")
     console.print(f"data: {', '.join(catalogue['data'])}")
     console.print(f"scheduler policies: {', '.join(catalogue['scheduler_policies'])}")
+    for name, knobs in catalogue["policy_knobs"].items():
+        console.print(f"  {name} (set under scheduler.{name}):")
+        for knob in knobs:
+            span = f" {knob['range'][0]}..{knob['range'][1]}" if "range" in knob else ""
+            default = "unset" if knob["default"] is None else knob["default"]
+            console.print(
+                f"    {knob['name']} ({knob['type']}{span}, default {default}): {knob['help']}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

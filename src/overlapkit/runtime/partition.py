@@ -222,7 +222,7 @@ class PartitionPolicy(ArbitrationPolicy):
             name="spill",
             type=bool,
             default=True,
-            help="background work may also run on the compute cores, at low priority",
+            help="background work with cores of its own may also use the compute cores",
         ),
         Knob(
             name="background_nice",
@@ -250,6 +250,7 @@ class PartitionPolicy(ArbitrationPolicy):
         self._window: tuple[float, float, float, int] | None = None  # `_reading` at its start
         self._samples = 0  # taken by the steps of the profile
         self._restore: tuple[set[int], int] | None = None
+        self._free_threads = 0
 
     # ------------------------------------------------------------- the split
     def arrange(
@@ -263,6 +264,7 @@ class PartitionPolicy(ArbitrationPolicy):
         world = state.world
         self._demands, self._mark = demands, mark
         self._restore = (set(linux.available()), torch.get_num_threads())
+        self._free_threads = torch.get_num_threads()  # what free runs this rank with
         self._cores = linux.rank_share(linux.available(), world.local_rank, world.local_world_size)
         self._threads = world.threads
         self._divide(state.step, None)
@@ -384,16 +386,28 @@ class PartitionPolicy(ArbitrationPolicy):
             linux.pin(tid, cores)
         self._restore = None
 
+    def placements(self) -> dict[str, list[int]]:
+        """The thread ids of the background work, by consumer (workers included)."""
+        with self._lock:
+            out = {name: sorted(tids) for name, tids in self._joined.items()}
+        for name, gate in self._gates.items():
+            out[name] = sorted({*out.get(name, []), *gate.tids()})
+        return out
+
     def detail(self) -> dict[str, Any] | None:
         if self.split is None:
             return None
-        with self._lock:
-            threads = {name: len(tids) for name, tids in self._joined.items()}
-        for name, gate in self._gates.items():
-            threads[name] = threads.get(name, 0) + len(gate.tids())
-        return {
+        out = {
             **self.split.as_dict(),
-            "threads_joined": threads,
+            "threads_placed": {name: len(tids) for name, tids in self.placements().items()},
             "demands": [asdict(d) for d in self._demands],
             "history": self.history,
+            "notes": [],
         }
+        if any(h["compute_threads"] != self._free_threads for h in self.history):
+            out["notes"].append(
+                f"compute ran with {self.split.compute_threads} threads where free runs "
+                f"{self._free_threads}: torch's CPU kernels split their sums by thread, so "
+                "losses can differ from a free run in the last bits"
+            )
+        return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..runtime.optimization import settings_on
+from ..runtime.policies import POLICIES
 from ..tuning.space import SpaceError, build_space
 from .config import Scenario
 
@@ -39,10 +40,28 @@ def describe(scenario: Scenario) -> list[tuple[str, list[tuple[str, str]]]]:
         sections.append((f"optimizations.{optimization.name}", rows))
     if not scenario.optimizations:
         sections.append(("optimizations", [("(none)", "a plain loop")]))
-    sections.append(("scheduler", _flat(scenario.scheduler.model_dump(mode="json"))))
+    sections.append(("scheduler", _scheduler(scenario)))
     sections.append(("log", _flat(scenario.log.model_dump(mode="json"))))
     sections.append(("tune", _tune(scenario)))
     return sections
+
+
+def _scheduler(scenario: Scenario) -> list[tuple[str, str]]:
+    """The policy and trace; under partition, each of its knobs as it will run."""
+    scheduler = scenario.scheduler
+    rows = [("policy", scheduler.policy), ("trace", _text(scheduler.trace))]
+    if scheduler.policy == "partition":
+        policy = POLICIES["partition"]
+        for knob in policy.knobs:
+            value = policy.resolve(scheduler.partition)[knob.name]
+            shown = "from the profile" if value is None else _text(value)
+            rows.append(
+                (
+                    f"partition.{knob.name}",
+                    shown + ("  (set)" if knob.name in scheduler.partition else ""),
+                )
+            )
+    return rows
 
 
 def _world(scenario: Scenario) -> list[tuple[str, str]]:

@@ -40,7 +40,7 @@ class StudyPlan:
             len(space.level(n).values()) + (space.level(n).off_value is None) for n in optimizations
         )
         pairs = math.comb(len(optimizations), 2)
-        policies = sum(len(d.choices) - 1 for d in space.dimensions if d.owner == "scheduler")
+        policies = sum(len(d.choices) - 1 for d in space.dimensions if d.name == "scheduler.policy")
         analysis = sweeps + pairs + policies if tune.references else 0
         counts = {
             "references": references if tune.references else 0,

@@ -20,6 +20,7 @@ from ..runtime import POLICIES, KnobError
 from .config import TuneConfig
 
 SWEEP_POINTS = 5  # values of a wide numeric knob that a grid or a curve visits
+SCHEDULER = "scheduler"  # the owner of the policy and of its knobs' dimensions
 
 
 class SpaceError(ValueError):
@@ -123,8 +124,8 @@ class SearchSpace:
         ``levels`` (optimization -> its level value, or "max"), others from ``base``."""
         params = {}
         for d in self.dimensions:
-            if d.owner == "scheduler":
-                params[d.name] = base.get(d.name, d.choices[0])
+            if d.owner == SCHEDULER:
+                params[d.name] = base.get(d.name, d.values()[0])
             elif d.off_value is not None and d.owner not in levels:
                 params[d.name] = d.off_value
             elif d.knob == "on":
@@ -147,7 +148,10 @@ def build_space(
     ``priority`` runs as ``free``)."""
     search = tune.search if tune.search is not None else {name: None for name in optimizations}
     dims: list[Dimension] = []
+    policy_knobs = search.get(SCHEDULER)
     for name, knobs in search.items():
+        if name == SCHEDULER:
+            continue
         try:
             cls = get_optimization(name)
         except KnobError as error:
@@ -167,18 +171,51 @@ def build_space(
         for knob, given in knobs.items():
             dims.append(_dimension(cls, knob, given, tune.intensity_step, framework))
     if tune.policy and framework == "torch":
-        dims.append(Dimension("scheduler", "policy", "categorical", choices=tuple(POLICIES)))
+        dims.append(Dimension(SCHEDULER, "policy", "categorical", choices=tuple(POLICIES)))
+    if policy_knobs is not None:
+        dims += _policy_dimensions(policy_knobs, framework, tune.intensity_step)
     if not any(d.owner != "scheduler" for d in dims):
         raise SpaceError("tune.search", "nothing to search: the scenario lists no optimizations")
     return SearchSpace(tuple(dims))
 
 
-def _dimension(cls: type, knob_name: str, given: Any, step: float, framework: str) -> Dimension:
-    path = f"tune.search.{cls.name}.{knob_name}"
+def _policy_dimensions(knobs: Any, framework: str, step: float) -> list[Dimension]:
+    """``tune.search.scheduler``: the partition policy's own knobs (they take effect in
+    the trials that run under it)."""
+    cls = POLICIES["partition"]
+    if framework not in cls.frameworks:
+        raise SpaceError(
+            "tune.search.scheduler", f"the partition policy does not run on {framework}"
+        )
+    if isinstance(knobs, list):
+        knobs = {k: None for k in knobs}
+    if not knobs:
+        allowed = [k.name for k in cls.knobs]
+        raise SpaceError(
+            "tune.search.scheduler", "tune.search.scheduler names no knob to search", allowed
+        )
+    dims = []
+    for knob, given in knobs.items():
+        if knob in ("policy", "intensity"):
+            raise SpaceError(
+                f"tune.search.scheduler.{knob}",
+                "the policy is searched by tune.policy: true; name the partition policy's "
+                f"knobs here ({', '.join(k.name for k in cls.knobs)})",
+                [k.name for k in cls.knobs],
+            )
+        dims.append(_dimension(cls, knob, given, step, framework, owner=SCHEDULER))
+    return dims
+
+
+def _dimension(
+    cls: type, knob_name: str, given: Any, step: float, framework: str, owner: str | None = None
+) -> Dimension:
+    owner = owner or cls.name
+    path = f"tune.search.{owner}.{knob_name}"
     if knob_name == "intensity":
         if given is not None:
             raise SpaceError(path, "intensity is searched over 0..1 in tune.intensity_step steps")
-        return Dimension(cls.name, "intensity", "float", 0.0, 1.0, step=step)
+        return Dimension(owner, "intensity", "float", 0.0, 1.0, step=step)
     by_name = {k.name: k for k in cls.knobs}
     if knob_name not in by_name:
         allowed = ["intensity", *by_name]
@@ -190,7 +227,7 @@ def _dimension(cls: type, knob_name: str, given: Any, step: float, framework: st
     try:
         if isinstance(given, list):
             values = tuple(dict.fromkeys(knob.coerce(v) for v in given))
-            return Dimension(cls.name, knob_name, "categorical", choices=values)
+            return Dimension(owner, knob_name, "categorical", choices=values)
         if isinstance(given, dict):
             if knob.type not in (int, float):
                 raise SpaceError(path, f"{knob_name} is not a number: give a list of values")
@@ -198,17 +235,17 @@ def _dimension(cls: type, knob_name: str, given: Any, step: float, framework: st
             if unknown or not {"low", "high"} <= set(given):
                 raise SpaceError(path, "a range is {low: .., high: .., log: true|false}")
             low, high = knob.coerce(given["low"]), knob.coerce(given["high"])
-            return _numeric(cls.name, knob, low, high, bool(given.get("log", knob.log)), path)
+            return _numeric(owner, knob, low, high, bool(given.get("log", knob.log)), path)
     except KnobError as error:
         raise SpaceError(path, str(error), error.allowed) from None
     if given is not None:
         raise SpaceError(path, "give a list of values or a {low, high} range")
     if knob.type is bool:
-        return Dimension(cls.name, knob_name, "categorical", choices=(False, True))
+        return Dimension(owner, knob_name, "categorical", choices=(False, True))
     if knob.choices is not None:
-        return Dimension(cls.name, knob_name, "categorical", choices=tuple(knob.choices))
+        return Dimension(owner, knob_name, "categorical", choices=tuple(knob.choices))
     if knob.type in (int, float) and knob.low is not None and knob.high is not None:
-        return _numeric(cls.name, knob, knob.low, knob.high, knob.log, path)
+        return _numeric(owner, knob, knob.low, knob.high, knob.log, path)
     raise SpaceError(
         path,
         f"{cls.name}.{knob_name} declares no range or choices: give them, e.g. "
@@ -250,8 +287,16 @@ def apply_params(
                 entry[d.knob] = params[d.name]
         optimizations[name] = entry
     data["optimizations"] = optimizations
-    if "scheduler.policy" in params:
-        data["scheduler"] = {**(data.get("scheduler") or {}), "policy": params["scheduler.policy"]}
+    scheduler = dict(data.get("scheduler") or {})
+    for d in space.dimensions:
+        if d.owner != SCHEDULER:
+            continue
+        if d.knob == "policy":
+            scheduler["policy"] = params[d.name]
+        else:  # a knob of the partition policy
+            scheduler["partition"] = {**(scheduler.get("partition") or {}), d.knob: params[d.name]}
+    if scheduler:
+        data["scheduler"] = scheduler
     return data
 
 
@@ -260,8 +305,11 @@ def short_setting(params: dict[str, Any]) -> str:
     parts = []
     for name, value in params.items():
         owner, knob = name.split(".")
-        if owner == "scheduler":
+        if owner == SCHEDULER and knob == "policy":
             parts.append(str(value))
+        elif owner == SCHEDULER:
+            if params.get("scheduler.policy", "partition") == "partition":
+                parts.append(f"{knob} {value}")
         elif knob == "on":
             if value is False:
                 parts.append(f"{owner} off")
