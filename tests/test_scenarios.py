@@ -210,7 +210,7 @@ def test_check_shows_the_settings_as_they_will_run_in_80_columns(tiny_scenario):
     assert all(len(line) <= 80 for line in lines)
     # No null or None, and nothing a run measures (no result fields).
     assert "null" not in text and "None" not in text
-    for result_field in ("stall_s_mean", "bytes_written", "partition", "total_stages"):
+    for result_field in ("stall_s_mean", "bytes_written", "bubble_fraction", "total_stages"):
         assert result_field not in text
     row = {
         line.split("│")[1].strip(): line.split("│")[2].strip()

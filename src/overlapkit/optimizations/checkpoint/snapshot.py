@@ -222,17 +222,23 @@ class Snapshotter:
             snapshot._cuda_events = (begin, end)
         else:
             threading.Thread(
-                target=self._copy,
+                target=self._copy_in_background,
                 args=(snapshot, deferred),
                 name="overlapkit-snapshot",
                 daemon=True,
             ).start()
         return snapshot
 
-    def _copy(self, snapshot: Snapshot, deferred: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _copy_in_background(
+        self, snapshot: Snapshot, deferred: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        if self._join is not None:
+            self._join()
+        self._copy(snapshot, deferred)
+
+    @staticmethod
+    def _copy(snapshot: Snapshot, deferred: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         try:
-            if self._join is not None:
-                self._join()
             with torch.no_grad():
                 for buffer, tensor in deferred:
                     buffer.copy_(tensor)  # releases the GIL: overlaps the training thread
