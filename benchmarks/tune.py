@@ -4,16 +4,18 @@ scenarios/tune-contend.yaml, built to contend on a 2-core machine: 2-rank DDP
 with loader workers, and checkpoints persisted every few steps.
 
 Two studies in one run, over the same space (ddp_overlap and prefetch
-intensities 0 / 0.5 / 1, checkpoint on/off x every 2 or 8 steps, policy free or
-priority), by goodput (MTBF 1 h, a 4 h job, 30 s restart), each with its
-confirm phase (the 3 best settings and the reference rows measured 3 times):
-  * tuned: the reference trials, 12 TPE trials, the confirm and analysis trials
-    (the analysis settings measured 3 times too);
-  * grid: every point of the grid, then its confirm trials.
+intensities 0 / 0.5 / 1, checkpoint on/off x every 2 or 8 steps, policy free,
+priority or partition, partition's background_nice 0 or 19), by goodput (MTBF
+1 h, a 4 h job, 30 s restart), each with its confirm phase (the 3 best settings
+and the reference rows measured 3 times):
+  * tuned: the reference trials, --trials TPE trials (default 24), the confirm
+    and analysis trials (the analysis settings measured 3 times too);
+  * grid: every point of the grid, then its confirm trials (--no-grid skips it:
+    216 points).
 Then the tuned best, the grid best, the naive all-on and the best single
 optimization are measured again side by side (5 rounds, rotating order, medians).
 
-    python benchmarks/tune.py [--out runs/bench-tune]
+    python benchmarks/tune.py [--out runs/bench-tune] [--trials 24] [--no-grid]
 """
 
 from __future__ import annotations
@@ -82,14 +84,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="keep both studies here")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "tune-contention.png")
+    parser.add_argument("--trials", type=int, default=24, help="the tuned study's TPE trials")
+    parser.add_argument(
+        "--no-grid", action="store_true", help="skip the exhaustive grid study (the longest part)"
+    )
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-tune-"))
     console = Console(width=200)
     try:
-        tuned_job, tuned = study(root / "tuned", "tuned")
-        grid_job, grid = study(
-            root / "grid", "grid", sampler="grid", references=False, prune=False, trials=10_000
-        )
+        tuned_job, tuned = study(root / "tuned", "tuned", trials=args.trials)
+        grid_job = grid = None
+        if not args.no_grid:
+            grid_job, grid = study(
+                root / "grid", "grid", sampler="grid", references=False, prune=False, trials=10_000
+            )
         document = report_document(tuned)
         files = write_report(tuned, document, SCENARIO, root / "tuned")
         print_report(document, files, console)
@@ -109,17 +117,19 @@ def main() -> None:
                 free, **{single_name: tuned.alone_best()[single_name]}
             ),
             "tuned best": tuned.best.params,
-            "grid best": grid.best.params,
         }
+        if grid is not None:
+            settings["grid best"] = grid.best.params
         in_study = {
             "naive all on": rows["all on, full (naive)"],
             f"best single ({single_name})": best_single,
             "tuned best": rows["tuned best"],
-            "grid best": {
+        }
+        if grid is not None:
+            in_study["grid best"] = {
                 "goodput": grid.best.goodput,
                 "measured": len(grid.measurements(grid.best.params)),
-            },
-        }
+            }
         again = remeasure(tuned_job, settings, root / "remeasure")
         median = {label: statistics.median(v) for label, v in again.items()}
         table = Table(
@@ -136,9 +146,10 @@ def main() -> None:
         ):
             table.add_column(column, justify="left" if column in ("setting", "knobs") else "right")
         counts = {
-            "tuned best": f"{trials_to_find(tuned)} ({len(tuned.study.trials)} with analysis)",
-            "grid best": f"{trials_to_find(grid)}",
+            "tuned best": f"{trials_to_find(tuned)} ({len(tuned.study.trials)} with analysis)"
         }
+        if grid is not None:
+            counts["grid best"] = f"{trials_to_find(grid)}"
         for label, params in settings.items():
             table.add_row(
                 label,
@@ -151,12 +162,13 @@ def main() -> None:
             )
         console.print(table)
         search = sum(1 for m in tuned.measured if m.role == "search")
-        console.print(
-            f"tuned: {len(tuned.study.trials)} trials ({search} by TPE); "
-            f"grid: {len(grid.study.trials)} trials (grid of {grid_job.space.grid_size()}); "
-            f"tuned / grid best side by side: {median['tuned best'] / median['grid best']:.2f}; "
-            f"noise in the tuned study: +-{document['noise']:.0%}"
-        )
+        line = f"tuned: {len(tuned.study.trials)} trials ({search} by TPE); "
+        if grid is not None:
+            line += (
+                f"grid: {len(grid.study.trials)} trials (grid of {grid_job.space.grid_size()}); "
+                f"tuned / grid best side by side: {median['tuned best'] / median['grid best']:.2f}; "
+            )
+        console.print(line + f"noise in the tuned study: +-{document['noise']:.0%}")
     finally:
         if args.out is None:
             shutil.rmtree(root, ignore_errors=True)
