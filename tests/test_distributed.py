@@ -221,3 +221,23 @@ def test_several_machines_need_a_cluster_or_a_place_each(tiny_scenario, tmp_path
     result = cli_here("tune", path, "--set", "world.nodes=2", "--out", tmp_path / "t")
     assert result.returncode == 2 and "need --ray" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_resuming_a_run_folder_with_another_rank_count_is_a_clear_error(tiny_scenario, tmp_path):
+    """Seen in a benchmark: the same --out, 1 rank then 2, ended in "internal error"."""
+    out = tmp_path / "out"
+    first = cli_here(
+        "run", tiny_scenario(), "--out", out, "--quiet",
+        "--set", "optimizations.checkpoint.every=4",
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    again = run_cli(
+        "run", tiny_scenario(), "--out", out, "--quiet",
+        "--set", "optimizations.checkpoint.every=4", "--set", "world.nprocs=2",
+    )  # fmt: skip
+    assert again.returncode == 1, again.stderr
+    assert "internal error" not in again.stderr and "Traceback" not in again.stderr
+    assert "written by 1 ranks; this run has 2" in again.stderr and "--fresh" in again.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept

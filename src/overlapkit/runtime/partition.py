@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -39,20 +40,25 @@ COMPUTE = "compute"
 
 @dataclass(frozen=True)
 class Profile:
-    """What the first steps measured: the wall time of a step and the CPU time the
-    background work needs per step. Loader workers run ahead of the step or fall
-    behind it, so theirs is their CPU time per sample loaded times the samples a
-    step takes; the other threads' is their CPU time over the steps."""
+    """What the first steps measured, per step: the wall time, the CPU time the
+    background work needs and the CPU time compute used (this process's, less
+    its background threads'). Loader workers run ahead of the step or fall
+    behind it, so theirs is their CPU time per sample loaded times the samples
+    a step takes; the other threads' is their CPU time over the steps."""
 
     steps: int
     step_s: float
     background_cpu_s: float
+    compute_cpu_s: float
     loader_cpu_s_per_sample: float | None = None
 
     @property
-    def cores_needed(self) -> float:
-        """How many cores the background kept busy on average."""
-        return self.background_cpu_s / self.step_s if self.step_s > 0 else 0.0
+    def background_share(self) -> float:
+        """The background's part of the CPU time the rank uses. It does not depend
+        on how long the steps took: contention that slows them (the reason to
+        divide the cores) leaves it as it is."""
+        total = self.background_cpu_s + self.compute_cpu_s
+        return self.background_cpu_s / total if total > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,12 @@ class Split:
             "basis": self.basis,
         }
         if self.profile is not None:
-            out["profile"] = {**asdict(self.profile), "cores_needed": self.profile.cores_needed}
+            share = self.profile.background_share
+            out["profile"] = {
+                **asdict(self.profile),
+                "background_share": share,
+                "background_cores_wanted": share * len(self.cores),
+            }
         return out
 
 
@@ -97,8 +108,9 @@ def size_split(
     profile: Profile | None = None,
 ) -> Split:
     """Divide ``cores``: the background keeps ``background_cores`` of its own if set,
-    else what ``threads`` (world.threads) leaves, else as many as the ``profile``
-    says it kept busy (rounded), else none (the declared split). Compute always
+    else what ``threads`` (world.threads) leaves, else its share of the CPU time
+    in the ``profile`` times the cores (rounded), else none (the declared split).
+    Compute always
     keeps at least one core, and the background never more cores than its
     threads. Without cores of its own, or with ``spill``, the background also
     runs on the compute cores."""
@@ -109,7 +121,7 @@ def size_split(
     elif threads is not None:
         basis, own = "set", n - threads
     elif profile is not None:
-        basis, own = "profiled", math.floor(profile.cores_needed + 0.5)
+        basis, own = "profiled", math.floor(profile.background_share * n + 0.5)
     else:
         basis, own = "declared", 0
     own = max(0, min(own, n - 1, wanted))
@@ -247,8 +259,9 @@ class PartitionPolicy(ArbitrationPolicy):
         self._lock = threading.Lock()
         self._mark: Callable[[int, str, dict[str, Any]], None] | None = None
         self._steps_seen = 0
-        self._window: tuple[float, float, float, int] | None = None  # `_reading` at its start
+        self._window: tuple[float, float, float, float, int] | None = None  # `_reading` at start
         self._samples = 0  # taken by the steps of the profile
+        self._inside_at_start = 0.0  # CPU time of the background threads in this process
         self._restore: tuple[set[int], int] | None = None
         self._free_threads = 0
 
@@ -332,18 +345,25 @@ class PartitionPolicy(ArbitrationPolicy):
                 gate.set(self.split.cores_of(consumer), self._nice(self.split, consumer))
         return self._gates[consumer]
 
-    def _reading(self) -> tuple[float, float, float, int]:
-        """Now: the time, the CPU time of the joined threads and of the workers, and
-        the samples the workers have loaded."""
+    def _reading(self) -> tuple[float, float, float, float, int]:
+        """Now: the time, this process's CPU time, the CPU time of the joined threads
+        and of the workers (processes, or threads of this one), and the samples the
+        workers have loaded."""
         with self._lock:
             tids = {t for ts in self._joined.values() for t in ts}
         workers = {t for gate in self._gates.values() for t in gate.tids()} - tids
         return (
             perf_counter(),
+            time.process_time(),
             sum(linux.cpu_seconds(t) or 0.0 for t in tids),
             sum(linux.cpu_seconds(t) or 0.0 for t in workers),
             sum(gate.samples() for gate in self._gates.values()),
         )
+
+    def _in_process(self, tids: set[int]) -> float:
+        """CPU time so far of those of ``tids`` that are threads of this process."""
+        mine = set(linux.threads_of())
+        return sum(linux.cpu_seconds(t) or 0.0 for t in tids & mine)
 
     # --------------------------------------------------------------- profile
     def step_done(self, state: State, samples: int = 0) -> None:
@@ -355,22 +375,31 @@ class PartitionPolicy(ArbitrationPolicy):
             return
         if self._steps_seen == 1:
             self._window = self._reading()
+            with self._lock:
+                joined = {t for ts in self._joined.values() for t in ts}
+            gates = {t for g in self._gates.values() for t in g.tids()}
+            self._inside_at_start = self._in_process(joined | gates)
             self._samples = 0
             return
         self._samples += samples
         if self._steps_seen == steps + 1 and self._window is not None:
-            (t0, threads0, workers0, loaded0), (t1, threads1, workers1, loaded1) = (
-                self._window,
-                self._reading(),
+            start, end = self._window, self._reading()
+            wall, process, threads, workers, loaded = (
+                b - a for a, b in zip(start, end, strict=True)
             )
-            background = max(0.0, threads1 - threads0) / steps
+            background = max(0.0, threads) / steps
             per_sample = None
-            if loaded1 > loaded0:
-                per_sample = max(0.0, workers1 - workers0) / (loaded1 - loaded0)
+            if loaded > 0:
+                per_sample = max(0.0, workers) / loaded
                 background += per_sample * self._samples / steps
             else:  # the workers loaded nothing: ahead of the step all along
-                background += max(0.0, workers1 - workers0) / steps
-            profile = Profile(steps, (t1 - t0) / steps, background, per_sample)
+                background += max(0.0, workers) / steps
+            # Compute: this process's CPU time less what its background threads used.
+            with self._lock:
+                joined = {t for ts in self._joined.values() for t in ts}
+            inside = self._in_process(joined | {t for g in self._gates.values() for t in g.tids()})
+            compute = max(0.0, process - (inside - self._inside_at_start)) / steps
+            profile = Profile(steps, wall / steps, background, compute, per_sample)
             self._divide(state.step, profile)  # from the next step on
 
     def close(self) -> None:

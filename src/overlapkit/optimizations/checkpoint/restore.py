@@ -20,9 +20,11 @@ def valid_steps(root: Path, rank: int, world_size: int, shard: Shard) -> list[in
     steps = []
     for entry in reversed(Manifest(root).read()):
         if entry.get("world_size", world_size) != world_size:
-            raise ValueError(
+            raise CheckpointError(
                 f"the checkpoint at step {entry['step']} in {root} was written by "
-                f"{entry['world_size']} ranks; this run has {world_size}"
+                f"{entry['world_size']} ranks; this run has {world_size}: resume it with "
+                f"{entry['world_size']} ranks, or start over with --fresh (the old "
+                "checkpoints are kept aside)"
             )
         problem = verify(root, entry, [rank_file(rank), shard_file(shard.name)])
         if problem is None:
