@@ -17,7 +17,8 @@ from overlapkit import Session, get_optimization
 from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
 from overlapkit.runtime import CombinationError, Demand, SchedulerConfig
 from overlapkit.runtime import cores as linux
-from overlapkit.runtime.partition import PartitionPolicy, Profile, size_split
+from overlapkit.runtime.partition import PartitionPolicy
+from overlapkit.runtime.split import Profile, size_split
 from overlapkit.tuning import TuneConfig
 from overlapkit.tuning.space import SpaceError, apply_params, build_space
 
