@@ -128,17 +128,19 @@ def test_threads_and_worker_processes_run_on_the_cores_assigned(spill, tmp_path)
     seen: dict[str, set[int]] = {}
 
     def look(session):
-        split = policy.split
         if session.state.step < 5:  # the split after the profile, every thread started
             return
-        for tid in linux.threads_of():
-            if tid not in {t for ts in policy.placements().values() for t in ts}:
-                seen.setdefault("compute", set()).update(linux.allowed(tid))
-        for consumer, tids in policy.placements().items():
+        placed = policy.placements()  # a thread is placed before it is listed
+        background = {t for tids in placed.values() for t in tids}
+        compute_seen = {t: linux.allowed(t) for t in linux.threads_of() if t not in background}
+        joined_since = {t for tids in policy.placements().values() for t in tids} - background
+        for tid, allowed in compute_seen.items():
+            if tid not in joined_since:  # not a thread that joined while we looked
+                seen.setdefault("compute", set()).update(allowed)
+        for consumer, tids in placed.items():
             for tid in tids:
                 seen.setdefault(consumer, set()).update(linux.allowed(tid))
         seen["threads"] = {torch.get_num_threads()}
-        seen["split"] = {len(split.compute)}
 
     _, summary = run_steps(session, cpu_heavy_loader(), 12, look)
     compute, background = {0}, {1}  # the rank's 2 cores, 1 kept for the background

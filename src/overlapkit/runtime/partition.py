@@ -199,15 +199,16 @@ class PartitionPolicy(ArbitrationPolicy):
 
         if torch.get_num_threads() != split.compute_threads:
             torch.set_num_threads(split.compute_threads)  # new pool threads: pinned below
+        # Under the lock: a thread joining now waits, then places itself by this split.
         with self._lock:
             joined = {tid: name for name, tids in self._joined.items() for tid in tids}
-        for tid in linux.threads_of():
-            if tid not in joined:
-                linux.pin(tid, split.compute)
-        for tid, consumer in joined.items():
-            self._place(split, consumer, tid)
-        for consumer, gate in self._gates.items():
-            gate.set(split.cores_of(consumer), self._nice(split, consumer))
+            for tid in linux.threads_of():
+                if tid not in joined:
+                    linux.pin(tid, split.compute)
+            for tid, consumer in joined.items():
+                self._place(split, consumer, tid)
+            for consumer, gate in self._gates.items():
+                gate.set(split.cores_of(consumer), self._nice(split, consumer))
 
     def _nice(self, split: Split, consumer: str) -> int:
         # The feeder hands each batch over to the step: a low priority would delay it.
@@ -223,13 +224,12 @@ class PartitionPolicy(ArbitrationPolicy):
     # ------------------------------------------------------------ background
     def join(self, consumer: str) -> None:
         tid = linux.this_thread()
-        with self._lock:
+        with self._lock:  # placed before it is listed: a listed thread runs where it should
+            if self.split is not None:
+                self._place(self.split, consumer, tid)
             # Threads that have ended leave (a snapshot's copy thread lives one checkpoint).
             alive = {t for t in self._joined[consumer] if linux.cpu_seconds(t) is not None}
             self._joined[consumer] = alive | {tid}
-            split = self.split
-        if split is not None:
-            self._place(split, consumer, tid)
 
     def worker_gate(
         self, consumer: str, *resources: Resource, on_cpu: bool = True
