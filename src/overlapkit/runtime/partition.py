@@ -75,25 +75,22 @@ class PinGate:
 
     def __call__(self) -> None:
         local = self._local
-        seen = getattr(local, "seen", None)
-        if seen is None:
+        version = self.version.value
+        if getattr(local, "seen", None) != version:
             tid = linux.this_thread()
-            with self.slots.get_lock():
-                slot = next((i for i, t in enumerate(self.slots) if t in (0, tid)), None)
-                if slot is not None:
-                    self.slots[slot] = tid
-            local.slot = slot
+            if version:  # placed before it is listed, like a joining thread
+                linux.pin(tid, [i for i, on in enumerate(self.mask) if on])
+                if self.nice.value:
+                    linux.lower_priority(tid, self.nice.value)
+            if not hasattr(local, "slot"):
+                with self.slots.get_lock():
+                    slot = next((i for i, t in enumerate(self.slots) if t in (0, tid)), None)
+                    if slot is not None:
+                        self.slots[slot] = tid
+                local.slot = slot
+            local.seen = version
         if local.slot is not None:
             self.counts[local.slot] += 1
-        version = self.version.value
-        if seen == version:
-            return
-        tid = linux.this_thread()
-        local.seen = version
-        if version:
-            linux.pin(tid, [i for i, on in enumerate(self.mask) if on])
-            if self.nice.value:
-                linux.lower_priority(tid, self.nice.value)
 
 
 class PartitionPolicy(ArbitrationPolicy):
