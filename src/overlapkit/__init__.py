@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 # the package that needs no torch (`launch.ray_nodes`, which every Ray actor of a run
 # imports) does not import torch for these.
 _EXPORTS = {
+    "Demand": ".runtime",
     "Event": ".runtime",
     "Knob": ".runtime",
     "Optimization": ".runtime",
@@ -25,6 +26,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Demand",
     "Event",
     "Knob",
     "Optimization",
@@ -40,4 +42,12 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from .optimizations import get_optimization, registered_optimizations
-    from .runtime import Event, Knob, Optimization, Resource, Session, register_optimization
+    from .runtime import (
+        Demand,
+        Event,
+        Knob,
+        Optimization,
+        Resource,
+        Session,
+        register_optimization,
+    )
