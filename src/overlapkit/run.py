@@ -120,6 +120,9 @@ def run_scenario(
     scenario.data.check()
     scenario.check_setup(int(os.environ["WORLD_SIZE"]) if under_torchrun() else world.ranks)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(scenario)
+    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else world.ranks
+    for optimization in scenario.build_optimizations():
+        optimization.check_run_folder(run_dir, ranks)  # before any rank starts
     run_dir.mkdir(parents=True, exist_ok=True)
     if not under_torchrun() or int(os.environ.get("RANK", 0)) == 0:
         (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))

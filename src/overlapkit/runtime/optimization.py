@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -289,6 +290,11 @@ class Optimization:
     def check_plan(self, plan: Plan) -> None:
         """Raise `CombinationError` for what only the whole plan shows: the other
         optimizations, the batch size, the model. Runs after `check`."""
+
+    def check_run_folder(self, run_dir: Path, world_size: int) -> None:
+        """Raise for what the run folder shows before any rank starts (what is left
+        there by an earlier run); a user's mistake found here is one clear line, not
+        a rank's traceback."""
 
     def environment(self, backend: str) -> dict[str, str]:
         """Environment variables this optimization needs set before the process group

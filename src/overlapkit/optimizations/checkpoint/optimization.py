@@ -22,7 +22,7 @@ from ...runtime.timing import Marks
 from .coordination import Collectives, Domains, probe_domains
 from .persister import Persister, split_state
 from .policy import AutoInterval
-from .restore import load, newest_common_step, valid_steps
+from .restore import check_rank_count, load, newest_common_step, valid_steps
 from .snapshot import Snapshot, Snapshotter, tensor_layout
 from .store import MANIFEST, CheckpointError, Manifest, step_dir
 
@@ -146,6 +146,13 @@ class Checkpoint(Optimization):
             nice=self.settings["persist_nice"],
         )
         self._last_step = state.step
+
+    def check_run_folder(self, run_dir: Path, world_size: int) -> None:
+        if self.settings["resume"]:
+            configured = Path(self.settings["dir"]).expanduser()
+            check_rank_count(
+                configured if configured.is_absolute() else run_dir / configured, world_size
+            )
 
     def cpu_demands(self, state: State) -> list[Demand]:
         # The persist thread (and, on a CPU, each snapshot's background copy).

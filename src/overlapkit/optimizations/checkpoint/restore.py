@@ -15,9 +15,8 @@ class CheckpointCorruptWarning(UserWarning):
     """The newest checkpoint failed its checksum; an older one is used."""
 
 
-def valid_steps(root: Path, rank: int, world_size: int, shard: Shard) -> list[int]:
-    """Steps whose files this rank needs are present and match their checksums, newest first."""
-    steps = []
+def check_rank_count(root: Path, world_size: int) -> None:
+    """Raise `CheckpointError` when ``root`` holds checkpoints of another rank count."""
     for entry in reversed(Manifest(root).read()):
         if entry.get("world_size", world_size) != world_size:
             raise CheckpointError(
@@ -26,6 +25,13 @@ def valid_steps(root: Path, rank: int, world_size: int, shard: Shard) -> list[in
                 f"{entry['world_size']} ranks, or start over with --fresh (the old "
                 "checkpoints are kept aside)"
             )
+
+
+def valid_steps(root: Path, rank: int, world_size: int, shard: Shard) -> list[int]:
+    """Steps whose files this rank needs are present and match their checksums, newest first."""
+    check_rank_count(root, world_size)
+    steps = []
+    for entry in reversed(Manifest(root).read()):
         problem = verify(root, entry, [rank_file(rank), shard_file(shard.name)])
         if problem is None:
             steps.append(entry["step"])
