@@ -3,13 +3,13 @@ the work beside it (loader workers, the prefetch feeder, checkpoint persists).
 
 Before the first step the split follows what the optimizations declare
 (`Optimization.cpu_demands`): compute keeps every core of the rank and the
-background work shares them at a low priority, so it fills the step's idle
-gaps instead of preempting it. After ``profile_steps`` steps the policy knows
-what the background work really costs (the CPU time of its threads, read from
-/proc) and divides again: the background gets as many cores of its own as it
-kept busy on average, compute the rest (its thread count follows). With
-``spill`` the background may still use the compute cores at that low priority
-when they idle. Communication (gloo's threads) runs on the compute cores: it
+background work shares them. After ``profile_steps`` steps the policy knows
+what the background work really costs (the CPU time of its threads and
+workers, read from /proc) and divides again: the background gets its share of
+the rank's CPU time in cores of its own, compute the rest (its thread count
+follows; see `split`). With ``spill`` the background may also use the compute
+cores; wherever it shares them it runs at ``background_nice`` (19: only when
+compute idles). Communication (gloo's threads) runs on the compute cores: it
 works while the step waits for it.
 
 Each thread or process is pinned with ``sched_setaffinity``; the split is in
@@ -120,7 +120,7 @@ class PartitionPolicy(ArbitrationPolicy):
             low=0,
             high=4096,
             help="cores kept for loader workers, the feeder and persists (unset: "
-            "as many as the profile shows them busy)",
+            "their share of the CPU time in the profile)",
         ),
         Knob(
             name="spill",
