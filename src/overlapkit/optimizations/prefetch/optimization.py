@@ -100,6 +100,7 @@ class Prefetch(Optimization):
         self.fed = True  # False on a pipeline stage that takes no inputs
         self.cores = 0
         self.compute_threads = 0
+        self.placed = False
 
     def check(self, world_size: int, device: str, backend: str) -> None:
         super().check(world_size, device, backend)
@@ -155,6 +156,7 @@ class Prefetch(Optimization):
         self.loader = PrefetchLoader(loader, backend, device, feeder_depth, gate, join)
         world = state.world
         self.cores = len(rank_share(available(), world.local_rank, world.local_world_size))
+        self.placed = state.policy.name == "partition"  # it divides the cores itself
         self.compute_threads = torch.get_num_threads()
         return self.loader
 
@@ -182,11 +184,12 @@ class Prefetch(Optimization):
         if not self.fed:
             out["notes"].append("this rank's pipeline stage takes no inputs: not prefetched")
         busy = self.compute_threads + self.settings["workers"] + (1 if out["feeder_depth"] else 0)
-        if self.cores and busy > self.cores:
+        if self.cores and busy > self.cores and not self.placed:
             out["notes"].append(
                 f"{self.settings['workers']} workers + {self.compute_threads} compute threads"
                 f"{' + a feeder thread' if out['feeder_depth'] else ''} share {self.cores} "
-                "cores: loading takes cores from compute"
+                "cores: loading takes cores from compute (scheduler.policy: partition "
+                "divides them by what each costs)"
             )
         return out
 
