@@ -151,9 +151,8 @@ class PartitionPolicy(ArbitrationPolicy):
         self._lock = threading.Lock()
         self._mark: Callable[[int, str, dict[str, Any]], None] | None = None
         self._steps_seen = 0
-        self._window: tuple[float, float, float, float, int] | None = None  # `_reading` at start
+        self._window: tuple[float, float, float, float, float, int] | None = None  # at start
         self._samples = 0  # taken by the steps of the profile
-        self._inside_at_start = 0.0  # CPU time of the background threads in this process
         self._restore: tuple[set[int], int] | None = None
         self._free_threads = 0
 
@@ -237,25 +236,27 @@ class PartitionPolicy(ArbitrationPolicy):
                 gate.set(self.split.cores_of(consumer), self._nice(self.split, consumer))
         return self._gates[consumer]
 
-    def _reading(self) -> tuple[float, float, float, float, int]:
-        """Now: the time, this process's CPU time, the CPU time of the joined threads
-        and of the workers (processes, or threads of this one), and the samples the
-        workers have loaded."""
+    def _background_tids(self) -> tuple[set[int], set[int]]:
+        """The ids of the joined threads, and of the workers (processes, or threads
+        of this process) that are not also joined."""
         with self._lock:
-            tids = {t for ts in self._joined.values() for t in ts}
-        workers = {t for gate in self._gates.values() for t in gate.tids()} - tids
+            joined = {t for ts in self._joined.values() for t in ts}
+        return joined, {t for gate in self._gates.values() for t in gate.tids()} - joined
+
+    def _reading(self) -> tuple[float, float, float, float, float, int]:
+        """Now: the time; this process's CPU time and, of it, its background
+        threads'; the CPU time of the joined threads and of the workers; the samples
+        the workers have loaded."""
+        joined, workers = self._background_tids()
+        mine = set(linux.threads_of())
         return (
             perf_counter(),
             time.process_time(),
-            sum(linux.cpu_seconds(t) or 0.0 for t in tids),
+            sum(linux.cpu_seconds(t) or 0.0 for t in (joined | workers) & mine),
+            sum(linux.cpu_seconds(t) or 0.0 for t in joined),
             sum(linux.cpu_seconds(t) or 0.0 for t in workers),
             sum(gate.samples() for gate in self._gates.values()),
         )
-
-    def _in_process(self, tids: set[int]) -> float:
-        """CPU time so far of those of ``tids`` that are threads of this process."""
-        mine = set(linux.threads_of())
-        return sum(linux.cpu_seconds(t) or 0.0 for t in tids & mine)
 
     # --------------------------------------------------------------- profile
     def step_done(self, state: State, samples: int = 0) -> None:
@@ -267,17 +268,12 @@ class PartitionPolicy(ArbitrationPolicy):
             return
         if self._steps_seen == 1:
             self._window = self._reading()
-            with self._lock:
-                joined = {t for ts in self._joined.values() for t in ts}
-            gates = {t for g in self._gates.values() for t in g.tids()}
-            self._inside_at_start = self._in_process(joined | gates)
             self._samples = 0
             return
         self._samples += samples
         if self._steps_seen == steps + 1 and self._window is not None:
-            start, end = self._window, self._reading()
-            wall, process, threads, workers, loaded = (
-                b - a for a, b in zip(start, end, strict=True)
+            wall, process, inside, threads, workers, loaded = (
+                b - a for a, b in zip(self._window, self._reading(), strict=True)
             )
             background = max(0.0, threads) / steps
             per_sample = None
@@ -287,10 +283,7 @@ class PartitionPolicy(ArbitrationPolicy):
             else:  # the workers loaded nothing: ahead of the step all along
                 background += max(0.0, workers) / steps
             # Compute: this process's CPU time less what its background threads used.
-            with self._lock:
-                joined = {t for ts in self._joined.values() for t in ts}
-            inside = self._in_process(joined | {t for g in self._gates.values() for t in g.tids()})
-            compute = max(0.0, process - (inside - self._inside_at_start)) / steps
+            compute = max(0.0, process - inside) / steps
             profile = Profile(steps, wall / steps, background, compute, per_sample)
             self._divide(state.step, profile)  # from the next step on
 

@@ -52,8 +52,9 @@ def _scheduler(scenario: Scenario) -> list[tuple[str, str]]:
     rows = [("policy", scheduler.policy), ("trace", _text(scheduler.trace))]
     if scheduler.policy == "partition":
         policy = POLICIES["partition"]
+        values = policy.resolve(scheduler.partition)
         for knob in policy.knobs:
-            value = policy.resolve(scheduler.partition)[knob.name]
+            value = values[knob.name]
             shown = "from the profile" if value is None else _text(value)
             rows.append(
                 (
