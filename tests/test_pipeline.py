@@ -190,12 +190,18 @@ def test_two_by_two_mesh_trains_like_one_model_on_the_global_batch(mesh_results,
 
 @pytest.mark.slow
 def test_ddp_inside_a_pipeline_overlaps_only_the_last_microbatch(mesh_results):
-    summary = mesh_results[0]["1f1b ddp"]["summary"]
+    run = mesh_results[0]["1f1b ddp"]
+    summary = run["summary"]
     ddp = summary["optimizations"]["ddp_overlap"]
     assert any("find_unused_parameters turned on" in n for n in ddp["notes"])
     assert ddp["overlap"]["comm_busy_s_per_step"] > 0
-    window = summary["optimizations"]["pipeline"]["measured"]["ddp_window_fraction"]
-    assert 0 < window < 0.6  # 1 of 4 micro-batches' backward (~0.25), measured
+    # Each gradient of the stage is all-reduced once a step (in its 4 micro-batches'
+    # last backward), not once per micro-batch.
+    stage_bytes = sum(p.numel() * p.element_size() for p in run["params"].values())
+    assert ddp["bytes_per_step"] == stage_bytes
+    # The share of backward time in which that all-reduce can overlap: a measured
+    # figure (a timing band here would be a race on 4 ranks sharing 2 cores).
+    assert summary["optimizations"]["pipeline"]["measured"]["ddp_window_fraction"] > 0
 
 
 # ------------------------------------------------------------- bad settings

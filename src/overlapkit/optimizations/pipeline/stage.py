@@ -90,6 +90,14 @@ class TimedStage(PipelineStage):
         self.meter = meter
         self.part = part
 
+    def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+        """torch before 2.13 warms the links up by sending to every neighbouring stage,
+        also one on this same rank (a V schedule's two middle stages); gloo refuses a
+        send to itself ("Pair is not connected"). Stages on one rank hand over without
+        sending, so their warm-up is left out. (torch 2.13 no longer calls this.)"""
+        ops = super()._get_init_p2p_neighbors_ops()
+        return [op for op in ops if getattr(op, "group_peer", None) != self.group_rank]
+
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         received = self.part.bytes_in
         begin = self.meter.marks.mark()
