@@ -156,7 +156,12 @@ def _parser() -> argparse.ArgumentParser:
         help="studies (tune folders or URLs) side by side, e.g. from different hardware",
     )
     report.add_argument("--study", dest="study_name", help="the study's name in that storage")
-    report.add_argument("--out", type=Path, help="where to write it (default: the tune folder)")
+    report.add_argument(
+        "--out",
+        type=Path,
+        help="where to write it (default: the tune folder; with --compare, "
+        "runs/compare-studies-<time>)",
+    )
     report.add_argument("--json", action="store_true", help="print report.json to stdout")
     for figure, meaning in (
         ("--mtbf-hours", "mean time between failures"),
@@ -394,7 +399,7 @@ def _command(
 def _run_command(
     scenario: Scenario, args: argparse.Namespace, errors: Console, where: dict[str, Path]
 ) -> int:
-    from .run import default_run_dir, run_scenario  # imports torch.distributed: only to run
+    from .run import run_scenario  # imports torch.distributed: only to run
 
     if args.fresh and "checkpoint" in scenario.optimizations:
         scenario.optimizations["checkpoint"] = {
@@ -408,14 +413,13 @@ def _run_command(
         summary = run_on_cluster(scenario, out, args.ray, args.fresh, args.quiet, args.json)
     else:
         node = _node_place(args, scenario.world.nodes)
-        out = out or default_run_dir(scenario)
-        where["folder"] = out
         summary = run_scenario(
             scenario,
             out,
             progress=not args.quiet,
             print_summary=not (args.quiet or args.json),
             node=node,
+            on_folder=lambda folder: where.update(folder=folder),
         )
     if summary is None:  # a machine other than node 0: its part is in its run folder
         return 0

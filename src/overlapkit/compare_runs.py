@@ -8,13 +8,13 @@ per run of where each step's time went."""
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
+from .folders import new_stamped
 from .optimizations import get_optimization
 from .runtime import KnobError
 from .tuning.plots import plt, save_figure
@@ -168,7 +168,8 @@ def phases_plot(document: dict[str, Any], path: Path) -> Path:
 
 
 def write_comparison(document: dict[str, Any], folder: Path | None) -> dict[str, Path]:
-    folder = folder or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    if folder is None:
+        folder = new_stamped(Path("runs"), "compare")
     folder.mkdir(parents=True, exist_ok=True)
     files = {"json": folder / "compare.json", "plot": folder / "phases.png"}
     files["json"].write_text(json.dumps(document, indent=2) + "\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .folders import claim, stamped
 from .launch.interrupt import RunInterrupted, stop_on_signals
 from .launch.local import NodePlace, launch_local, under_torchrun
 from .runtime import CombinationError, Session
@@ -24,13 +25,15 @@ from .scenarios import Scenario, dump_scenario
 
 
 def default_run_dir(scenario: Scenario, root: Path = Path("runs")) -> Path:
+    """The name of a run folder nobody named: ``runs/<scenario>-<time>`` (claimed with
+    `folders.claim`, so a run started in the same second gets ``-2``), or under torchrun
+    ``runs/<scenario>-<run id>``, which every rank can name without talking to the others
+    (and a restarted job finds again)."""
     if under_torchrun():
-        # Every rank must agree on the folder without talking to the others yet.
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         suffix = run_id if run_id != "none" else f"port{os.environ.get('MASTER_PORT', '0')}"
-    else:
-        suffix = time.strftime("%Y%m%d-%H%M%S")
-    return root / f"{scenario.name}-{suffix}"
+        return root / f"{scenario.name}-{suffix}"
+    return stamped(root, scenario.name)
 
 
 def rank_main(
@@ -105,8 +108,10 @@ def run_scenario(
     progress: bool = True,
     print_summary: bool = True,
     node: NodePlace | None = None,
+    on_folder: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``scenario``; return rank 0's summary (also written to ``run_dir/summary.json``).
+    Without ``run_dir``, a new folder under ``runs/``; ``on_folder`` hears which, once made.
     ``node``: this machine's place when ``world.nodes`` > 1 (`launch.ray_nodes` gives
     each machine its own); the summary then comes back on node 0 only (None elsewhere)."""
     world = scenario.world
@@ -119,11 +124,17 @@ def run_scenario(
         raise CombinationError(f"world.nodes is {world.nodes}, but this run has {node.nodes} nodes")
     scenario.data.check()
     scenario.check_setup(int(os.environ["WORLD_SIZE"]) if under_torchrun() else world.ranks)
+    new = run_dir is None and not under_torchrun()
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(scenario)
     ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else world.ranks
     for optimization in scenario.build_optimizations():
         optimization.check_run_folder(run_dir, ranks)  # before any rank starts
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if new:
+        run_dir = claim(run_dir)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if on_folder is not None:
+        on_folder(run_dir)
     if not under_torchrun() or int(os.environ.get("RANK", 0)) == 0:
         (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
         print(f"overlapkit: run folder {run_dir}", file=sys.stderr, flush=True)

@@ -6,13 +6,13 @@ already has checkpoints is sent back to its machines first, so the run resumes."
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from ..folders import new_stamped, stamped, unused
 from ..runtime.report import print_summary
 from ..scenarios import Scenario, dump_scenario
 from .ray_nodes import RayClusterError, connect, machine_folder, placed_world, run_on_ray
@@ -34,7 +34,7 @@ def run_on_cluster(
     connect(address)
     world = scenario.world = placed_world(scenario.world)  # one decision for all machines
     scenario.check_setup(world.ranks, gpus_here=False)
-    run_dir = run_dir or Path("runs") / f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = run_dir or new_stamped(Path("runs"), scenario.name)
     errors = Console(stderr=True)
     resume = {} if fresh else _earlier_folders(run_dir, world.nodes)
     if fresh:
@@ -91,11 +91,10 @@ def _earlier_folders(run_dir: Path, nodes: int) -> dict[int, Path]:
 
 def _move_aside(run_dir: Path, nodes: int) -> None:
     """A fresh start into a folder with checkpoints keeps them, beside the new ones."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     for k in range(nodes):
         folder = machine_folder(run_dir, k)
         if (folder / "checkpoints").is_dir():
-            (folder / "checkpoints").rename(folder / f"checkpoints.old-{stamp}")
+            (folder / "checkpoints").rename(unused(stamped(folder, "checkpoints.old")))
 
 
 def _progress(total: int) -> Progress:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..folders import new_stamped
 from .analysis import Analysis
 from .plots import plt, save_figure
 
@@ -31,7 +31,7 @@ def compare_command(targets: list[str], args: argparse.Namespace, console: Conso
         study, _ = load_target(target)
         entries.append((target, study_analysis(study, args)))
     document = compare_document(entries)
-    folder = args.out or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder = args.out or new_stamped(Path("runs"), "compare-studies")
     files = write_comparison(document, entries, folder)
     if args.json:
         print(json.dumps(document, indent=2, default=str))

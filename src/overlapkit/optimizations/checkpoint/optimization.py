@@ -10,12 +10,12 @@ optimizer step. A background thread then persists it (phase two, see
 from __future__ import annotations
 
 import shutil
-import time
 from functools import partial
 from pathlib import Path
 from time import perf_counter
 from typing import Any
 
+from ...folders import stamped, unused
 from ...runtime import Demand, Knob, Optimization, Resource, State, register_optimization
 from ...runtime.distributed import all_gather_objects
 from ...runtime.timing import Marks
@@ -113,9 +113,8 @@ class Checkpoint(Optimization):
             self._resume(state)
         elif self._domains.leader(world.rank) and (self.root / "manifest.json").exists():
             # A fresh start keeps the old checkpoints, out of the way.
-            shutil.move(
-                str(self.root), _unused(Path(f"{self.root}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
-            )
+            aside = unused(stamped(self.root.parent, f"{self.root.name}.old"))
+            shutil.move(str(self.root), str(aside))
         all_gather_objects(None, world)  # no rank writes into a folder being moved away
         self._make_root()
         self._start_writers(state)
@@ -404,13 +403,3 @@ def _deferrable_storages(state: State) -> set[int] | None:
                 if hasattr(value, "untyped_storage"):
                     storages.add(value.untyped_storage().data_ptr())
     return storages
-
-
-def _unused(path: Path) -> Path:
-    """``path``, or ``path-2``, ``path-3``...: a name nothing has yet (two fresh starts
-    in one second must not move the second folder into the first)."""
-    candidate, n = path, 1
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.name}-{n}")
-    return candidate

@@ -1,0 +1,58 @@
+"""Folders named by time: runs started in the same second never share one."""
+
+import json
+import multiprocessing
+from pathlib import Path
+
+from overlapkit.folders import claim
+
+ROUNDS = 40
+
+
+def _claim(parent: Path, start, created) -> None:
+    for k in range(ROUNDS):
+        start.wait()  # every process asks for the same name at once
+        created.put(str(claim(parent / f"x-{k}")))
+
+
+def test_processes_claiming_one_name_at_once_each_get_their_own_folder(tmp_path):
+    context = multiprocessing.get_context("fork")
+    start, created = context.Barrier(6), context.Queue()
+    processes = [
+        context.Process(target=_claim, args=(tmp_path / "runs", start, created)) for _ in range(6)
+    ]
+    for process in processes:
+        process.start()
+    folders = [created.get(timeout=60) for _ in range(6 * ROUNDS)]
+    for process in processes:
+        process.join(timeout=60)
+    expected = [
+        f"x-{k}{suffix}" for k in range(ROUNDS) for suffix in ["", "-2", "-3", "-4", "-5", "-6"]
+    ]
+    assert sorted(Path(f).name for f in folders) == sorted(expected)  # none given twice
+
+
+def test_two_runs_started_in_the_same_second_write_separate_folders(
+    tiny_scenario, tmp_path, monkeypatch, capsys
+):
+    """Run folders are named by the second: a second run that second got the first
+    one's folder and resumed from its final checkpoint (no step of its own)."""
+    from overlapkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("time.strftime", lambda *_: "20261123-120000")
+    command = [
+        "run", str(tiny_scenario()), "--quiet",
+        "--set", "optimizations.checkpoint={every: 2}",
+        "--set", "train.steps=4",
+        "--set", "train.warmup_steps=0",
+    ]  # fmt: skip
+    for _ in range(2):
+        assert main(command) == 0, capsys.readouterr().err
+    folders = sorted(p.parent for p in (tmp_path / "runs").glob("*/summary.json"))
+    assert [f.name for f in folders] == ["tiny-20261123-120000", "tiny-20261123-120000-2"]
+    for folder in folders:
+        assert len((folder / "steps.jsonl").read_text().splitlines()) == 4
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["optimizations"]["checkpoint"]["resumed_from_step"] is None
+    assert "runs/tiny-20261123-120000-2" in capsys.readouterr().err
