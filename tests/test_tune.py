@@ -665,3 +665,43 @@ def test_the_live_step_log_is_read_a_complete_line_at_a_time(tmp_path):
     with path.open("a") as f:
         f.write("}\n")
     assert LiveSteps.read_new(path, offset) == ('{"step": 1}\n', offset + len('{"step": 1}\n'))
+
+
+def test_a_trial_line_fits_80_columns_and_keeps_the_whole_setting():
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+
+    from overlapkit.tuning.runner import _lines
+    from overlapkit.tuning.space import short_setting
+
+    params = {
+        "ddp_overlap.intensity": 0.5,
+        "prefetch.intensity": 0.5,
+        "checkpoint.every": 8,
+        "scheduler.policy": "partition",
+        "scheduler.background_nice": 19,
+    }
+    distributions = {
+        name: CategoricalDistribution([value])
+        if isinstance(value, str)
+        else FloatDistribution(0, 64)
+        for name, value in params.items()
+    }
+    done = optuna.trial.create_trial(
+        params=params,
+        distributions=distributions,
+        value=977.1,
+        user_attrs={"role": "pair:ddp_overlap+checkpoint", "throughput": 977.1, "goodput": 960.5},
+    )
+    short = optuna.trial.create_trial(
+        params={"prefetch.intensity": 1.0},
+        distributions={"prefetch.intensity": FloatDistribution(0, 1)},
+        value=900.0,
+        user_attrs={"role": "search", "throughput": 900.0, "goodput": 890.0},
+    )
+    long_lines = _lines(done, 80).splitlines()
+    assert len(long_lines) > 1 and all(len(line) <= 80 for line in long_lines)
+    assert "977.1 samples/s" in long_lines[0] and "pair:ddp_overlap+checkpoint" in long_lines[0]
+    assert " ".join(" ".join(long_lines[1:]).split()) == short_setting(params)
+    assert _lines(short, 80) == (
+        "trial   -1    900.0 samples/s  goodput    890.0  search  prefetch 1"
+    )  # one line where it fits

@@ -4,6 +4,7 @@ printing each trial as it finishes."""
 from __future__ import annotations
 
 import multiprocessing
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,7 +124,7 @@ class Shown:
             self.numbers.add(trial.number)
             if trial.user_attrs.get("role") == UNUSED:
                 continue
-            self.console.print(_line(trial), highlight=False)
+            self.console.print(_lines(trial, self.console.width), highlight=False)
             if self.progress is not None:
                 start, end = trial.datetime_start, trial.datetime_complete
                 took = (end - start).total_seconds() if start and end else None
@@ -226,15 +227,23 @@ def _round(
         shown.console.print(f"[red]{len(failed)} worker(s) stopped with exit codes {failed}[/]")
 
 
-def _line(trial: FrozenTrial) -> str:
+def _lines(trial: FrozenTrial, width: int) -> str:
+    """One line per trial: its number, result, role and setting; when that would not fit
+    in ``width`` columns, the setting goes on indented lines of its own."""
     role = trial.user_attrs.get("role", "search")
     params = short_setting(trial.params)
     if trial.state == TrialState.COMPLETE:
         attrs = trial.user_attrs
-        result = f"{attrs['throughput']:9.1f} samples/s  goodput {attrs['goodput']:9.1f}"
+        result = f"{attrs['throughput']:8.1f} samples/s  goodput {attrs['goodput']:8.1f}"
     elif trial.state == TrialState.PRUNED:
-        result = "pruned".ljust(36)
+        result = "pruned".ljust(38)
     else:
         reason = str(trial.user_attrs.get("reason", "")).splitlines()
         result = f"failed ({trial.user_attrs.get('failure', 'error')}: {reason[-1][:60] if reason else ''})"
-    return f"trial {trial.number:4d} {role:<22} {result}  {params}"
+    head = f"trial {trial.number:4d} {result}  {role}"
+    if len(f"{head}  {params}") <= width:
+        return f"{head}  {params}"
+    indent = " " * 11
+    return "\n".join(
+        [head, textwrap.fill(params, width, initial_indent=indent, subsequent_indent=indent)]
+    )
