@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from rank_programs import SHAPE, first_batch, pipeline_runs, unequal_mlp
+from rank_programs import SHAPE, first_batch, pipeline_runs, unequal_mlp, v_schedule_link_warmup
 
 from conftest import cli_here, run_cli
 from overlapkit import get_optimization
@@ -57,6 +57,14 @@ def reference_step(batch):
     loss = torch.nn.functional.cross_entropy(model(inputs), targets)
     loss.backward()
     return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_warm_their_links_up_on_torch_before_2_13(schedule):
+    """A V schedule's middle stages share a rank; the link warm-up of torch < 2.13
+    sent from one to the other, which gloo refuses ("Pair is not connected")."""
+    results = launch_local(v_schedule_link_warmup, 2, schedule)
+    assert results == {0: [0, 3], 1: [1, 2]}
 
 
 @pytest.mark.slow

@@ -271,3 +271,34 @@ def run_in_a_group_started_before(scenario_file: str, run_dir: str) -> dict[str,
         return {"final_loss": summary["final_loss"], "group_kept": still_there}
     finally:
         torch.distributed.destroy_process_group()
+
+
+def v_schedule_link_warmup(schedule: str) -> list[int]:
+    """The links' warm-up as torch before 2.13 runs it for ``schedule``'s stages on this
+    rank: every stage's warm-up sends and receives in one batch (2.13 no longer calls
+    it; torch 2.11, on the GPU machine and the V100 clusters, does). Returns the stages."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining.schedules import _batch_p2p, _wait_batch_p2p
+
+    from overlapkit.optimizations.pipeline.layers import StageModule
+    from overlapkit.optimizations.pipeline.schedules import SCHEDULES
+    from overlapkit.optimizations.pipeline.stage import StepMeter, TimedStage
+
+    world = init_world("cpu", "gloo")
+    kind = SCHEDULES[schedule]
+    total = 2 * world.world_size
+    ids = kind.stage_ids(world.rank, world.world_size, 2)
+    on_rank = {
+        s: r for r in range(world.world_size) for s in kind.stage_ids(r, world.world_size, 2)
+    }
+    meter = StepMeter(world.device)
+    stages = []
+    for stage_id in ids:
+        part = StageModule([(f"layer{stage_id}", nn.Linear(4, 4))])
+        stage = TimedStage(part, stage_id, total, world.device, meter=meter, part=part)
+        stage.stage_index_to_group_rank = on_rank
+        stages.append(stage)
+    ops = [op for stage in stages for op in stage._get_init_p2p_neighbors_ops()]
+    _wait_batch_p2p(_batch_p2p(ops))
+    dist.barrier()
+    return ids
