@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from rank_programs import SHAPE, first_batch, pipeline_runs, unequal_mlp, v_schedule_link_warmup
+from torch.distributed.pipelining import PipelineStage
 
 from conftest import cli_here, run_cli
 from overlapkit import get_optimization
@@ -19,6 +20,8 @@ from overlapkit.runtime import CombinationError, Plan
 from overlapkit.runtime.rng import seed_everything
 
 BATCH = 16
+# The schedules this torch has (dualpipev arrived in 2.9).
+RUNNABLE = [name for name, kind in SCHEDULES.items() if not kind.missing_in(torch.__version__)]
 
 
 def config(steps=1, batch_size=BATCH, others=None, directory=None, **pipeline):
@@ -36,7 +39,7 @@ def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     configs = {
         f"schedule {name}": config(schedule=name, microbatches=4, split="equal")
-        for name in SCHEDULES
+        for name in RUNNABLE
     }
     configs["auto"] = config(steps=8, split="auto", microbatches=4)
     configs["equal"] = config(steps=8, split="equal", microbatches=4)
@@ -59,7 +62,11 @@ def reference_step(batch):
     return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.mark.skipif(
+    not hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"),
+    reason="this torch has no such warm-up (before 2.9)",
+)
+@pytest.mark.parametrize("schedule", [s for s in ("zbv", "dualpipev") if s in RUNNABLE])
 def test_v_schedules_warm_their_links_up_on_torch_before_2_13(schedule):
     """A V schedule's middle stages share a rank; the link warm-up of torch < 2.13
     sent from one to the other, which gloo refuses ("Pair is not connected")."""
@@ -68,7 +75,7 @@ def test_v_schedules_warm_their_links_up_on_torch_before_2_13(schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", RUNNABLE)
 def test_every_schedule_gives_the_unsplit_models_loss_and_gradients(two_ranks, schedule):
     results, _ = two_ranks
     loss, grads = reference_step(first_batch(BATCH))
@@ -219,6 +226,17 @@ def pipeline(**settings):
 
 def plan(world_size=2, **kwargs):
     return Plan(world_size=world_size, device="cpu", backend="gloo", **kwargs)
+
+
+def test_a_schedule_newer_than_this_torch_is_refused_naming_both(monkeypatch):
+    assert SCHEDULES["dualpipev"].missing_in("2.9.1") is None
+    assert [n for n, k in SCHEDULES.items() if k.missing_in("2.6.0")] == ["dualpipev"]
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cu126")
+    with pytest.raises(
+        PipelineError, match=r"dualpipev needs torch 2\.9 or later \(this is torch 2\.8\.0\+cu126\)"
+    ):
+        pipeline(schedule="dualpipev").check(2, "cpu", "gloo")
+    pipeline(schedule="zbv").check(2, "cpu", "gloo")
 
 
 def test_one_rank_is_refused():

@@ -11,6 +11,7 @@ smaller bubble (p-1)/(m+p-1), smaller kernels.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import statistics
@@ -123,6 +124,7 @@ class Pipeline(Optimization):
         self.link_bytes_per_s = 0.0
         self._parts: list[StageModule] = []
         self._schedule: Any = None
+        self._step_options: dict[str, Any] = {}
         self._pp_group: Any = None
         self._steps: list[Any] = []  # StepTimes, read at the end of the fit
         self._all_ranks: list[Any] = []
@@ -172,6 +174,9 @@ class Pipeline(Optimization):
                 "CUDA tensors (its send/recv fails with 'Bad address'); set world.backend to "
                 "nccl, or auto"
             )
+        missing = self.kind.missing_in(torch.__version__)
+        if missing:
+            raise PipelineError(missing)
         if world_size % self.pp:
             raise PipelineError(
                 f"pipeline stages={self.pp} must divide the {world_size} ranks "
@@ -403,6 +408,9 @@ class Pipeline(Optimization):
         cls = self.kind.cls
         target = stages if self.kind.multi else stages[0]
         self._schedule = cls(target, self.microbatches, loss_fn=loss_fn)
+        # torch 2.10 on: the last stage need not keep the micro-batches' outputs.
+        keeps = "return_outputs" in inspect.signature(self._schedule.step).parameters
+        self._step_options = {"return_outputs": False} if keeps else {}
 
     # ------------------------------------------------------------------ steps
     def forward_backward(
@@ -424,7 +432,7 @@ class Pipeline(Optimization):
             *((inputs,) if self.holds_first else ()),
             target=targets if last else None,
             losses=losses if last else None,
-            return_outputs=False,
+            **self._step_options,
         )
         # On a GPU the marks are events the device has not reached yet: the clock reads
         # these callables once the step is done, without making the host wait now.

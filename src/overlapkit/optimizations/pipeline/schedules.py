@@ -14,6 +14,19 @@ class ScheduleKind:
     stages_per_rank: int | None = None  # fixed by the schedule, when it is
     min_microbatches: str = ""  # "ranks" or "stages": needs at least that many micro-batches
     help: str = ""
+    torch_from: tuple[int, int] = (2, 6)  # the first torch release that has the schedule
+
+    def missing_in(self, torch_version: str) -> str | None:
+        """Why this torch cannot run the schedule (None: it can)."""
+        from torch.torch_version import TorchVersion
+
+        if TorchVersion(torch_version) >= self.torch_from:
+            return None
+        major, minor = self.torch_from
+        return (
+            f"pipeline schedule {self.name} needs torch {major}.{minor} or later "
+            f"(this is torch {torch_version}): upgrade torch or choose another schedule"
+        )
 
     @property
     def cls(self) -> type:
@@ -59,7 +72,13 @@ SCHEDULES: dict[str, ScheduleKind] = {
         ),
         ScheduleKind("zbv", "ScheduleZBVZeroBubble", True, 2, help="zero bubble, V-shaped"),
         ScheduleKind(
-            "dualpipev", "ScheduleDualPipeV", True, 2, "stages", help="DeepSeek DualPipeV"
+            "dualpipev",
+            "ScheduleDualPipeV",
+            True,
+            2,
+            "stages",
+            help="DeepSeek DualPipeV",
+            torch_from=(2, 9),
         ),
     )
 }
