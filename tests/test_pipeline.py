@@ -229,14 +229,14 @@ def plan(world_size=2, **kwargs):
 
 
 def test_a_schedule_newer_than_this_torch_is_refused_naming_both(monkeypatch):
-    assert SCHEDULES["dualpipev"].missing_in("2.9.1") is None
-    assert [n for n, k in SCHEDULES.items() if k.missing_in("2.6.0")] == ["dualpipev"]
-    monkeypatch.setattr(torch, "__version__", "2.8.0+cu126")
+    assert all(kind.missing_in("2.11.0") is None for kind in SCHEDULES.values())
+    assert [n for n, k in SCHEDULES.items() if k.missing_in("2.10.0")] == ["zbv", "dualpipev"]
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu126")
     with pytest.raises(
-        PipelineError, match=r"dualpipev needs torch 2\.9 or later \(this is torch 2\.8\.0\+cu126\)"
+        PipelineError, match=r"zbv needs torch 2\.11 or later \(this is torch 2\.9\.1\+cu126\)"
     ):
-        pipeline(schedule="dualpipev").check(2, "cpu", "gloo")
-    pipeline(schedule="zbv").check(2, "cpu", "gloo")
+        pipeline(schedule="zbv").check(2, "cpu", "gloo")
+    pipeline(schedule="interleaved_zb").check(2, "cpu", "gloo")
 
 
 def test_one_rank_is_refused():

@@ -14,7 +14,11 @@ class ScheduleKind:
     stages_per_rank: int | None = None  # fixed by the schedule, when it is
     min_microbatches: str = ""  # "ranks" or "stages": needs at least that many micro-batches
     help: str = ""
-    torch_from: tuple[int, int] = (2, 6)  # the first torch release that has the schedule
+    # The first torch release it runs on here. The V schedules' two stages on one rank
+    # hand activations over by sending to themselves up to torch 2.10, which gloo
+    # refuses (2.8: "Pair is not connected"; 2.9: a size mismatch); 2.11 and 2.13 run
+    # them. overlapkit needs 2.8 (older releases' gloo send/recv hangs the pipeline).
+    torch_from: tuple[int, int] = (2, 8)
 
     def missing_in(self, torch_version: str) -> str | None:
         """Why this torch cannot run the schedule (None: it can)."""
@@ -70,7 +74,14 @@ SCHEDULES: dict[str, ScheduleKind] = {
             True,
             help="zero bubble: weight gradients fill the bubble",
         ),
-        ScheduleKind("zbv", "ScheduleZBVZeroBubble", True, 2, help="zero bubble, V-shaped"),
+        ScheduleKind(
+            "zbv",
+            "ScheduleZBVZeroBubble",
+            True,
+            2,
+            help="zero bubble, V-shaped",
+            torch_from=(2, 11),
+        ),
         ScheduleKind(
             "dualpipev",
             "ScheduleDualPipeV",
@@ -78,7 +89,7 @@ SCHEDULES: dict[str, ScheduleKind] = {
             2,
             "stages",
             help="DeepSeek DualPipeV",
-            torch_from=(2, 9),
+            torch_from=(2, 11),
         ),
     )
 }
