@@ -12,6 +12,8 @@ import shlex
 import sys
 import tempfile
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -399,14 +401,48 @@ def _command(
 def _run_command(
     scenario: Scenario, args: argparse.Namespace, errors: Console, where: dict[str, Path]
 ) -> int:
-    from .run import run_scenario  # imports torch.distributed: only to run
-
     if args.fresh and "checkpoint" in scenario.optimizations:
         scenario.optimizations["checkpoint"] = {
             **(scenario.optimizations["checkpoint"] or {}),
             "resume": False,
         }
     out = _run_folder(scenario, args)
+    with _stdout_to_stderr(args.json):
+        summary = _run(scenario, args, out, where)
+    if summary is None:  # a machine other than node 0: its part is in its run folder
+        return 0
+    if "run_dir" in summary:
+        errors.print(f"overlapkit: results in {summary['run_dir']}", highlight=False)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+@contextmanager
+def _stdout_to_stderr(redirect: bool) -> Iterator[None]:
+    """While ``redirect``, what anything writes to standard output goes to standard error:
+    libraries' own lines, such as gloo's "[Gloo] Rank 0 is connected to 1 peer ranks"
+    (torch 2.8-2.12, from C++, in this process and the ranks it starts), would otherwise
+    break the JSON document that --json prints there."""
+    if not redirect:
+        yield
+        return
+    sys.stdout.flush()
+    kept = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(kept, 1)
+        os.close(kept)
+
+
+def _run(
+    scenario: Scenario, args: argparse.Namespace, out: Path | None, where: dict[str, Path]
+) -> dict[str, Any] | None:
+    from .run import run_scenario  # imports torch.distributed: only to run
+
     if args.ray:
         from .launch.ray_run import run_on_cluster
 
@@ -421,13 +457,7 @@ def _run_command(
             node=node,
             on_folder=lambda folder: where.update(folder=folder),
         )
-    if summary is None:  # a machine other than node 0: its part is in its run folder
-        return 0
-    if "run_dir" in summary:
-        errors.print(f"overlapkit: results in {summary['run_dir']}", highlight=False)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    return 0
+    return summary
 
 
 def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:

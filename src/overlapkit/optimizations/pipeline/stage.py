@@ -91,7 +91,7 @@ class TimedStage(PipelineStage):
         self.part = part
 
     def _get_init_p2p_neighbors_ops(self) -> list[Any]:
-        """torch before 2.13 warms the links up by sending to every neighbouring stage,
+        """torch 2.9-2.12 warm the links up by sending to every neighbouring stage,
         also one on this same rank (a V schedule's two middle stages); gloo refuses a
         send to itself ("Pair is not connected"). Stages on one rank hand over without
         sending, so their warm-up is left out. (torch 2.13 no longer calls this.)"""

@@ -1,4 +1,5 @@
-"""Folders named by time: runs started in the same second never share one."""
+"""`overlapkit run`: folders named by time (runs started in the same second never share
+one) and what it prints (stdout holds only the JSON document under --json)."""
 
 import json
 import multiprocessing
@@ -56,3 +57,27 @@ def test_two_runs_started_in_the_same_second_write_separate_folders(
         summary = json.loads((folder / "summary.json").read_text())
         assert summary["optimizations"]["checkpoint"]["resumed_from_step"] is None
     assert "runs/tiny-20261123-120000-2" in capsys.readouterr().err
+
+
+def test_run_json_stdout_holds_only_the_document_whatever_else_writes_there(
+    tiny_scenario, tmp_path, monkeypatch, capfd
+):
+    """gloo (torch 2.8-2.12) prints "[Gloo] Rank 0 is connected to 1 peer ranks" from C++
+    in every rank: on stdout, it broke `run --json`'s document. Here the run's own
+    process and a child it starts write such lines to file descriptor 1."""
+    import os
+    import subprocess
+
+    import overlapkit.run
+    from overlapkit.cli import main
+
+    def run_scenario(scenario, run_dir, **_):
+        os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks.\n")
+        subprocess.run(["sh", "-c", "echo '[Gloo] Rank 1 is connected to 1 peer ranks.'"])
+        return {"samples_per_s": 1.0}
+
+    monkeypatch.setattr(overlapkit.run, "run_scenario", run_scenario)
+    assert main(["run", str(tiny_scenario()), "--json", "--out", str(tmp_path / "r")]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out) == {"samples_per_s": 1.0}
+    assert "Rank 0 is connected" in err and "Rank 1 is connected" in err
