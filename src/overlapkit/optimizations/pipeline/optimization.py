@@ -11,7 +11,6 @@ smaller bubble (p-1)/(m+p-1), smaller kernels.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import statistics
@@ -124,7 +123,6 @@ class Pipeline(Optimization):
         self.link_bytes_per_s = 0.0
         self._parts: list[StageModule] = []
         self._schedule: Any = None
-        self._step_options: dict[str, Any] = {}
         self._pp_group: Any = None
         self._steps: list[Any] = []  # StepTimes, read at the end of the fit
         self._all_ranks: list[Any] = []
@@ -408,9 +406,6 @@ class Pipeline(Optimization):
         cls = self.kind.cls
         target = stages if self.kind.multi else stages[0]
         self._schedule = cls(target, self.microbatches, loss_fn=loss_fn)
-        # torch 2.10 on: the last stage need not keep the micro-batches' outputs.
-        keeps = "return_outputs" in inspect.signature(self._schedule.step).parameters
-        self._step_options = {"return_outputs": False} if keeps else {}
 
     # ------------------------------------------------------------------ steps
     def forward_backward(
@@ -432,7 +427,7 @@ class Pipeline(Optimization):
             *((inputs,) if self.holds_first else ()),
             target=targets if last else None,
             losses=losses if last else None,
-            **self._step_options,
+            return_outputs=False,
         )
         # On a GPU the marks are events the device has not reached yet: the clock reads
         # these callables once the step is done, without making the host wait now.

@@ -14,11 +14,11 @@ class ScheduleKind:
     stages_per_rank: int | None = None  # fixed by the schedule, when it is
     min_microbatches: str = ""  # "ranks" or "stages": needs at least that many micro-batches
     help: str = ""
-    # The first torch release it runs on here. The V schedules' two stages on one rank
-    # hand activations over by sending to themselves up to torch 2.10, which gloo
-    # refuses (2.8: "Pair is not connected"; 2.9: a size mismatch); 2.11 and 2.13 run
-    # them. overlapkit needs 2.8 (older releases' gloo send/recv hangs the pipeline).
-    torch_from: tuple[int, int] = (2, 8)
+    # The first torch release it runs on. Before 2.11 gloo's send/recv under the
+    # pipelining schedules fails or hangs here: 2.6 hangs a 1F1B step, 2.9 loses a
+    # rank in the links' warm-up, 2.8 runs the one-stage-per-rank schedules but has
+    # no Schedule.eval and sends a V schedule's same-rank hand-over to itself.
+    torch_from: tuple[int, int] = (2, 11)
 
     def missing_in(self, torch_version: str) -> str | None:
         """Why this torch cannot run the schedule (None: it can)."""
@@ -80,7 +80,6 @@ SCHEDULES: dict[str, ScheduleKind] = {
             True,
             2,
             help="zero bubble, V-shaped",
-            torch_from=(2, 11),
         ),
         ScheduleKind(
             "dualpipev",
@@ -89,7 +88,6 @@ SCHEDULES: dict[str, ScheduleKind] = {
             2,
             "stages",
             help="DeepSeek DualPipeV",
-            torch_from=(2, 11),
         ),
     )
 }
