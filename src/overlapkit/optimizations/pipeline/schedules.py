@@ -74,20 +74,9 @@ SCHEDULES: dict[str, ScheduleKind] = {
             True,
             help="zero bubble: weight gradients fill the bubble",
         ),
+        ScheduleKind("zbv", "ScheduleZBVZeroBubble", True, 2, help="zero bubble, V-shaped"),
         ScheduleKind(
-            "zbv",
-            "ScheduleZBVZeroBubble",
-            True,
-            2,
-            help="zero bubble, V-shaped",
-        ),
-        ScheduleKind(
-            "dualpipev",
-            "ScheduleDualPipeV",
-            True,
-            2,
-            "stages",
-            help="DeepSeek DualPipeV",
+            "dualpipev", "ScheduleDualPipeV", True, 2, "stages", help="DeepSeek DualPipeV"
         ),
     )
 }
