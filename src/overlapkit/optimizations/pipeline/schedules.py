@@ -29,7 +29,8 @@ class ScheduleKind:
         major, minor = self.torch_from
         return (
             f"pipeline schedule {self.name} needs torch {major}.{minor} or later "
-            f"(this is torch {torch_version}): upgrade torch or choose another schedule"
+            f"(this is torch {torch_version}): on older releases torch's pipelining "
+            "schedules fail or hang on their point-to-point sends; upgrade torch"
         )
 
     @property
