@@ -62,7 +62,7 @@ def test_two_runs_started_in_the_same_second_write_separate_folders(
 def test_run_json_stdout_holds_only_the_document_whatever_else_writes_there(
     tiny_scenario, tmp_path, monkeypatch, capfd
 ):
-    """gloo (torch 2.8-2.12) prints "[Gloo] Rank 0 is connected to 1 peer ranks" from C++
+    """gloo (torch 2.8, 2.9) prints "[Gloo] Rank 0 is connected to 1 peer ranks" from C++
     in every rank: on stdout, it broke `run --json`'s document. Here the run's own
     process and a child it starts write such lines to file descriptor 1."""
     import os

@@ -422,7 +422,7 @@ def _run_command(
 def _stdout_to_stderr(redirect: bool) -> Iterator[None]:
     """While ``redirect``, what anything writes to standard output goes to standard error:
     libraries' own lines, such as gloo's "[Gloo] Rank 0 is connected to 1 peer ranks"
-    (torch 2.8-2.12, from C++, in this process and the ranks it starts), would otherwise
+    (torch 2.8 and 2.9, from C++, in this process and the ranks it starts), would otherwise
     break the JSON document that --json prints there."""
     if not redirect:
         yield
