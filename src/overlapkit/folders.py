@@ -3,7 +3,9 @@ begun in the same second never share one; the second gets ``-2``, the next ``-3`
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -12,28 +14,31 @@ def stamped(parent: Path, stem: str) -> Path:
     return parent / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _names(path: Path) -> Iterator[Path]:
+    """``path``, ``path-2``, ``path-3``..."""
+    yield path
+    for n in itertools.count(2):
+        yield path.with_name(f"{path.name}-{n}")
+
+
 def unused(path: Path) -> Path:
-    """``path``, or ``path-2``, ``path-3``...: a name nothing has yet (for moving a
-    folder aside; only one process moves it)."""
-    candidate, n = path, 1
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.name}-{n}")
-    return candidate
+    """The first of ``path``, ``path-2``... that nothing has yet (for moving a folder
+    aside; only one process moves it)."""
+    return next(candidate for candidate in _names(path) if not candidate.exists())
 
 
 def claim(path: Path) -> Path:
-    """Create ``path``, or ``path-2``, ``path-3``... and return the one created. The
-    creation is atomic: a process that picked the same name a moment later gets the next."""
+    """Create the first of ``path``, ``path-2``... that does not exist, and return it.
+    The creation is atomic: a process that picked the same name a moment later gets
+    the next."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    candidate, n = path, 1
-    while True:
+    for candidate in _names(path):
         try:
             candidate.mkdir()
             return candidate
         except FileExistsError:
-            n += 1
-            candidate = path.with_name(f"{path.name}-{n}")
+            continue
+    raise AssertionError("unreachable: the names never end")
 
 
 def new_stamped(parent: Path, stem: str) -> Path:

@@ -123,10 +123,10 @@ def run_scenario(
     if node is not None and node.nodes != world.nodes:
         raise CombinationError(f"world.nodes is {world.nodes}, but this run has {node.nodes} nodes")
     scenario.data.check()
-    scenario.check_setup(int(os.environ["WORLD_SIZE"]) if under_torchrun() else world.ranks)
+    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else world.ranks
+    scenario.check_setup(ranks)
     new = run_dir is None and not under_torchrun()
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(scenario)
-    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else world.ranks
     for optimization in scenario.build_optimizations():
         optimization.check_run_folder(run_dir, ranks)  # before any rank starts
     if new:

@@ -85,10 +85,9 @@ def size_split(
     """Divide ``cores``: the background keeps ``background_cores`` of its own if set,
     else what ``threads`` (world.threads) leaves, else its share of the CPU time
     in the ``profile`` times the cores (rounded), else none (the declared split).
-    Compute always
-    keeps at least one core, and the background never more cores than its
-    threads. Without cores of its own, or with ``spill``, the background also
-    runs on the compute cores."""
+    Compute always keeps at least one core, and the background never more cores
+    than its threads. Without cores of its own, or with ``spill``, the background
+    also runs on the compute cores."""
     n = len(cores)
     wanted = sum(d.threads for d in demands)
     if background_cores is not None:

@@ -105,9 +105,7 @@ class Checkpoint(Optimization):
 
     # ---------------------------------------------------------------- set-up
     def on_fit_start(self, state: State) -> None:
-        configured = Path(self.settings["dir"]).expanduser()
-        base = state.run_dir if state.run_dir is not None else Path.cwd()
-        self._open(state, configured if configured.is_absolute() else base / configured)
+        self._open(state, self._root_in(state.run_dir if state.run_dir is not None else Path.cwd()))
         world = state.world
         if self.settings["resume"]:
             self._resume(state)
@@ -148,10 +146,12 @@ class Checkpoint(Optimization):
 
     def check_run_folder(self, run_dir: Path, world_size: int) -> None:
         if self.settings["resume"]:
-            configured = Path(self.settings["dir"]).expanduser()
-            check_rank_count(
-                configured if configured.is_absolute() else run_dir / configured, world_size
-            )
+            check_rank_count(self._root_in(run_dir), world_size)
+
+    def _root_in(self, run_dir: Path) -> Path:
+        """The checkpoint folder: ``dir`` as set, under ``run_dir`` unless absolute."""
+        configured = Path(self.settings["dir"]).expanduser()
+        return configured if configured.is_absolute() else run_dir / configured
 
     def cpu_demands(self, state: State) -> list[Demand]:
         # The persist thread (and, on a CPU, each snapshot's background copy).

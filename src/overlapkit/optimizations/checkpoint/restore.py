@@ -15,9 +15,11 @@ class CheckpointCorruptWarning(UserWarning):
     """The newest checkpoint failed its checksum; an older one is used."""
 
 
-def check_rank_count(root: Path, world_size: int) -> None:
-    """Raise `CheckpointError` when ``root`` holds checkpoints of another rank count."""
-    for entry in reversed(Manifest(root).read()):
+def check_rank_count(root: Path, world_size: int) -> list[dict]:
+    """The manifest's entries in ``root``, newest first; raise `CheckpointError` when
+    it holds checkpoints of another rank count."""
+    entries = list(reversed(Manifest(root).read()))
+    for entry in entries:
         if entry.get("world_size", world_size) != world_size:
             raise CheckpointError(
                 f"the checkpoint at step {entry['step']} in {root} was written by "
@@ -25,13 +27,13 @@ def check_rank_count(root: Path, world_size: int) -> None:
                 f"{entry['world_size']} ranks, or start over with --fresh (the old "
                 "checkpoints are kept aside)"
             )
+    return entries
 
 
 def valid_steps(root: Path, rank: int, world_size: int, shard: Shard) -> list[int]:
     """Steps whose files this rank needs are present and match their checksums, newest first."""
-    check_rank_count(root, world_size)
     steps = []
-    for entry in reversed(Manifest(root).read()):
+    for entry in check_rank_count(root, world_size):
         problem = verify(root, entry, [rank_file(rank), shard_file(shard.name)])
         if problem is None:
             steps.append(entry["step"])
