@@ -190,6 +190,10 @@ def _problem_from(
             ]
     path = tuple(loc)
     source, line = default_source, None
+    # A key only a --set wrote (the parents it created too): that --set names it.
+    below = [text for keys, text in sources.items() if keys[: len(path)] == path]
+    if below and path not in lines:
+        return Problem(below[0], None, ".".join(str(p) for p in path), message, allowed)
     for end in range(len(path), 0, -1):
         prefix = path[:end]
         if prefix in sources:
