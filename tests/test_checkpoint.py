@@ -410,3 +410,11 @@ def test_run_fresh_and_resume_false_start_over_and_keep_the_old_checkpoints(
     for folder in (aside, out / "checkpoints"):  # each run's own checkpoints, to its end
         manifest = json.loads((folder / "manifest.json").read_text())
         assert [e["step"] for e in manifest["checkpoints"]] == [2, 4]
+
+
+def test_a_checkpoint_at_the_last_step_counts_in_the_stall(tmp_path):
+    # Steps 0-3: the one checkpoint is taken at the start of step 3, the run's last;
+    # its persist is still in flight when the run ends.
+    _, _, section = train(tmp_path, 4, every=3, final=False)
+    assert section["checkpoints"] == 1
+    assert section["stall_s_mean"] > 0

@@ -45,3 +45,45 @@ def test_ddp_overlap_benchmark_runs():
     baseline = numbers["buckets"]["no overlap (baseline)"]
     assert baseline["ratio"] == 1.0 and baseline["hidden_fraction"] == 0.0
     assert numbers["buckets"]["4 MB buckets"]["buckets"] > 1
+
+
+def test_gpu_benchmark_runs_every_part_on_a_cpu(tmp_path):
+    # A lent GPU is rare: its benchmark must not first fail there on a stale path.
+    result = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/gpu.py",
+            "--device",
+            "cpu",
+            "--quick",
+            "--json",
+            tmp_path / "n.json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    numbers = json.loads((tmp_path / "n.json").read_text())
+    for model in ("resnet18", "resnet50"):
+        rows = numbers["a"][model]["rows"]
+        assert len(rows) == 4 and all(row["ms_per_step"] > 0 for row in rows.values())
+        precision = numbers["d"][model]["rows"]
+        assert precision["fp32"]["ms_per_step"] > 0 and precision["bf16"]["ms_per_step"] > 0
+        assert precision["fp16"] == {"unavailable": "n/a on cpu"}  # labelled, not invented
+    checkpoints = numbers["b"]["rows"]
+    assert [name.split(" every")[0].split(" (")[0] for name in checkpoints] == [
+        "none",
+        "torch.save",
+        "DCP async_save",
+        "overlapkit",
+        "overlapkit auto",
+    ]
+    for name, row in checkpoints.items():
+        assert all(n > 0 for n in row["checkpoints"]) or name == "none", name
+        if name.startswith("overlapkit"):
+            assert row["checkpoint_section"]["stall_s_mean"] > 0, name
+    prefetch = numbers["c"]["rows"]
+    assert prefetch["intensity 1"]["settings"]["workers"] > 0
+    assert prefetch["intensity 1"]["data_wait_share"] < prefetch["intensity 0"]["data_wait_share"]

@@ -284,6 +284,7 @@ class Checkpoint(Optimization):
             self._submit(pending)
         self._persister.close()
         self._collectives.close()
+        self._close_stall_record()  # a checkpoint whose persist outlasted the run
         self._raise_if_failed()
 
     # --------------------------------------------------------------- helpers
@@ -323,8 +324,11 @@ class Checkpoint(Optimization):
             while persister and self._persists_seen < len(persister.persist_s):
                 auto.persist_finished(persister.persist_s[self._persists_seen])
                 self._persists_seen += 1
-        busy = self._pending is not None or (persister and persister.in_flight)
-        if self._stall_spans and not busy:
+        if not (self._pending is not None or (persister and persister.in_flight)):
+            self._close_stall_record()
+
+    def _close_stall_record(self) -> None:
+        if self._stall_spans:
             self._stall_records.append(self._stall_spans)
             self._stall_spans = []
 
