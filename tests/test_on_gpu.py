@@ -1,0 +1,158 @@
+"""On a real CUDA GPU: the paths CI (which has none) tests only with fakes.
+
+Skipped without a GPU. On a machine with one: ``python -m pytest tests/test_on_gpu.py``
+(with ``benchmarks/gpu.py`` for the speed targets).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from rank_programs import mlp
+from torch import nn
+
+from conftest import TINY_SCENARIO, run_cli
+from overlapkit import Session, get_optimization
+from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
+from overlapkit.optimizations.pipeline.profile import profile_layers
+from overlapkit.runtime.rng import seed_everything
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.slow,
+]
+
+Checkpoint = get_optimization("checkpoint")
+Prefetch = get_optimization("prefetch")
+
+
+def train(run_dir, steps, *, optimizations=(), precision="fp32", strict_from=None, warmup=2):
+    """One rank on the GPU, the test MLP with dropout (the CUDA RNG matters), fused SGD
+    with momentum. From step ``strict_from`` on, any call that synchronises the host
+    with the device raises (`torch.cuda.set_sync_debug_mode`)."""
+    seed_everything(0)
+    model = nn.Sequential(mlp(), nn.Dropout(0.1))
+    data = SyntheticImages((3, 8, 8), num_classes=4, num_samples=256, seed=0)
+    loader = ResumableLoader(data, 32, ShardedSampler(len(data), seed=0))
+    session = Session(
+        list(optimizations),
+        device="cuda",
+        precision=precision,
+        warmup_steps=warmup,
+        run_dir=run_dir,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    losses = []
+    try:
+        for inputs, targets in session.steps(steps):
+            if session.state.step == strict_from:
+                torch.cuda.set_sync_debug_mode("error")
+            assert inputs.is_cuda and targets.is_cuda
+            with session.forward():
+                loss = F.cross_entropy(model(inputs), targets)
+            session.backward(loss)
+            session.optimizer_step()
+            losses.append(loss.detach())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    summary = session.finish()
+    return [float(x) for x in losses], model, summary
+
+
+def params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+
+
+@pytest.mark.parametrize(
+    ("precision", "optimization"),
+    [("fp32", None), ("bf16", None), ("fp16", None), ("fp32", "checkpoint"), ("fp32", "prefetch")],
+)
+def test_steps_never_synchronise_the_host_with_the_gpu(tmp_path, precision, optimization):
+    if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("bf16 needs compute capability 8.0")
+    made = {"checkpoint": lambda: Checkpoint(every=3), "prefetch": lambda: Prefetch(1.0)}
+    optimizations = [made[optimization]()] if optimization else []
+    losses, _, summary = train(
+        tmp_path, 30, optimizations=optimizations, precision=precision, strict_from=5
+    )
+    assert len(losses) == 30 and all(x == x for x in losses)  # no NaN
+    assert summary["steps"] == 28  # all measured steps are in the summary
+    if optimization == "checkpoint":
+        assert summary["optimizations"]["checkpoint"]["checkpoints"] >= 9
+
+
+def test_the_clock_never_waits_for_work_the_gpu_has_not_reached(tmp_path, monkeypatch):
+    # A small model: the device finishes each step long before the host queues the
+    # next, so every event the clock reads has completed when it reads it.
+    early = []
+    synchronize = torch.cuda.Event.synchronize
+
+    def watched(event):
+        early.append(not event.query())
+        synchronize(event)
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", watched)
+    losses, _, summary = train(tmp_path, 40, strict_from=None)
+    assert len(losses) == 40 and summary["steps"] == 38
+    assert len(early) > 0 and sum(early) <= 2, f"{sum(early)} of {len(early)} reads waited"
+
+
+def test_a_run_resumed_on_the_gpu_matches_one_never_stopped(tmp_path):
+    straight, straight_model, _ = train(tmp_path / "a", 14, optimizations=[Checkpoint(every=3)])
+    first, _, _ = train(tmp_path / "b", 7, optimizations=[Checkpoint(every=3, final=False)])
+    rest, model, summary = train(tmp_path / "b", 14, optimizations=[Checkpoint(every=3)])
+    section = summary["optimizations"]["checkpoint"]
+    assert section["resumed_from_step"] == 6
+    assert first[:6] + rest == straight  # step 6 ran again from the checkpoint before it
+    assert torch.equal(params(model), params(straight_model))
+    assert section["pinned_bytes"] >= section["host_buffer_bytes"] > 0  # pinned, and held
+
+
+def scenario(tmp_path, **changes):
+    spec = yaml.safe_load(TINY_SCENARIO)
+    for key, value in changes.items():
+        section, name = key.split("__")
+        spec[section][name] = value
+    path = tmp_path / "scenario.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_a_nccl_run_evaluates_and_checkpoints(tmp_path):
+    path = scenario(tmp_path, world__backend="nccl", world__device="cuda")
+    spec = yaml.safe_load(path.read_text())
+    spec["train"]["eval"] = {"every": 3, "at_end": True}  # evaluation sums on the device
+    spec["optimizations"] = {"checkpoint": {"every": 2}}
+    path.write_text(yaml.safe_dump(spec))
+    result = run_cli("run", path, "--out", tmp_path / "run", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [run["samples"] for run in summary["eval"]["runs"]] == [64] * len(
+        summary["eval"]["runs"]
+    )
+    assert len(summary["eval"]["runs"]) >= 3
+    assert summary["optimizations"]["checkpoint"]["checkpoints"] >= 2
+
+
+def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(tmp_path):
+    gpus = torch.cuda.device_count()
+    path = scenario(tmp_path, world__nprocs=gpus + 1, world__backend="nccl")
+    result = run_cli("run", path, "--out", tmp_path / "run", timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert str(gpus + 1) in result.stderr and str(gpus) in result.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_the_layer_profile_times_compute_not_kernel_launches():
+    # One large matmul against one tiny: their launches cost the same, their work not.
+    device = torch.device("cuda", torch.cuda.current_device())
+    layers = [("large", nn.Linear(4096, 4096)), ("small", nn.Linear(4096, 8))]
+    costs = profile_layers(layers, torch.randn(8192, 4096, device=device), device)
+    large, small = (c.compute_s for c in costs)
+    assert large > 5 * small, (large, small)
