@@ -21,6 +21,7 @@ from overlapkit.optimizations.checkpoint import (
     CheckpointError,
 )
 from overlapkit.optimizations.checkpoint.fileformat import read as read_checkpoint
+from overlapkit.optimizations.checkpoint.persister import Persister
 from overlapkit.optimizations.checkpoint.snapshot import Snapshotter
 from overlapkit.runtime.rng import seed_everything
 
@@ -410,6 +411,42 @@ def test_run_fresh_and_resume_false_start_over_and_keep_the_old_checkpoints(
     for folder in (aside, out / "checkpoints"):  # each run's own checkpoints, to its end
         manifest = json.loads((folder / "manifest.json").read_text())
         assert [e["step"] for e in manifest["checkpoints"]] == [2, 4]
+
+
+@pytest.fixture
+def slow_persists(monkeypatch):
+    """Every persist takes ``seconds`` longer (a slow disk)."""
+
+    def slow_down(seconds):
+        persist = Persister._persist
+
+        def slow(self, snapshot):
+            time.sleep(seconds)
+            persist(self, snapshot)
+
+        monkeypatch.setattr(Persister, "_persist", slow)
+
+    return slow_down
+
+
+def test_each_checkpoint_has_its_own_stall_while_an_earlier_one_persists(tmp_path, slow_persists):
+    slow_persists(0.3)  # far longer than 2 steps: each snapshot starts while one persists
+    sessions = []
+    _, _, section = train(
+        tmp_path, 8, every=2, final=False, on_step=lambda s, m: sessions.append(s)
+    )
+    assert section["checkpoints"] == 3  # steps 2, 4, 6
+    stalled = sum(r["phases_s"]["ckpt_stall"] for r in sessions[-1].records)
+    assert section["stall_s_mean"] == pytest.approx(stalled / 3, rel=0.05)
+
+
+def test_auto_mode_measures_a_first_checkpoint_that_outlasts_the_run(tmp_path, slow_persists):
+    slow_persists(0.5)
+    _, _, section = train(tmp_path, 12, auto=True, final=False)
+    assert section["checkpoints"] == 1
+    policy = section["auto_policy"]
+    assert len(policy["history"]) == 1  # its window, closed at the end of the run
+    assert policy["interval"] >= 1 and policy["measured_overhead"] >= 0
 
 
 def test_a_checkpoint_at_the_last_step_counts_in_the_stall(tmp_path):

@@ -192,3 +192,18 @@ def test_the_terminal_table_fits_80_columns_without_cutting_names(tmp_path):
     # Knobs abbreviated the same way in every row, each name whole.
     assert "ddp_overlap 1, prefetch 0" in cells.replace("  ", " ")
     assert "1.42x" in text and "~" in text  # the ratio and its within-noise mark
+
+
+def test_goodput_that_counts_untaken_checkpoints_as_free_is_named(tmp_path):
+    # Trials 1 and 2 checkpoint too rarely to take one within the trial: their
+    # throughput lacks the checkpoints' cost.
+    analysis = study_of(PLANTED[:4], repeats=2)
+    analysis.metric, analysis.objectives = "goodput", ["goodput"]
+    for measurement, taken in zip(analysis.measured, [None, 0, 0, 3], strict=True):
+        measurement.attrs["checkpoints"] = taken
+    document, markdown = report(analysis, tmp_path)
+    warning = next(w for w in document["warnings"] if "no checkpoint" in w)
+    assert warning.startswith("trials 1, 2 took no checkpoint in their 15 steps")
+    assert "tune.steps" in warning and warning in markdown
+    analysis.metric, analysis.objectives = "throughput", ["throughput"]  # not a goodput claim
+    assert not any("no checkpoint" in w for w in report_document(analysis)["warnings"])

@@ -24,9 +24,17 @@ from pg_server import throwaway_postgres
 from conftest import ROOT, TINY_SCENARIO, cli_here, dashboard_get, run_cli
 from overlapkit.tuning import TuneConfig
 from overlapkit.tuning.analysis import Analysis
-from overlapkit.tuning.goodput import efficiency, goodput
+from overlapkit.tuning.goodput import checkpoint_figures, checkpoints_taken, efficiency, goodput
 from overlapkit.tuning.space import SpaceError, apply_params, build_space
-from overlapkit.tuning.study import confirm_settings, enqueue, open_storage, trial_metrics
+from overlapkit.tuning.study import (
+    TuneJob,
+    confirm_settings,
+    default_storage,
+    enqueue,
+    open_storage,
+    open_study,
+    trial_metrics,
+)
 
 
 def scenario_with(tiny_scenario, optimizations: str, tune: str):
@@ -84,6 +92,46 @@ def test_goodput_on_known_inputs():
         800 * 4 / ((1 + 30 / 3600) * math.expm1(4))
     )
     assert trial_metrics(summary, tune)["goodput"] < 0.1 * metrics["goodput"]
+
+
+def test_an_auto_interval_never_chosen_is_not_priced_as_the_unused_every():
+    summary = {
+        "samples_per_s": 800.0,
+        "step_time_s": {"mean": 0.5},
+        "optimizations": {
+            "checkpoint": {
+                "every": 100,  # the default, unused in auto mode
+                "checkpoints": 0,
+                "persist_s_mean": 0.0,
+                "auto_policy": {"interval": None, "measured_overhead": None, "history": []},
+            }
+        },
+    }
+    assert checkpoint_figures(summary) == (None, 0.0)
+    assert checkpoints_taken(summary) == 0
+    summary["optimizations"]["checkpoint"]["auto_policy"]["interval"] = 7
+    assert checkpoint_figures(summary) == (3.5, 0.0)
+    assert checkpoints_taken({"optimizations": {}}) is None
+
+
+@pytest.mark.parametrize(
+    ("objective", "pruner"),
+    [
+        ("throughput", optuna.pruners.MedianPruner),
+        ("goodput", optuna.pruners.NopPruner),
+        ("both", optuna.pruners.NopPruner),
+    ],
+)
+def test_only_throughput_studies_are_pruned_on_the_running_throughput(tmp_path, objective, pruner):
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    job = TuneJob(
+        base,
+        TuneConfig(objective=objective, prune=True),
+        tmp_path,
+        default_storage(tmp_path),
+        "tiny",
+    )
+    assert type(open_study(job).pruner) is pruner
 
 
 # ------------------------------------------------------------------------ space

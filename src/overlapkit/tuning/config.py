@@ -26,7 +26,7 @@ class TuneConfig(Config):
     # are measured until each has `repeats` results; the best is the best median.
     finalists: int = Field(3, ge=0)
     repeats: int = Field(3, ge=1)
-    prune: bool = True  # stop a trial early when it is clearly worse (one objective only)
+    prune: bool = True  # stop a trial early when it is clearly worse (objective: throughput)
     trial_timeout_s: float = Field(600, gt=0)
     # Goodput: throughput discounted by the work a failure costs at this MTBF.
     mtbf_hours: float = Field(24.0, gt=0)

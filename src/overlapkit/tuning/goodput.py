@@ -54,9 +54,20 @@ def priced_efficiency(interval_s: float | None, persist_s: float, tune: TuneConf
 
 def checkpoint_figures(summary: dict[str, Any]) -> tuple[float | None, float]:
     """(interval in seconds, mean persist latency in seconds) of a run's summary;
-    the interval is None when the run took no checkpoints."""
+    the interval is None when the run did not checkpoint (in auto mode: when it never
+    chose an interval, not the unused ``every``)."""
     section = (summary.get("optimizations") or {}).get("checkpoint")
     if not section:
         return None, 0.0
-    every = (section.get("auto_policy") or {}).get("interval") or section.get("every")
+    auto = section.get("auto_policy")
+    every = auto["interval"] if auto is not None else section.get("every")
+    if every is None:
+        return None, 0.0
     return float(every) * summary["step_time_s"]["mean"], float(section["persist_s_mean"])
+
+
+def checkpoints_taken(summary: dict[str, Any]) -> int | None:
+    """How many checkpoints the run took; None when it does not checkpoint. With 0,
+    the checkpoints' cost is missing from its throughput."""
+    section = (summary.get("optimizations") or {}).get("checkpoint")
+    return int(section.get("checkpoints", 0)) if section else None

@@ -133,6 +133,15 @@ def _warnings(analysis: Analysis, comparison: list[dict[str, Any]]) -> list[str]
             "no setting was measured twice: the noise is unknown, and differences under "
             "2 % are read as equal without knowing whether that is enough"
         )
+    unpriced = sorted(m.number for m in analysis.measured if m.attrs.get("checkpoints") == 0)
+    if unpriced and analysis.metric == "goodput":
+        tune = analysis.tune
+        out.append(
+            f"trial{'s' if len(unpriced) > 1 else ''} {', '.join(map(str, unpriced))} "
+            f"took no checkpoint in their {tune.steps + tune.warmup_steps} steps (their "
+            "interval is longer): their goodput counts the checkpoints as free; make "
+            "tune.steps longer than the checkpoint intervals searched"
+        )
     disagree = [r["row"] for r in comparison if r["disagree"]]
     if disagree:
         out.append(

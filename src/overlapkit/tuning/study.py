@@ -41,7 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 from ..runtime.hardware import hardware_label
 from .analysis import UNUSED, Analysis, setting_key
 from .config import TuneConfig
-from .goodput import checkpoint_figures, goodput, priced_efficiency
+from .goodput import checkpoint_figures, checkpoints_taken, goodput, priced_efficiency
 from .space import SearchSpace, apply_params, build_space
 from .trial import NODE_LOST, TrialFailed, TrialStopped, run_trial, trial_scenario
 
@@ -133,7 +133,9 @@ def open_study(job: TuneJob, queued: bool = False) -> optuna.Study:
         sampler = optuna.samplers.RandomSampler()
     else:
         sampler = optuna.samplers.TPESampler(multivariate=True, n_startup_trials=5)
-    prunes = tune.prune and len(job.objectives) == 1
+    # The running figure a trial reports is its throughput: it ranks settings for that
+    # objective only (a slower setting with checkpoints may have the best goodput).
+    prunes = tune.prune and job.objectives == ["throughput"]
     pruner = (
         optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=max(2, tune.steps // 3))
         if prunes
@@ -170,6 +172,7 @@ def trial_metrics(summary: dict[str, Any], tune: TuneConfig) -> dict[str, Any]:
         "throughput": throughput,
         "goodput": goodput(throughput, share),
         "checkpoint_interval_s": interval_s,
+        "checkpoints": checkpoints_taken(summary),
         "persist_s": persist_s,
         "efficiency": share,
         "step_time_s": summary["step_time_s"]["mean"],

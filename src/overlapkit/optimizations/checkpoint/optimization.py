@@ -94,10 +94,10 @@ class Checkpoint(Optimization):
         self._pending: Snapshot | None = None
         self._last_step = -1
         self._step_started = 0.0
-        # The stalls of the checkpoint in progress, as marks (on a GPU: CUDA events, so
-        # that a stall is the time the device waited, read later), then per checkpoint.
+        # Each checkpoint's stalls, as marks (on a GPU: CUDA events, so that a stall is
+        # the time the device waited, read later): its snapshot and its wait before the
+        # optimizer step, whether or not an earlier checkpoint is still being persisted.
         self._marks = Marks()
-        self._stall_spans: list[tuple[Any, Any]] = []
         self._stall_records: list[list[tuple[Any, Any]]] = []
         self._persists_seen = 0
         self.resumed_from: int | None = None
@@ -247,7 +247,7 @@ class Checkpoint(Optimization):
             start = self._marks.mark()
             deferrable = _deferrable_storages(state)
             self._pending = self._snapshotter.take(state.step, self._capture(state), deferrable)
-            self._stall_spans.append((start, self._marks.mark()))
+            self._stall_records.append([(start, self._marks.mark())])
         self._last_step = state.step
 
     def on_before_optimizer_step(self, state: State) -> None:
@@ -258,7 +258,7 @@ class Checkpoint(Optimization):
         with state.clock.phase("ckpt_stall"):
             start = self._marks.mark()
             self._pending.wait_on_device()
-            self._stall_spans.append((start, self._marks.mark()))
+            self._stall_records[-1].append((start, self._marks.mark()))
         self._submit(self._pending)
         self._pending = None
 
@@ -271,6 +271,7 @@ class Checkpoint(Optimization):
     def on_fit_end(self, state: State) -> None:
         if self._persister is None:
             return
+        self._observe_previous_step(perf_counter())  # the last step's time
         # A snapshot taken at the start of a step that never ran (a script's epoch end).
         pending = self._pending
         if self.settings["final"] and (state.step != self._last_step or pending is not None):
@@ -284,7 +285,9 @@ class Checkpoint(Optimization):
             self._submit(pending)
         self._persister.close()
         self._collectives.close()
-        self._close_stall_record()  # a checkpoint whose persist outlasted the run
+        if self.policy_auto is not None:  # a checkpoint whose persist outlasted the run
+            self._feed_persists()
+            self.policy_auto.finish()
         self._raise_if_failed()
 
     # --------------------------------------------------------------- helpers
@@ -314,23 +317,18 @@ class Checkpoint(Optimization):
         self._persister.submit(snapshot)
 
     def _observe_previous_step(self, now: float) -> None:
-        """Feed the auto policy the last step's time and finished persists; close the
-        stall record of a checkpoint once its snapshot and persist are done."""
-        if self._step_started == 0.0:
+        """Feed the auto policy the last step's time and finished persists."""
+        if self._step_started == 0.0 or self.policy_auto is None:
             return
-        auto, persister = self.policy_auto, self._persister
-        if auto is not None:
-            auto.record_step(now - self._step_started)
-            while persister and self._persists_seen < len(persister.persist_s):
-                auto.persist_finished(persister.persist_s[self._persists_seen])
-                self._persists_seen += 1
-        if not (self._pending is not None or (persister and persister.in_flight)):
-            self._close_stall_record()
+        self.policy_auto.record_step(now - self._step_started)
+        self._step_started = 0.0  # counted once
+        self._feed_persists()
 
-    def _close_stall_record(self) -> None:
-        if self._stall_spans:
-            self._stall_records.append(self._stall_spans)
-            self._stall_spans = []
+    def _feed_persists(self) -> None:
+        persister = self._persister
+        while persister and self._persists_seen < len(persister.persist_s):
+            self.policy_auto.persist_finished(persister.persist_s[self._persists_seen])
+            self._persists_seen += 1
 
     def _raise_if_failed(self) -> None:
         error = self._persister.error if self._persister else None
@@ -389,7 +387,9 @@ class Checkpoint(Optimization):
         if self.policy_auto is not None:
             out["auto_policy"] = {
                 "interval": self.policy_auto.interval,
-                "measured_overhead": self.policy_auto.overhead,
+                "measured_overhead": self.policy_auto.overhead
+                if self.policy_auto.history
+                else None,
                 "history": self.policy_auto.history,
             }
         return out

@@ -81,6 +81,11 @@ class AutoInterval:
         if self.interval is None and self._window is not None:
             self._close_window(in_flight=0)  # the first checkpoint, measured alone
 
+    def finish(self) -> None:
+        """The run ended: the open window's cost counts too (its steps already do)."""
+        if self._window is not None:
+            self._close_window(in_flight=0)
+
     def _close_window(self, in_flight: int) -> None:
         steps, self._window = self._window or [], None
         if not steps:
