@@ -145,18 +145,18 @@ def bucket_table(runs: dict[str, list[dict[str, Any]]]) -> tuple[Table, dict[str
 
 def profile_table(summary: dict[str, Any], title: str) -> Table:
     table = Table(title=title)
-    for column in ("size class", "calls", "MB", "mean ms", "p50 ms", "max ms", "MB/s"):
+    for column in ("size class", "calls", "MiB", "mean ms", "p50 ms", "max ms", "MiB/s"):
         table.add_column(column, justify="left" if column == "size class" else "right")
     for row in summary["optimizations"]["ddp_overlap"]["allreduce_profile"]["classes"]:
         if row["calls"]:
             table.add_row(
                 row["size_class"],
                 str(row["calls"]),
-                f"{row['bytes'] / 1e6:.1f}",
+                f"{row['bytes'] / 2**20:.1f}",
                 f"{row['latency_ms_mean']:.1f}",
                 f"{row['latency_ms_p50']:.1f}",
                 f"{row['latency_ms_max']:.1f}",
-                f"{row['bandwidth_mb_s']:.0f}",
+                f"{row['bandwidth_mib_s']:.0f}",
             )
     return table
 

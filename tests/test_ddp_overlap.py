@@ -270,3 +270,20 @@ def test_cli_run_prints_the_allreduce_profile(tiny_scenario, tmp_path):
     # 2 warm-up steps, then 6 measured: the first synchronised step is a warm-up one.
     assert section["allreduce_profile"]["profiled_steps"] == 6
     assert "grad_sync" not in summary  # DDP, not the runtime's flat fallback, synced
+
+
+def test_a_run_too_short_to_profile_reports_no_overlap_figures_not_zero():
+    section = get_optimization("ddp_overlap")(1.0).summary()
+    assert section["allreduce_profile"]["profiled_steps"] == 0
+    assert section["overlap"] == {
+        "comm_busy_s_per_step": None,
+        "comm_exposed_s_per_step": None,
+        "hidden_fraction": None,  # unmeasured, not "nothing hidden"
+    }
+
+
+def test_size_classes_are_named_in_the_binary_units_they_are_cut_at():
+    kib, mib = 1 << 10, 1 << 20
+    assert size_class(128 * kib) == "<=128KiB"
+    assert size_class(128 * kib + 1) == size_class(16 * mib) == "128KiB-16MiB"
+    assert size_class(64 * mib + 1) == ">64MiB"

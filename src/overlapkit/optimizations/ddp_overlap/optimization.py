@@ -317,15 +317,16 @@ class DDPOverlap(Optimization):
     def summary(self) -> dict[str, Any]:
         while self._unread:
             self._read(self._unread.popleft())
-        steps = max(self._profiled_steps, 1)
-        busy = self._comm_busy_s / steps
-        exposed = self._comm_exposed_s / steps
+        steps = self._profiled_steps
+        busy = self._comm_busy_s / steps if steps else None
+        exposed = self._comm_exposed_s / steps if steps else None
         return {
             **super().summary(),
+            # None: no measured step was profiled (the run was too short), not "nothing hidden".
             "overlap": {
                 "comm_busy_s_per_step": busy,
                 "comm_exposed_s_per_step": exposed,
-                "hidden_fraction": 1.0 - exposed / busy if busy > 0 else 0.0,
+                "hidden_fraction": 1.0 - exposed / busy if busy and exposed is not None else None,
             },
             "buckets_per_step": len(self._last_buckets),
             "bytes_per_step": sum(self._last_buckets),

@@ -8,11 +8,11 @@ from typing import Any
 
 MIB = 1 << 20
 SIZE_CLASSES: tuple[tuple[float, str], ...] = (
-    (128 * 1024, "<=128KB"),
-    (16 * MIB, "128KB-16MB"),
-    (32 * MIB, "16-32MB"),
-    (64 * MIB, "32-64MB"),
-    (math.inf, ">64MB"),
+    (128 * 1024, "<=128KiB"),
+    (16 * MIB, "128KiB-16MiB"),
+    (32 * MIB, "16-32MiB"),
+    (64 * MIB, "32-64MiB"),
+    (math.inf, ">64MiB"),
 )
 
 
@@ -45,8 +45,8 @@ class AllreduceProfile:
                     "latency_ms_mean": statistics.fmean(latencies) * 1e3 if calls else 0.0,
                     "latency_ms_p50": statistics.median(latencies) * 1e3 if calls else 0.0,
                     "latency_ms_max": max(latencies) * 1e3 if calls else 0.0,
-                    "bandwidth_mb_s": (
-                        sum(n for n, _ in calls) / sum(latencies) / 1e6
+                    "bandwidth_mib_s": (
+                        sum(n for n, _ in calls) / sum(latencies) / MIB
                         if calls and sum(latencies) > 0
                         else 0.0
                     ),
@@ -58,16 +58,16 @@ class AllreduceProfile:
         """The profile as a table for the run's printed summary."""
         return {
             "title": title,
-            "columns": ["size class", "calls", "MB", "mean ms", "p50 ms", "max ms", "MB/s"],
+            "columns": ["size class", "calls", "MiB", "mean ms", "p50 ms", "max ms", "MiB/s"],
             "rows": [
                 [
                     r["size_class"],
                     r["calls"],
-                    f"{r['bytes'] / 1e6:.1f}",
+                    f"{r['bytes'] / MIB:.1f}",
                     f"{r['latency_ms_mean']:.2f}",
                     f"{r['latency_ms_p50']:.2f}",
                     f"{r['latency_ms_max']:.2f}",
-                    f"{r['bandwidth_mb_s']:.0f}",
+                    f"{r['bandwidth_mib_s']:.0f}",
                 ]
                 for r in self.summary()
                 if r["calls"]
