@@ -211,6 +211,7 @@ def test_powersgd_on_gloo_is_kept_to_one_bucket(results):
     section = results[0]["powersgd_small_buckets"]["summary"]["optimizations"]["ddp_overlap"]
     assert section["buckets_per_step"] == 1 and section["bucket_cap_mb"] > 2
     assert any("powersgd on gloo" in note for note in section["notes"])
+    assert "before PowerSGD compresses them" in section["allreduce_profile"]["note"]
 
 
 @pytest.mark.slow

@@ -336,6 +336,12 @@ class DDPOverlap(Optimization):
                 "note": (
                     "rank 0, measured steps (not warm-up) from the 2nd synchronised backward "
                     "on: DDP's first all-reduces its gradients before rebuilding its buckets"
+                    + (
+                        "; bytes are the buckets' gradients before PowerSGD compresses them "
+                        "(what it sends depends on each layer's shape and rank)"
+                        if self.settings["comm_hook"] == "powersgd"
+                        else ""
+                    )
                 ),
                 "classes": self.profile.summary(),
             },
