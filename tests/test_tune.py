@@ -114,6 +114,20 @@ def test_an_auto_interval_never_chosen_is_not_priced_as_the_unused_every():
     assert checkpoints_taken({"optimizations": {}}) is None
 
 
+def test_checkpoint_intervals_longer_than_a_trial_are_found_before_it_starts(tmp_path):
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+
+    def job(**tune):
+        return TuneJob(base, TuneConfig(**tune), tmp_path, default_storage(tmp_path), "tiny")
+
+    # Intensities 0.25, 0.5, 0.75, 1: every 178, 32, 6, 1 steps; a trial runs 10 + 5.
+    assert job(intensity_step=0.25).rare_checkpoints() == [32, 178]
+    assert job(intensity_step=0.25, steps=40).rare_checkpoints() == [178]
+    assert job(intensity_step=0.5, steps=40).rare_checkpoints() == []
+    raw = {"checkpoint": {"every": [2, 8, 50]}}
+    assert job(search=raw, steps=40).rare_checkpoints() == [50]
+
+
 @pytest.mark.parametrize(
     ("objective", "pruner"),
     [

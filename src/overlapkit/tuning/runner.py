@@ -64,6 +64,14 @@ def tune(
     shown = Shown({t.number for t in finished}, console)
     plan = StudyPlan.of(job.space, job.tune)
     console.print(f"study {job.study_name}: {plan.describe()}")
+    rare = job.rare_checkpoints() if "goodput" in job.objectives else []
+    if rare:
+        length = job.tune.steps + job.tune.warmup_steps
+        console.print(
+            f"[yellow]warning:[/] checkpoint intervals of {', '.join(map(str, rare))} steps "
+            f"are searched, but a trial runs {length}: those settings take no checkpoint, "
+            "and their goodput counts checkpoints as free (raise tune.steps)"
+        )
     if shown.numbers:
         console.print(
             f"study {job.study_name}: {len(shown.numbers)} trials already done, continuing"

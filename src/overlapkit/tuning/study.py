@@ -38,6 +38,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from ..optimizations import get_optimization
 from ..runtime.hardware import hardware_label
 from .analysis import UNUSED, Analysis, setting_key
 from .config import TuneConfig
@@ -70,6 +71,26 @@ class TuneJob:
     @property
     def objectives(self) -> list[str]:
         return list(METRICS) if self.tune.objective == "both" else [self.tune.objective]
+
+    def rare_checkpoints(self) -> list[int]:
+        """The checkpoint intervals searched (in steps) that are longer than a trial:
+        such settings take no checkpoint there, so their cost goes unmeasured."""
+        space = self.space
+        if "checkpoint" not in space.optimizations:
+            return []
+        checkpoint = get_optimization("checkpoint")
+        length = self.tune.steps + self.tune.warmup_steps
+        rare = set()
+        for params in space.grid_points():
+            entry = dict(
+                apply_params(self.base, space, params)["optimizations"].get("checkpoint") or {}
+            )
+            if not entry:
+                continue  # off
+            settings = checkpoint.resolve(entry.pop("intensity", 1.0), entry)
+            if not settings.get("auto") and settings["every"] > length:
+                rare.add(settings["every"])
+        return sorted(rare)
 
     def save(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
