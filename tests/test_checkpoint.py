@@ -402,7 +402,11 @@ def test_run_fresh_and_resume_false_start_over_and_keep_the_old_checkpoints(
 
     first, resumed_from = ran()
     assert len(first) == 4 and resumed_from is None
-    assert ran() == ([], 4)  # the same command resumes: from the final checkpoint, done
+    # The same command would resume from the final checkpoint and train nothing: refused,
+    # the finished run's results left as they were.
+    assert main(command) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    assert len((out / "steps.jsonl").read_text().splitlines()) == 4
     assert ran("--fresh") == (first, None)  # starts over: the same run again
     (aside,) = out.glob("checkpoints.old-*")
     # Within the same second too: the second folder moved aside gets a name of its own.

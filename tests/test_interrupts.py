@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, TINY_SCENARIO
 from overlapkit.optimizations.checkpoint.fileformat import read as read_checkpoint
 
 COMMON = [
@@ -118,9 +118,11 @@ def test_kill_of_a_one_rank_run_exits_143_and_run_resume_continues_its_folder(
 
 
 def test_resume_without_an_earlier_run_or_with_out_is_a_usage_error(tiny_scenario, tmp_path):
-    scenario = tiny_scenario()
+    scenario = tiny_scenario(TINY_SCENARIO + "optimizations: {checkpoint: {every: 2}}\n")
     alone = overlapkit("run", scenario, "--resume", cwd=tmp_path)
     assert alone.returncode == 2 and "no earlier run of tiny" in alone.stderr
+    never = overlapkit("run", tiny_scenario(name="plain.yaml"), "--resume", cwd=tmp_path)
+    assert never.returncode == 2 and "tiny does not checkpoint" in never.stderr
     both = overlapkit("run", scenario, "--resume", "--out", tmp_path / "x", cwd=tmp_path)
     assert both.returncode == 2 and "--out names one" in both.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "x").exists()

@@ -17,11 +17,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import yaml
 from rich.console import Console
 from rich.table import Table
 
 from . import __version__
 from .data import DataNotFoundError
+from .earlier_run import EarlierRunError, check_earlier_run
 from .launch.cluster import ClusterConfigError
 from .launch.interrupt import RunInterrupted, exit_now
 from .launch.local import NodePlace, RankFailedError
@@ -304,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         ClusterConfigError,
         RayClusterError,
         UsageError,
+        EarlierRunError,
     ) as error:
         errors.print("[bold red]error:[/] ", end="")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
@@ -469,15 +472,23 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
                 f"{'--out names one' if args.out is not None else '--fresh starts over'}: "
                 "use one of them"
             )
+        if "checkpoint" not in scenario.optimizations:
+            raise UsageError(
+                f"--resume: {scenario.name} does not checkpoint (no checkpoint in its "
+                "optimizations), so there is nothing to resume"
+            )
         earlier = _earlier_runs(scenario.name)
         if not earlier:
             raise UsageError(
                 f"--resume: no earlier run of {scenario.name} under runs/ "
                 "(a folder runs/NAME-* holding scenario.yaml); name one with --out"
             )
+        check_earlier_run(earlier[0], scenario, fresh=False)
         return earlier[0]
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out}: is a file; the run folder must be a folder")
+    if args.out is not None:
+        check_earlier_run(args.out, scenario, fresh=args.fresh)
     if args.out is None and not args.fresh:
         earlier = [run for run in _earlier_runs(scenario.name) if (run / "checkpoints").is_dir()]
         if earlier and "checkpoint" in scenario.optimizations:
@@ -491,9 +502,16 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
 
 
 def _earlier_runs(name: str, root: Path = Path("runs")) -> list[Path]:
-    """Run folders of scenario ``name``, newest first."""
-    runs = [p.parent for p in root.glob(f"{name}-*/scenario.yaml")]
+    """Run folders of scenario ``name`` (not of ``name-wide``), newest first."""
+    runs = [p.parent for p in root.glob(f"{name}-*/scenario.yaml") if _name_in(p) == name]
     return sorted(runs, key=lambda p: (p / "scenario.yaml").stat().st_mtime, reverse=True)
+
+
+def _name_in(scenario_file: Path) -> Any:
+    try:
+        return (yaml.safe_load(scenario_file.read_text()) or {}).get("name")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
 
 
 def _stopped_line(

@@ -296,6 +296,11 @@ class Optimization:
         there by an earlier run); a user's mistake found here is one clear line, not
         a rank's traceback."""
 
+    def resumes_at(self, run_dir: Path) -> int | None:
+        """The step a run in ``run_dir`` would resume at from what an earlier run saved
+        there (None: it would start at step 0)."""
+        return None
+
     def environment(self, backend: str) -> dict[str, str]:
         """Environment variables this optimization needs set before the process group
         starts (a communication library reads some only then), for ``backend``."""

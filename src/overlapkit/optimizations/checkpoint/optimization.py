@@ -148,6 +148,12 @@ class Checkpoint(Optimization):
         if self.settings["resume"]:
             check_rank_count(self._root_in(run_dir), world_size)
 
+    def resumes_at(self, run_dir: Path) -> int | None:
+        if not self.settings["resume"]:
+            return None
+        steps = [entry["step"] for entry in Manifest(self._root_in(run_dir)).read()]
+        return max(steps) if steps else None
+
     def _root_in(self, run_dir: Path) -> Path:
         """The checkpoint folder: ``dir`` as set, under ``run_dir`` unless absolute."""
         configured = Path(self.settings["dir"]).expanduser()

@@ -1,0 +1,107 @@
+"""A run into a folder an earlier run left: resumed only when the checkpoints are of
+the same setup and there is something left to train; otherwise refused before any
+rank starts, the folder left as it was. One real finished run, copied per case."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+
+from conftest import TINY_SCENARIO, cli_here
+from overlapkit.cli import _earlier_runs
+from overlapkit.earlier_run import setup_changes
+
+CHECKPOINTED = TINY_SCENARIO + "optimizations: {checkpoint: {every: 2}}\n"
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished run of the tiny scenario (6 steps after 2 of warm-up), checkpointed."""
+    folder = tmp_path_factory.mktemp("earlier")
+    scenario = folder / "tiny.yaml"
+    scenario.write_text(CHECKPOINTED)
+    result = cli_here("run", scenario, "--out", folder / "run", "--quiet")
+    assert result.returncode == 0, result.stderr
+    return folder / "run"
+
+
+@pytest.fixture
+def earlier(finished, tmp_path, tiny_scenario):
+    """A copy of the finished run, and a function running the tiny scenario (with
+    ``text`` and ``--set`` overrides) into it."""
+    folder = tmp_path / "run"
+    shutil.copytree(finished, folder)
+
+    def run(*overrides: str, text: str = CHECKPOINTED, flags: tuple[str, ...] = ()):
+        sets = [word for override in overrides for word in ("--set", override)]
+        path = tiny_scenario(text, name="again.yaml")
+        return cli_here("run", path, "--out", folder, "--quiet", *sets, *flags)
+
+    return folder, run
+
+
+def snapshot(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_resuming_a_finished_run_is_refused_and_loses_nothing(earlier):
+    folder, run = earlier
+    before = snapshot(folder)
+    result = run()
+    assert result.returncode == 2
+    assert "nothing to resume" in result.stderr and "already trained 8 steps" in result.stderr
+    assert snapshot(folder) == before
+    trained_on = run("train.steps=10")  # more steps: it resumes at 8 and trains on
+    assert trained_on.returncode == 0, trained_on.stderr
+    summary = yaml.safe_load((folder / "summary.json").read_text())
+    assert summary["optimizations"]["checkpoint"]["resumed_from_step"] == 8
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("model.width=8", "model.width 4 -> 8"),
+        ("train.optimizer.name=adam", "train.optimizer.name sgd -> adam"),
+        ("train.batch_size=4", "train.batch_size 8 -> 4"),
+        ("data.num_samples=128", "data.num_samples 256 -> 128"),
+    ],
+)
+def test_checkpoints_of_another_setup_are_not_loaded(earlier, override, named):
+    folder, run = earlier
+    before = snapshot(folder)
+    result = run(override, "train.steps=10")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"holds checkpoints of another setup ({named})" in result.stderr
+    assert f"--out {folder} --fresh" in result.stderr
+    assert snapshot(folder) == before  # its scenario.yaml too
+
+
+def test_a_finished_run_is_not_written_over_unless_asked(earlier):
+    folder, run = earlier
+    before = snapshot(folder)
+    plain = run(text=TINY_SCENARIO)  # nothing to resume: it would train from step 0
+    assert plain.returncode == 2 and "holds the results of a finished run" in plain.stderr
+    assert snapshot(folder) == before
+    assert run(text=TINY_SCENARIO, flags=("--fresh",)).returncode == 0
+
+
+def test_resume_finds_only_its_own_scenarios_folders(tmp_path):
+    for folder, name in (
+        ("tiny-wide-20261123-100000", "tiny-wide"),
+        ("tiny-20261123-090000", "tiny"),
+    ):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "scenario.yaml").write_text(f"name: {name}\n")
+    assert _earlier_runs("tiny", tmp_path) == [tmp_path / "tiny-20261123-090000"]
+    assert _earlier_runs("tiny-wide", tmp_path) == [tmp_path / "tiny-wide-20261123-100000"]
+
+
+def test_setup_changes_name_the_first_key_that_differs():
+    before = yaml.safe_load(CHECKPOINTED)
+    after = yaml.safe_load(CHECKPOINTED)
+    after["model"]["stem"] = "imagenet"
+    after["train"]["steps"] = 100  # training on: not a change of setup
+    after["train"]["optimizer"]["lr"] = 0.01  # nor a new learning rate
+    assert setup_changes(before, after) == ["model.stem cifar -> imagenet"]
