@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 from pg_server import throwaway_postgres
 
 from conftest import ROOT, TINY_SCENARIO, cli_here, dashboard_get, run_cli
-from overlapkit.tuning import TuneConfig
+from overlapkit.tuning import TuneConfig, TuneError
 from overlapkit.tuning.analysis import Analysis
 from overlapkit.tuning.goodput import checkpoint_figures, checkpoints_taken, efficiency, goodput
 from overlapkit.tuning.space import SpaceError, apply_params, build_space
@@ -126,6 +126,29 @@ def test_checkpoint_intervals_longer_than_a_trial_are_found_before_it_starts(tmp
     assert job(intensity_step=0.5, steps=40).rare_checkpoints() == []
     raw = {"checkpoint": {"every": [2, 8, 50]}}
     assert job(search=raw, steps=40).rare_checkpoints() == [50]
+
+
+def test_a_study_measured_with_another_scenario_is_not_continued(tmp_path):
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    storage = default_storage(tmp_path)
+    open_study(TuneJob(base, TuneConfig(trials=2), tmp_path, storage, "tiny"))
+    # More trials continue it; another model would mix two models' measurements.
+    open_study(TuneJob(base, TuneConfig(trials=20), tmp_path, storage, "tiny"))
+    wider = {**base, "model": {**base["model"], "width": 16}}
+    with pytest.raises(TuneError, match=r"measured with another scenario \(model.width 4 -> 16\)"):
+        open_study(TuneJob(wider, TuneConfig(trials=2), tmp_path, storage, "tiny"))
+
+
+def test_a_tune_folder_holding_another_study_is_left_alone(tmp_path, tiny_scenario):
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    folder = tmp_path / "tune"
+    TuneJob(base, TuneConfig(), folder, default_storage(folder), "other").save()
+    before = (folder / "tune.json").read_text()
+    scenario = tiny_scenario(TINY_SCENARIO + "optimizations: {checkpoint: {}}\n")
+    result = cli_here("tune", scenario, "--out", folder)
+    assert result.returncode == 2, result.stderr
+    assert "holds the study 'other'" in result.stderr and "--study other" in result.stderr
+    assert (folder / "tune.json").read_text() == before and not (folder / "trials").exists()
 
 
 @pytest.mark.parametrize(

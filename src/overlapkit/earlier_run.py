@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from .scenarios import Scenario
+from .scenarios.diff import first_difference
 
 # What a checkpoint's state depends on: a change in any of these makes a resume load
 # a different model, optimizer or data position (the step count and the learning rate
@@ -74,25 +75,9 @@ def check_earlier_run(folder: Path, scenario: Scenario, fresh: bool) -> None:
 
 def setup_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """What differs between two scenarios (as plain data) in what checkpoints depend
-    on, as ``path: before -> now`` (a whole section by its first differing key)."""
-    changes = []
-    for path in SAVED_WITH:
-        before, after = _at(earlier, path), _at(now, path)
-        if before != after:
-            changes.append(_first_change(path, before, after))
-    return changes
-
-
-def _first_change(path: str, before: Any, after: Any) -> str:
-    if isinstance(before, dict) and isinstance(after, dict):
-        for key in sorted(set(before) | set(after)):
-            if before.get(key) != after.get(key):
-                return _first_change(f"{path}.{key}", before.get(key), after.get(key))
-    return f"{path} {_text(before)} -> {_text(after)}"
-
-
-def _text(value: Any) -> str:
-    return "unset" if value is None else str(value)
+    on, as ``path before -> now`` (a whole section by its first differing key)."""
+    found = (first_difference(_at(earlier, path), _at(now, path), path) for path in SAVED_WITH)
+    return [change for change in found if change is not None]
 
 
 def _at(data: Any, dotted: str) -> Any:

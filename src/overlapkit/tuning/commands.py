@@ -74,6 +74,20 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
         config.storage or default_storage(folder),
         config.study or scenario.name,
     )
+    if (folder / TUNE_FILE).is_file():
+        try:
+            earlier = TuneJob.load(folder)
+        except (ValueError, KeyError, TypeError) as error:
+            raise TuneError(
+                f"{folder / TUNE_FILE} is not a tune file overlapkit can read ({error}): "
+                "use another --out"
+            ) from None
+        if (earlier.study_name, earlier.storage_url) != (job.study_name, job.storage_url):
+            raise TuneError(
+                f"{folder} holds the study {earlier.study_name!r} (in {earlier.storage_url}); "
+                f"tuning {job.study_name!r} there would write over its trial folders and "
+                f"report: use another --out, or --study {earlier.study_name} to continue it"
+            )
     if args.workers < 1:
         raise TuneError("--workers must be at least 1")
     cores = os.cpu_count() or 1

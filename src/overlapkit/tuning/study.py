@@ -40,6 +40,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from ..optimizations import get_optimization
 from ..runtime.hardware import hardware_label
+from ..scenarios.diff import first_difference
+from . import TuneError
 from .analysis import UNUSED, Analysis, setting_key
 from .config import TuneConfig
 from .goodput import checkpoint_figures, checkpoints_taken, goodput, priced_efficiency
@@ -171,9 +173,17 @@ def open_study(job: TuneJob, queued: bool = False) -> optuna.Study:
         load_if_exists=True,
     )
     if len(study.directions) != len(job.objectives):
-        raise ValueError(
+        raise TuneError(
             f"study {job.study_name!r} exists with {len(study.directions)} objective(s); "
             f"this tune asks for {job.tune.objective}: use another --study"
+        )
+    measured = study.user_attrs.get("scenario")
+    change = measured is not None and first_difference(_trials_of(measured), _trials_of(job.base))
+    if change:
+        raise TuneError(
+            f"study {job.study_name!r} in {job.storage_url} was measured with another "
+            f"scenario ({change}): this tune's trials would be mixed with its own; use "
+            "another --out or --study (or the scenario it measured, to continue it)"
         )
     if "objectives" not in study.user_attrs:
         study.set_metric_names(job.objectives)
@@ -181,6 +191,12 @@ def open_study(job: TuneJob, queued: bool = False) -> optuna.Study:
         study.set_user_attr("scenario", job.base)
         study.set_user_attr("tune", job.tune.model_dump(mode="json"))
     return study
+
+
+def _trials_of(scenario: dict[str, Any]) -> dict[str, Any]:
+    """What a study's trials run: the scenario without its tune section (whose trial
+    count may grow when a study is continued)."""
+    return {key: value for key, value in scenario.items() if key != "tune"}
 
 
 # ------------------------------------------------------------------ one trial
