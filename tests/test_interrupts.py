@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +145,46 @@ def test_ctrl_c_under_torchrun_stops_both_ranks_with_the_resume_line(tiny_scenar
     assert "stopped by SIG" in line and f"--out {out}" in line and "torchrun" in line
     # The ranks themselves end without a traceback (torchrun's own agent may print one).
     assert "RunInterrupted" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_stops_tune_quietly_and_the_stopped_trial_runs_again(
+    tiny_scenario, tmp_path, workers
+):
+    import optuna
+
+    from overlapkit.tuning.study import TuneJob, open_storage
+
+    slow = TINY_SCENARIO.replace("eval_samples: 64}", "eval_samples: 0, sample_cost_ms: 40}")
+    scenario = tiny_scenario(slow + "optimizations: {checkpoint: {}}\ntune: {trials: 1}\n")
+    folder = tmp_path / "tune"
+    command = [sys.executable, "-m", "overlapkit", "tune", str(scenario), "--out", str(folder)]
+    tune = subprocess.Popen(
+        [*command, "--workers", str(workers)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    live = list(folder.glob("trials/*/run/live-steps.jsonl"))
+    while not any(p.read_text().strip() for p in live) and tune.poll() is None:
+        time.sleep(0.2)  # until a trial has measured a step
+        live = list(folder.glob("trials/*/run/live-steps.jsonl"))
+    os.killpg(tune.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's whole group
+    _, stderr = tune.communicate(timeout=120)
+    assert tune.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert "tune stopped" in stderr and "the same command continues it" in stderr
+    study = optuna.load_study(
+        study_name="tiny", storage=open_storage(TuneJob.load(folder).storage_url)
+    )
+    stopped = [t for t in study.trials if t.user_attrs.get("failure") == "interrupted"]
+    assert stopped, [(t.number, t.state, t.user_attrs) for t in study.trials]
+    waiting = [t for t in study.trials if t.state == optuna.trial.TrialState.WAITING]
+    for trial in stopped:  # each queued again with its setting and role
+        assert any(
+            w.system_attrs.get("fixed_params") == trial.params
+            and w.user_attrs.get("role") == trial.user_attrs["role"]
+            for w in waiting
+        ), (trial.params, [w.system_attrs for w in waiting])

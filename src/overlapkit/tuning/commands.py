@@ -109,9 +109,18 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
         f"study {job.study_name} in {job.storage_url}"
     )
     progress = Console(stderr=True)  # trial lines: stdout keeps the table (or the JSON)
-    analysis = tune(
-        job, workers=args.workers, timeout_s=args.timeout, console=progress, gpus=gpus, ray=ray
-    )
+    try:
+        analysis = tune(
+            job, workers=args.workers, timeout_s=args.timeout, console=progress, gpus=gpus, ray=ray
+        )
+    except KeyboardInterrupt:
+        progress.print(
+            f"overlapkit: tune stopped; study {job.study_name} in {folder} keeps its finished "
+            "trials, and the same command continues it (a trial that was stopped runs again)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 130
     return _write(analysis, base, folder, args.json, console)
 
 

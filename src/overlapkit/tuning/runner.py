@@ -4,11 +4,12 @@ printing each trial as it finishes."""
 from __future__ import annotations
 
 import multiprocessing
+import sys
 import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -215,7 +216,7 @@ def _round(
     own = gpus or [None] * workers  # worker i's trials run on own[i] only
     processes = [
         context.Process(
-            target=worker_main, args=(job, share, deadline, None, queued, ids), daemon=False
+            target=_worker_process, args=(job, share, deadline, None, queued, ids), daemon=False
         )
         for share, ids in zip(shares, own, strict=True)
         if share
@@ -233,6 +234,15 @@ def _round(
     failed = [p.exitcode for p in processes if p.exitcode != 0]
     if failed:
         shown.console.print(f"[red]{len(failed)} worker(s) stopped with exit codes {failed}[/]")
+
+
+def _worker_process(*args: Any) -> None:
+    """`worker_main` in a process of its own: Ctrl-C (which reaches every process of
+    the terminal) ends it quietly; the parent says how to continue."""
+    try:
+        worker_main(*args)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 def _lines(trial: FrozenTrial, width: int) -> str:

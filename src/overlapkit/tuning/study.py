@@ -270,6 +270,13 @@ class Objective:
             summary = self.runner(data, folder, job.tune.trial_timeout_s, watch)
         except TrialStopped:
             raise optuna.TrialPruned() from None
+        except KeyboardInterrupt:
+            # Ctrl-C: not the setting's fault; it runs again when the study continues.
+            trial.set_user_attr("failure", "interrupted")
+            trial.set_user_attr("reason", "tune was stopped while it ran")
+            role = trial.user_attrs["role"]
+            trial.study.enqueue_trial(params, user_attrs={"role": role})
+            raise
         except TrialFailed as failure:
             trial.set_user_attr("failure", failure.kind)
             trial.set_user_attr("reason", failure.reason)
@@ -306,7 +313,8 @@ def _queued_again(trial: FrozenTrial) -> bool:
 
 
 def quiet_optuna() -> None:
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # Failed trials are said by the trial lines; Optuna would add each one's traceback.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
