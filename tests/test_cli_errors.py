@@ -221,12 +221,23 @@ def test_tune_arguments_and_storages_that_cannot_work_leave_nothing_behind(tiny_
         (f"sqlite:///{tmp_path}/no/such/study.db", "does not exist"),
         ("postgresql+psycopg2://user:pw@127.0.0.1:1/db", "cannot open it"),
         (f"journal:{tmp_path}/no/such/journal.log", "does not exist"),
+        ("sqlite://", "in-memory database"),  # one connection's: every trial's lost
+        (f"sqlite:///{tmp_path}", "is a folder"),
+        (f"journal:{tmp_path}", "is a folder"),
+        ("postgresql://user:pw@127.0.0.1:1/db", "postgresql+psycopg2://"),  # psycopg 3 absent
     ):
         code, _, err = cli("tune", scenario, "--storage", storage, "--out", out)
         assert code == 2 and "--storage" in err and said in err, err
     code, _, err = cli("tune", scenario, "--trials", 0, "--out", out)
     assert code == 2 and "--trials" in err
     assert not out.exists()
+
+
+def test_report_of_a_storage_file_that_does_not_exist_makes_none(tmp_path):
+    for url in (f"sqlite:///{tmp_path}/nosuch.db", f"journal:{tmp_path}/nosuch.log"):
+        code, _, err = cli("report", url)
+        assert code == 2 and "there is no such" in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_report_of_a_study_the_storage_lacks_names_those_it_has(tmp_path):

@@ -141,13 +141,18 @@ def _choose_optimizations(scenario: Any) -> None:
         said.print(f"  left out {name}: {why}", highlight=False, soft_wrap=True)
 
 
-def open_checked(url: str, named: str) -> optuna.storages.BaseStorage:
+def open_checked(url: str, named: str, existing: bool = False) -> optuna.storages.BaseStorage:
     """The storage ``url``, opened before anything is written: a mistake in it is a
-    clear error naming ``named`` (the argument or key that gave it)."""
+    clear error naming ``named`` (the argument or key that gave it). ``existing``: a
+    file storage must already exist (a report reads; it never makes an empty one)."""
     if url.startswith("journal:"):
-        folder = Path(url.removeprefix("journal:")).parent
-        if not folder.is_dir():
-            raise TuneError(f"{named} {url}: the folder {folder} does not exist")
+        path = Path(url.removeprefix("journal:"))
+        if not path.parent.is_dir():
+            raise TuneError(f"{named} {url}: the folder {path.parent} does not exist")
+        if path.is_dir():
+            raise TuneError(f"{named} {url}: {path} is a folder; name the journal file in it")
+        if existing and not path.is_file():
+            raise TuneError(f"{named} {url}: there is no such journal file")
         return open_storage(url)
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
@@ -159,15 +164,28 @@ def open_checked(url: str, named: str) -> optuna.storages.BaseStorage:
             f"{named} {url!r} is not a storage URL: use sqlite:///PATH, "
             "postgresql+psycopg2://USER@HOST/DB or journal:PATH"
         ) from None
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        folder = Path(parsed.database).parent
-        if not folder.is_dir():
-            raise TuneError(f"{named} {url}: the folder {folder} does not exist")
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database in (None, "", ":memory:"):
+            raise TuneError(
+                f"{named} {url}: an in-memory database lives in one connection and is "
+                "gone at the end; name a file: sqlite:///PATH"
+            )
+        path = Path(parsed.database)
+        if not path.parent.is_dir():
+            raise TuneError(f"{named} {url}: the folder {path.parent} does not exist")
+        if path.is_dir():
+            raise TuneError(f"{named} {url}: {path} is a folder; name the database file in it")
+        if existing and not path.is_file():
+            raise TuneError(f"{named} {url}: there is no such database file")
     try:
         return open_storage(url)
     except Exception as error:  # the driver's own words: unreachable host, bad password...
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise TuneError(f"{named} {url}: cannot open it: {first}") from None
+        hint = ""
+        if parsed.drivername == "postgresql" and "import" in first.lower():
+            # SQLAlchemy's default PostgreSQL driver is psycopg 3; overlapkit's extra is psycopg2.
+            hint = f" (name the driver: {parsed.set(drivername='postgresql+psycopg2')!s})"
+        raise TuneError(f"{named} {url}: cannot open it: {first}{hint}") from None
 
 
 def report_command(args: argparse.Namespace, console: Console) -> int:
@@ -199,7 +217,7 @@ def load_target(target: str, name: str | None = None) -> tuple[optuna.Study, Pat
                 f"{target} is neither a tune folder (with {TUNE_FILE}) nor a storage URL"
             )
         url, _, named = target.partition("#")
-        storage = open_checked(url, "the study's URL")
+        storage = open_checked(url, "the study's URL", existing=True)
         study = _load_study(storage, name or named, url)
         folder = Path("runs") / f"{study.study_name}-report"
     if "scenario" not in study.user_attrs:
