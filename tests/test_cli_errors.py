@@ -297,3 +297,53 @@ def test_tune_without_optimizations_searches_those_that_apply(tiny_scenario, mon
     assert set(searched) == {"checkpoint", "prefetch"}
     assert "left out ddp_overlap: does nothing with one rank" in err
     assert "left out pipeline: pipeline needs at least 2 ranks" in err
+
+
+def image_folder(root: Path, classes: str = "abc", bad: bool = False) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    for name in classes:
+        (root / "train" / name).mkdir(parents=True)
+        for i in range(4):
+            pixels = (np.random.default_rng(i).random((40, 40, 3)) * 255).astype("uint8")
+            Image.fromarray(pixels).save(root / "train" / name / f"{i}.jpg")
+    if bad:
+        (root / "train" / classes[0] / "zz-bad.jpg").write_text("not an image")
+    return root
+
+
+def test_data_that_cannot_feed_the_model_is_refused_before_any_rank_starts(tiny_scenario, tmp_path):
+    scenario = tiny_scenario()
+    images = image_folder(tmp_path / "images")
+    folder = f"data={{name: imagefolder, root: {images}, size: 32}}"
+    (tmp_path / "afile").write_text("")
+    for overrides, said in (
+        (["data.num_samples=4"], "data.num_samples is 4, fewer than one step's batch (8"),
+        (["data.shape=[1,16,16]"], "has 1 channel(s); model resnet18 reads 3"),
+        ([folder], f"model.num_classes is 4 but {images} has 3 class folders"),
+        ([folder, f"data.root={tmp_path / 'afile'}"], "is a file, not an image folder"),
+    ):
+        sets = [word for override in overrides for word in ("--set", override)]
+        code, _, err = cli("check", scenario, *sets)
+        assert code == 2 and said in err, (overrides, err)
+        assert "internal error" not in err
+
+
+def test_unreadable_data_files_are_named(tiny_scenario, tmp_path):
+    images = image_folder(tmp_path / "images", "ab", bad=True)
+    run = ["run", tiny_scenario(), "--quiet", "--set", "model.num_classes=2"]
+    folder = f"data={{name: imagefolder, root: {images}, size: 32}}"
+    code, _, err = cli(
+        *run, "--out", tmp_path / "r1", "--set", folder, "--set", "train.batch_size=9"
+    )
+    assert code == 2 and f"cannot read the image {images}/train/a/zz-bad.jpg" in err, err
+    cifar = tmp_path / "cifar" / "cifar-10-batches-py"
+    cifar.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (cifar / name).write_text("junk")
+    code, _, err = cli(
+        *run, "--out", tmp_path / "r2", "--set", f"data={{name: cifar10, root: {cifar.parent}}}",
+        "--set", "model.num_classes=10",
+    )  # fmt: skip
+    assert code == 2 and f"{cifar}/data_batch_1 is not a CIFAR-10 batch file" in err, err

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
-from .data import DataNotFoundError
+from .data import DataError, DataNotFoundError
 from .earlier_run import EarlierRunError, check_earlier_run
 from .launch.cluster import ClusterConfigError
 from .launch.interrupt import RunInterrupted, exit_now
@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
     except (
+        DataError,
         DataNotFoundError,
         CombinationError,
         GPUSetupError,

@@ -9,7 +9,7 @@ from pydantic import Field
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..config import Config
-from .local import Cifar10, DataNotFoundError, ImageFolder, Imdb, hash_tokenize
+from .local import Cifar10, DataError, DataNotFoundError, ImageFolder, Imdb, hash_tokenize
 from .sampler import ResumableLoader, ShardedSampler
 from .script_loader import ScriptLoader, resume_problem, sampler_note
 from .synthetic import SyntheticImages, SyntheticTokens, spend
@@ -99,6 +99,10 @@ class ImageFolderConfig(Config):
     def check(self) -> None:
         ImageFolder.locate(self.root, "train")
 
+    def classes_on_disk(self) -> int:
+        """The class folders of the training split (each class a folder)."""
+        return len(ImageFolder.class_names(ImageFolder.locate(self.root, "train")))
+
     def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
         train = ImageFolder(self.root, self.size, split="train")
         has_val = (Path(self.root).expanduser() / "val").is_dir()
@@ -144,7 +148,7 @@ def build_loaders(
     """This rank's training loader (shuffled, resumable) and evaluation shard (in order,
     exact). ``pin_memory`` on a GPU: copies from pinned memory do not stop the host."""
     if len(train_set) < batch_size * world_size:
-        raise ValueError(
+        raise DataError(
             f"the dataset has {len(train_set)} samples, fewer than one global batch "
             f"({batch_size} per rank x {world_size} ranks)"
         )
@@ -165,6 +169,7 @@ def build_loaders(
 __all__ = [
     "Cifar10",
     "DataConfig",
+    "DataError",
     "DataNotFoundError",
     "ImageFolder",
     "Imdb",

@@ -20,6 +20,10 @@ class DataNotFoundError(FileNotFoundError):
     """A dataset folder is missing or incomplete."""
 
 
+class DataError(ValueError):
+    """A dataset cannot be used as it is: an unreadable file, too few samples."""
+
+
 def _require(path: Path, what: str, hint: str) -> Path:
     if not path.exists():
         raise DataNotFoundError(
@@ -69,10 +73,18 @@ class Cifar10(Dataset):
     def __init__(self, root: str | Path, train: bool = True) -> None:
         images, labels = [], []
         for path in self.locate(root, train):
-            with open(path, "rb") as f:
-                batch = _ArrayUnpickler(f, encoding="bytes").load()
-            images.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-            labels.extend(int(label) for label in batch[b"labels"])
+            try:
+                with open(path, "rb") as f:
+                    batch = _ArrayUnpickler(f, encoding="bytes").load()
+                data = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+                batch_labels = [int(label) for label in batch[b"labels"]]
+            except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as error:
+                raise DataError(
+                    f"{path} is not a CIFAR-10 batch file ({type(error).__name__}: {error}): "
+                    f"{_CIFAR_HINT}"
+                ) from None
+            images.append(data)
+            labels.extend(batch_labels)
         self.images = torch.from_numpy(np.concatenate(images))
         self.labels = torch.tensor(labels)
         self.mean = torch.tensor(CIFAR_MEAN).view(3, 1, 1)
@@ -101,14 +113,20 @@ class ImageFolder(Dataset):
     @classmethod
     def locate(cls, root: str | Path, split: str | None = None) -> Path:
         root = _require(Path(root).expanduser(), "image folder", cls._HINT)
+        if not root.is_dir():
+            raise DataNotFoundError(f"{root} is a file, not an image folder: {cls._HINT}")
         root = root / split if split and (root / split).is_dir() else root
-        if not any(p.is_dir() for p in root.iterdir()):
+        if not cls.class_names(root):
             raise DataNotFoundError(f"no class folders under {root}: {cls._HINT}")
         return root
 
+    @staticmethod
+    def class_names(root: Path) -> list[str]:
+        return sorted(p.name for p in root.iterdir() if p.is_dir())
+
     def __init__(self, root: str | Path, size: int = 224, split: str | None = None) -> None:
         root = self.locate(root, split)
-        self.classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+        self.classes = self.class_names(root)
         self.samples = [
             (path, label)
             for label, name in enumerate(self.classes)
@@ -126,6 +144,12 @@ class ImageFolder(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[index]
+        try:
+            return self._decode(path), label
+        except (OSError, SyntaxError, ValueError) as error:  # Pillow's words for a bad file
+            raise DataError(f"cannot read the image {path}: {error}") from None
+
+    def _decode(self, path: Path) -> torch.Tensor:
         with Image.open(path) as image:
             image = image.convert("RGB")
             scale = round(self.size / 0.875) / min(image.size)
@@ -141,7 +165,7 @@ class ImageFolder(Dataset):
             image = image.crop((left, top, left + self.size, top + self.size))
             array = np.asarray(image, dtype=np.float32) / 255.0
         tensor = torch.from_numpy(array).permute(2, 0, 1)
-        return (tensor - self.mean) / self.std, label
+        return (tensor - self.mean) / self.std
 
 
 # --------------------------------------------------------------------- IMDB

@@ -91,6 +91,13 @@ class Scenario(Config):
                 "model.num_classes",
                 f"model.num_classes is {model.num_classes} but data {data.name} has {classes} classes",
             )
+        shape = getattr(data, "shape", None)
+        if model.input_kind == "images" and shape is not None and shape[0] != 3:
+            raise located(
+                "data.shape",
+                f"data.shape {list(shape)} has {shape[0]} channel(s); model {model.name} "
+                "reads 3 (RGB): use [3, H, W]",
+            )
         vocab = getattr(data, "vocab_size", None)
         if vocab is not None and vocab > model.vocab_size:
             raise located(
@@ -209,8 +216,30 @@ class Scenario(Config):
         if self.world.device == "cpu" or (self.device_type == "cpu" and gpus_here):
             check_cpu_setup(self.train.precision, self.backend)
         self._check_plan(self.build_optimizations(), world_size or self.world.ranks)
+        self._check_data(world_size or self.world.ranks)
         if self.device_type == "cpu" and gpus_here:  # what the plan is, then whether it fits
             check_cpu_ranks(local_ranks)
+
+    def _check_data(self, world_size: int) -> None:
+        """What the data on disk or in the config shows that would stop the run in its
+        ranks: too few samples for one step, classes the model cannot tell apart."""
+        # The ranks of a pipeline share their batches: its global batch is smaller.
+        shards = 1 if "pipeline" in self.optimizations else world_size
+        samples = getattr(self.data, "num_samples", None)
+        batch = self.train.batch_size * shards
+        if samples is not None and samples < batch:
+            raise CombinationError(
+                f"data.num_samples is {samples}, fewer than one step's batch ({batch}: "
+                f"train.batch_size {self.train.batch_size} x {shards} rank(s)); raise "
+                "data.num_samples or lower train.batch_size"
+            )
+        counted = getattr(self.data, "classes_on_disk", None)
+        classes = counted() if counted is not None else None
+        if classes is not None and classes != self.model.num_classes:
+            raise CombinationError(
+                f"model.num_classes is {self.model.num_classes} but {self.data.root} has "
+                f"{classes} class folders: set model.num_classes: {classes}"
+            )
 
     def _check_plan(self, optimizations: list[Optimization], world_size: int) -> None:
         """Each optimization's checks of itself and of this scenario's plan."""
