@@ -347,3 +347,21 @@ def test_unreadable_data_files_are_named(tiny_scenario, tmp_path):
         "--set", "model.num_classes=10",
     )  # fmt: skip
     assert code == 2 and f"{cifar}/data_batch_1 is not a CIFAR-10 batch file" in err, err
+
+
+def test_folders_it_cannot_make_are_named_not_internal_errors(tiny_scenario, tmp_path):
+    scenario = tiny_scenario()
+    blocker = tmp_path / "afile"
+    blocker.write_text("mine")
+    for argv, said in (
+        (["run", scenario, "--out", blocker / "sub"], f"{blocker / 'sub'}: Not a directory"),
+        (["tune", scenario, "--out", blocker / "sub"], f"{blocker / 'sub'}: Not a directory"),
+        (["run", scenario, "--tensorboard", blocker], "is a file; name a folder"),
+        (
+            ["run", scenario, "--set", "world.nodes=2", "--node-rank", 0, "--master", "h:99999"],
+            "a port 1-65535",
+        ),
+    ):
+        code, _, err = cli(*argv)
+        assert code == 2 and said in err and "internal error" not in err, (argv, err)
+    assert blocker.read_text() == "mine"

@@ -333,6 +333,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         errors.print("interrupted")
         return 130
+    except OSError as error:
+        if not error.filename:
+            errors.print(
+                _internal_error(error, where.get("folder")), highlight=False, soft_wrap=True
+            )
+            return 1
+        # A folder or file it was told to use and cannot (a file in its way, no permission).
+        errors.print("[bold red]error:[/] ", end="")
+        errors.print(
+            f"{error.filename}: {error.strerror or error}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+        return 2
     except Exception as error:  # a bug: one line here, the traceback in a file
         errors.print(_internal_error(error, where.get("folder")), highlight=False, soft_wrap=True)
         return 1

@@ -54,8 +54,8 @@ class NodePlace:
 
     def __post_init__(self) -> None:
         host, _, port = self.master.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--master must be HOST:PORT, not {self.master!r}")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--master must be HOST:PORT (a port 1-65535), not {self.master!r}")
         if not 0 <= self.rank < self.nodes:
             raise ValueError(f"--node-rank must be in 0..{self.nodes - 1}, not {self.rank}")
 

@@ -7,6 +7,7 @@ puts them together and checks that they fit each other.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -210,6 +211,9 @@ class Scenario(Config):
                 raise CombinationError(reason)
         if self.log.tensorboard is not None and (reason := tensorboard_missing()):
             raise CombinationError(reason)
+        board = self.log.tensorboard
+        if board is not None and Path(board).exists() and not Path(board).is_dir():
+            raise CombinationError(f"log.tensorboard {board}: is a file; name a folder")
         if self.device_type == "cuda" and gpus_here and self.framework == "torch":
             check_gpu_setup(local_ranks, self.train.precision)
         # On a Ray driver "auto" is decided by the cluster's machines, not this one.
