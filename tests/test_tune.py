@@ -280,6 +280,8 @@ def test_a_trials_scenario_applies_the_setting():
         ("{search: {checkpoint: [dir]}}", "declares no range or choices"),
         ("{search: {nope: [intensity]}}", "tune.search.nope"),
         ("{search: {checkpoint: {every: {low: 5, high: 2}}}}", "the range of every is empty"),
+        ("{search: {checkpoint: {every: []}}}", "the list of every values to search is empty"),
+        ("{search: {}}", "tune.search names no optimization"),
     ],
 )
 def test_a_bad_search_names_the_line_and_what_is_allowed(tiny_scenario, tune, expected):

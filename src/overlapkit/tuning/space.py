@@ -175,7 +175,12 @@ def build_space(
     if policy_knobs is not None:
         dims += _policy_dimensions(policy_knobs, framework, tune.intensity_step)
     if not any(d.owner != "scheduler" for d in dims):
-        raise SpaceError("tune.search", "nothing to search: the scenario lists no optimizations")
+        said = (
+            "the scenario lists no optimizations"
+            if tune.search is None
+            else "tune.search names no optimization (leave it out to search every listed one)"
+        )
+        raise SpaceError("tune.search", f"nothing to search: {said}")
     return SearchSpace(tuple(dims))
 
 
@@ -226,6 +231,8 @@ def _dimension(
         raise SpaceError(path, knob.elsewhere(cls.name, framework), allowed)
     try:
         if isinstance(given, list):
+            if not given:
+                raise SpaceError(path, f"the list of {knob_name} values to search is empty")
             values = tuple(dict.fromkeys(knob.coerce(v) for v in given))
             return Dimension(owner, knob_name, "categorical", choices=values)
         if isinstance(given, dict):
