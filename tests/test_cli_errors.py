@@ -11,12 +11,15 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import optuna
+import pytest
 import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -365,3 +368,25 @@ def test_folders_it_cannot_make_are_named_not_internal_errors(tiny_scenario, tmp
         code, _, err = cli(*argv)
         assert code == 2 and said in err and "internal error" not in err, (argv, err)
     assert blocker.read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_a_plugin_that_cannot_load_or_takes_a_builtin_name_is_named(tmp_path):
+    (tmp_path / "clash.py").write_text(
+        "from overlapkit import Optimization, register_optimization\n\n"
+        "@register_optimization\nclass Mine(Optimization):\n    name = 'checkpoint'\n"
+    )
+    for plugins, said in (
+        ("nosuchmod", "the plugin module 'nosuchmod' (OVERLAPKIT_PLUGINS) cannot be loaded"),
+        ("clash", "clash.Mine takes the name 'checkpoint' of overlapkit.optimizations"),
+    ):
+        env = {
+            **os.environ,
+            "OVERLAPKIT_PLUGINS": plugins,
+            "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        }
+        result = subprocess.run(
+            [sys.executable, "-m", "overlapkit", "list"], capture_output=True, text=True, env=env
+        )
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and "internal error" not in result.stderr

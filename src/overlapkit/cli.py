@@ -30,7 +30,7 @@ from .launch.local import NodePlace, RankFailedError
 from .launch.ray_nodes import RayClusterError
 from .launch.ray_run import RayRunFailed
 from .models import MODEL_NAMES
-from .optimizations import registered_optimizations
+from .optimizations import PluginError, registered_optimizations
 from .optimizations.checkpoint import CheckpointError
 from .runtime import POLICIES, CombinationError
 from .runtime.gpus import GPUSetupError
@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
     except (
+        PluginError,
         DataError,
         DataNotFoundError,
         CombinationError,

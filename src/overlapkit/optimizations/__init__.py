@@ -20,6 +20,11 @@ _BUILTIN_MODULES: tuple[str, ...] = ("checkpoint", "ddp_overlap", "pipeline", "p
 _loaded = False
 
 
+class PluginError(RuntimeError):
+    """A plugin named in ``OVERLAPKIT_PLUGINS`` or by an installed entry point cannot
+    be loaded, or takes the name of another optimization."""
+
+
 def _load() -> None:
     global _loaded
     if _loaded:
@@ -28,9 +33,18 @@ def _load() -> None:
     for module in _BUILTIN_MODULES:
         importlib.import_module(f"{__name__}.{module}")
     for entry in entry_points(group="overlapkit.optimizations"):
-        entry.load()
+        package = f" of {entry.dist.name}" if entry.dist is not None else ""
+        _plugin(f"the entry point {entry.name} = {entry.value}{package}", entry.load)
     for module in filter(None, os.environ.get("OVERLAPKIT_PLUGINS", "").split(",")):
-        importlib.import_module(module.strip())
+        name = module.strip()
+        _plugin(f"the plugin module {name!r} (OVERLAPKIT_PLUGINS)", importlib.import_module, name)
+
+
+def _plugin(what: str, load, *args) -> None:  # noqa: ANN001
+    try:
+        load(*args)
+    except Exception as error:  # its own code: whatever it raises, say which plugin
+        raise PluginError(f"{what} cannot be loaded: {type(error).__name__}: {error}") from None
 
 
 def registered_optimizations() -> dict[str, type[Optimization]]:

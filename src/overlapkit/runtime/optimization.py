@@ -378,8 +378,18 @@ def register_optimization(cls: type[Optimization]) -> type[Optimization]:
     """Class decorator: make ``cls`` available to scenarios under ``cls.name``."""
     if not cls.name:
         raise TypeError(f"{cls.__qualname__} must set a name")
+    taken = REGISTRY.get(cls.name)
+    if taken is not None and _origin(taken) != _origin(cls):
+        raise TypeError(
+            f"{_origin(cls)} takes the name {cls.name!r} of {_origin(taken)}: give it a "
+            "name of its own"
+        )
     REGISTRY[cls.name] = cls
     return cls
+
+
+def _origin(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def optimization_class(name: str) -> type[Optimization]:
