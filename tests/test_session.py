@@ -123,3 +123,39 @@ def test_accumulating_half_batches_equals_full_batches():
     assert torch.allclose(full["params"], halves["params"], atol=1e-6)
     assert halves["summary"]["samples"] == full["summary"]["samples"] == 64
     assert halves["summary"]["final_loss"] == pytest.approx(full["summary"]["final_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "said"),
+    [
+        ({"optimizations": ["checkpoint"]}, TypeError, "pass instances, e.g. overlapkit.get_"),
+        ({"policy": "fastest"}, ValueError, "policy 'fastest' is not one of free"),
+        ({"precision": "fp8"}, ValueError, "precision 'fp8' is not one of fp32, bf16, fp16"),
+        ({"device": "gpu"}, ValueError, "device 'gpu' is not one of auto, cpu, cuda"),
+        ({"warmup_steps": -5}, ValueError, "warmup_steps must be a whole number of at least 0"),
+    ],
+)
+def test_session_arguments_that_cannot_work_say_what_is_allowed(arguments, error, said):
+    with pytest.raises(error, match=said.replace("(", r"\(")):
+        Session(**arguments)
+
+
+def test_session_calls_out_of_order_say_what_to_call():
+    model, optimizer, loader = make_parts()
+    session = Session(device="cpu")
+    with pytest.raises(RuntimeError, match=r"call session.prepare\(model, optimizer, loader\)"):
+        next(iter(session.steps(3, loader)))
+    with pytest.raises(ValueError, match="the optimizer holds none of the model's parameters"):
+        session.prepare(model, torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), loader)
+    with pytest.raises(ValueError, match="steps\\(\\) takes a whole number of steps"):
+        next(iter(Session(device="cpu").steps(-3)))
+
+
+def test_a_generator_used_up_after_one_epoch_is_said_not_trained_on_silently():
+    model, optimizer, loader = make_parts()
+    batches = (batch for batch in list(loader)[:2])
+    session = Session(device="cpu")
+    model, optimizer, epochs = session.prepare(model, optimizer, batches)
+    assert sum(1 for _ in epochs) == 2
+    with pytest.raises(RuntimeError, match="used up after one pass"):
+        sum(1 for _ in epochs)

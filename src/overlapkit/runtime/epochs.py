@@ -102,6 +102,7 @@ class EpochLoop:
         self._fit_start(None)
         state = self.state
         iterator: Iterator[Any] | None = None
+        batches = 0
         try:
             while True:
                 self.start_step()
@@ -112,7 +113,14 @@ class EpochLoop:
                     batch = next(iterator, _END)
                 if batch is _END:
                     self._end_of_epoch()
+                    if batches == 0 and iterator is loader:
+                        raise RuntimeError(
+                            "the loader yielded no batch this epoch: it is an iterator (a "
+                            "generator?), used up after one pass; pass something that can "
+                            "be iterated again (a DataLoader, a list)"
+                        )
                     return
+                batches += 1
                 yield self._arrived(batch)
                 if self._in_step:
                     self.end_step()

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arbitration import ArbitrationPolicy
+from .arguments import check_optimizer_of, check_session_arguments, check_total_steps
 from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
 from .epochs import EpochLoop
@@ -91,6 +92,7 @@ class Session(EpochLoop, SavedState):
         trace: bool = False,
         tensorboard: str | Path | None = None,
     ) -> None:
+        check_session_arguments(optimizations, policy, device, precision, warmup_steps, accumulate)
         # A process group this session starts, it also closes (in `finish`).
         self._owns_world = world is None and not torch.distributed.is_initialized()
         self.world = world or init_world(
@@ -114,8 +116,6 @@ class Session(EpochLoop, SavedState):
         )
         self.state.capture = self.state_dict
         self.state.restore = self.load_state_dict
-        if accumulate < 1:
-            raise ValueError(f"accumulate must be at least 1, got {accumulate}")
         self.records: list[dict[str, Any]] = []
         self._step_log = StepLog()
         self._show_progress = progress and self.world.is_main
@@ -158,6 +158,7 @@ class Session(EpochLoop, SavedState):
         stepped after every optimizer step (register one stepped per epoch with
         `register_for_checkpointing` or `start` instead)."""
         model = self._unwrapped(model)
+        check_optimizer_of(model, optimizer)
         loader = self._resumable(loader)
         model = model.to(self.world.device)
         state = self.state
@@ -184,7 +185,15 @@ class Session(EpochLoop, SavedState):
     def steps(self, total_steps: int, loader: Any = None) -> Iterator[Any]:
         """Yield one batch per step until ``total_steps`` steps are done (counting
         resumed ones), starting a new epoch whenever the loader runs out."""
+        check_total_steps(total_steps)
+        if self._raw_model is None:
+            raise RuntimeError(
+                "call session.prepare(model, optimizer, loader) before steps(): it puts the "
+                "model on the device and hooks the optimizations in"
+            )
         loader = self._unwrap_loader(loader)
+        if loader is None:
+            raise ValueError("steps() has no loader: give one to prepare() or to steps()")
         self.state.total_steps = total_steps
         self._fit_start(total_steps)
         state = self.state
@@ -216,7 +225,16 @@ class Session(EpochLoop, SavedState):
                 iterator = None
                 self._epoch += 1
         else:
-            raise RuntimeError("the loader yielded no batch in a whole epoch")
+            used_up = iter(loader) is loader  # a generator or iterator: one pass only
+            raise RuntimeError(
+                "the loader yielded no batch in a whole epoch"
+                + (
+                    ": it is an iterator (a generator?), used up after one pass; pass "
+                    "something that can be iterated again (a DataLoader, a list)"
+                    if used_up
+                    else ""
+                )
+            )
         return batch, iterator
 
     def _arrived(self, batch: Any) -> Any:
@@ -335,6 +353,8 @@ class Session(EpochLoop, SavedState):
         """Sync gradients if nothing else does, step optimizer and LR schedule, zero
         grads; on any but the last micro-batch of a step, do nothing."""
         state = self.state
+        if state.optimizer is None:
+            raise RuntimeError("optimizer_step(): prepare() was given no optimizer")
         if not state.is_sync_step:
             return
         self.before_optimizer_step()

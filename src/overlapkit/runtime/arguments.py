@@ -1,0 +1,70 @@
+"""A `Session`'s arguments, checked before anything starts: a mistake is one
+ValueError or TypeError that says what is allowed, not an error deep inside."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, get_args
+
+import torch
+from torch import nn
+
+from .arbitration import ArbitrationPolicy
+from .optimization import Optimization
+from .policies import POLICIES
+from .precision import PrecisionName
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_session_arguments(
+    optimizations: Sequence[Any],
+    policy: Any,
+    device: Any,
+    precision: Any,
+    warmup_steps: Any,
+    accumulate: Any,
+) -> None:
+    for given in optimizations:
+        if isinstance(given, Optimization):
+            continue
+        if isinstance(given, str):
+            raise TypeError(
+                f"optimizations holds the name {given!r}: pass instances, e.g. "
+                f"overlapkit.get_optimization({given!r})(intensity)"
+            )
+        if isinstance(given, type) and issubclass(given, Optimization):
+            raise TypeError(
+                f"optimizations holds the class {given.__name__}: pass an instance, "
+                f"e.g. {given.__name__}(intensity)"
+            )
+        raise TypeError(f"optimizations holds {given!r}, not an overlapkit Optimization")
+    if not isinstance(policy, ArbitrationPolicy) and policy not in POLICIES:
+        raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of {', '.join(DEVICES)}")
+    if precision not in get_args(PrecisionName):
+        raise ValueError(
+            f"precision {precision!r} is not one of {', '.join(get_args(PrecisionName))}"
+        )
+    for name, value, least in (("warmup_steps", warmup_steps, 0), ("accumulate", accumulate, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be a whole number of at least {least}, got {value!r}")
+
+
+def check_total_steps(total_steps: Any) -> None:
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
+        raise ValueError(f"steps() takes a whole number of steps (0 or more), got {total_steps!r}")
+
+
+def check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """An optimizer over none of the model's parameters would train nothing, silently."""
+    if optimizer is None:
+        return
+    mine = {id(p) for p in model.parameters()}
+    theirs = [p for group in optimizer.param_groups for p in group["params"]]
+    if theirs and not any(id(p) in mine for p in theirs):
+        raise ValueError(
+            "the optimizer holds none of the model's parameters (was it made for another "
+            "model, or for a copy?): make it from model.parameters()"
+        )
