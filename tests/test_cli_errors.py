@@ -390,3 +390,20 @@ def test_a_plugin_that_cannot_load_or_takes_a_builtin_name_is_named(tmp_path):
         )
         assert result.returncode == 2 and said in result.stderr, result.stderr
         assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+
+
+def test_ctrl_c_while_the_command_is_still_importing_ends_quietly(monkeypatch, capsys):
+    import builtins
+
+    from overlapkit.console import main as command
+
+    real_import = builtins.__import__
+
+    def interrupted(name, *args, **kwargs):
+        if name == "cli":  # `from .cli import main`: torch and the rest still loading
+            raise KeyboardInterrupt
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", interrupted)
+    assert command() == 130
+    assert capsys.readouterr().err == "interrupted\n"

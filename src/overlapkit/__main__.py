@@ -1,7 +1,7 @@
 import gc
 import sys
 
-from .cli import main
+from .console import main
 
 code = main()
 # Done: exit without the collector's passes over every object torch made at import,

@@ -1,0 +1,15 @@
+"""The ``overlapkit`` command: the CLI, and a quiet end to a Ctrl-C that comes while
+it and torch are still being imported (a second or more)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    try:
+        from .cli import main as cli_main
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return cli_main()
