@@ -407,3 +407,22 @@ def test_ctrl_c_while_the_command_is_still_importing_ends_quietly(monkeypatch, c
     monkeypatch.setattr(builtins, "__import__", interrupted)
     assert command() == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_a_name_that_would_put_run_folders_elsewhere_is_refused(tiny_scenario):
+    for name in ("../../escaped", "a/b", ".hidden", "\"\""):
+        code, _, err = cli("check", tiny_scenario(), "--set", f"name={name}")
+        assert code == 2 and "names the run folders" in err, (name, err)
+    assert cli("check", tiny_scenario(), "--set", "name=resnet50-cifar_v2.1")[0] == 0
+
+
+def test_a_knob_in_exponent_notation_without_a_dot_is_a_number(tiny_scenario):
+    # YAML 1.1 (PyYAML) reads 3e-2 as a string; train.optimizer.lr=3e-4 was accepted already.
+    code, out, err = cli(
+        "check",
+        tiny_scenario(),
+        "--set",
+        "optimizations.checkpoint={every: auto, max_overhead: 3e-2}",
+    )
+    assert code == 0, err
+    assert "0.03" in out

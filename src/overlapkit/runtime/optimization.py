@@ -137,6 +137,8 @@ class Knob:
                 raise KnobError(self.name, f"{self.name} must be true or false, got {value!r}")
             return value
         if self.type in (int, float):
+            if isinstance(value, str):
+                value = _number_in(value)  # YAML 1.1 reads 3e-2 (no dot) as a string
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise KnobError(
                     self.name, f"{self.name} must be a number, got {type(value).__name__} {value!r}"
@@ -386,6 +388,15 @@ def register_optimization(cls: type[Optimization]) -> type[Optimization]:
         )
     REGISTRY[cls.name] = cls
     return cls
+
+
+def _number_in(text: str) -> Any:
+    """The finite number ``text`` spells, else ``text`` as it is."""
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return number if math.isfinite(number) else text
 
 
 def _origin(cls: type) -> str:

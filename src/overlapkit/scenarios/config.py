@@ -7,6 +7,7 @@ puts them together and checks that they fit each other.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,6 +58,17 @@ class Scenario(Config):
     scheduler: SchedulerConfig = SchedulerConfig()
     log: LogConfig = LogConfig()
     tune: TuneConfig = TuneConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", value):
+            raise located(
+                "name",
+                f"name {value!r} names the run folders (runs/NAME-...): use letters, digits, "
+                "'.', '_' and '-', starting with a letter or digit",
+            )
+        return value
 
     @field_validator("optimizations")
     @classmethod
