@@ -57,3 +57,17 @@ def test_a_folder_without_a_finished_run_is_a_clear_error(two_runs, tmp_path):
     assert result.returncode == 2
     assert f"{tmp_path}: no summary.json" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_file_or_a_summary_of_something_else_is_named(two_runs, tmp_path):
+    (tmp_path / "afile").write_text("")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "summary.json").write_text('{"accuracy": 0.9}')
+    for target, said in (
+        (tmp_path / "afile", "a file; name a run folder"),
+        (other, "not an overlapkit run summary (it lacks samples_per_s, step_time_s)"),
+    ):
+        result = cli_here("compare", two_runs[0], target)
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+        assert "internal error" not in result.stderr

@@ -32,6 +32,8 @@ class RunFolderError(ValueError):
 
 def load_run(folder: Path) -> dict[str, Any]:
     path = Path(folder) / "summary.json"
+    if Path(folder).is_file():
+        raise RunFolderError(f"{folder}: a file; name a run folder (one holding summary.json)")
     if not Path(folder).is_dir():
         raise RunFolderError(f"{folder}: no such folder")
     if not path.is_file():
@@ -39,9 +41,18 @@ def load_run(folder: Path) -> dict[str, Any]:
             f"{folder}: no summary.json (not a run folder, or a run that did not finish)"
         )
     try:
-        return json.loads(path.read_text())
+        summary = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise RunFolderError(f"{path}: not valid JSON ({error})") from None
+    missing = [key for key in NEEDED if not isinstance(summary, dict) or key not in summary]
+    if missing or not isinstance(summary.get("step_time_s"), dict):
+        raise RunFolderError(
+            f"{path}: not an overlapkit run summary (it lacks {', '.join(missing or NEEDED)})"
+        )
+    return summary
+
+
+NEEDED = ("samples_per_s", "step_time_s")  # what every comparison row reads
 
 
 def compare_document(folders: list[Path]) -> dict[str, Any]:
