@@ -410,7 +410,7 @@ def test_ctrl_c_while_the_command_is_still_importing_ends_quietly(monkeypatch, c
 
 
 def test_a_name_that_would_put_run_folders_elsewhere_is_refused(tiny_scenario):
-    for name in ("../../escaped", "a/b", ".hidden", "\"\""):
+    for name in ("../../escaped", "a/b", ".hidden", '""'):
         code, _, err = cli("check", tiny_scenario(), "--set", f"name={name}")
         assert code == 2 and "names the run folders" in err, (name, err)
     assert cli("check", tiny_scenario(), "--set", "name=resnet50-cifar_v2.1")[0] == 0
@@ -426,3 +426,19 @@ def test_a_knob_in_exponent_notation_without_a_dot_is_a_number(tiny_scenario):
     )
     assert code == 0, err
     assert "0.03" in out
+
+
+def test_settings_that_would_do_nothing_are_refused(tiny_scenario):
+    for overrides, said in (
+        (["train.eval={at_end: true}", "data.eval_samples=0"], "but data.eval_samples is 0"),
+        (["optimizations.checkpoint.max_overhead=0.01"], "max_overhead bounds the overhead"),
+        (
+            ["optimizations.checkpoint={every: 5}", "tune={search: {checkpoint: [max_overhead]}}"],
+            "tune.search.checkpoint.max_overhead: max_overhead bounds the overhead",
+        ),
+    ):
+        sets = [word for override in overrides for word in ("--set", override)]
+        code, _, err = cli("check", tiny_scenario(), *sets)
+        assert code == 2 and said in err, (overrides, err)
+    auto = ["optimizations.checkpoint={every: auto}", "tune={search: {checkpoint: [max_overhead]}}"]
+    assert cli("check", tiny_scenario(), *[w for o in auto for w in ("--set", o)])[0] == 0

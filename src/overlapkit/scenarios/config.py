@@ -123,6 +123,13 @@ class Scenario(Config):
                 "model.max_len",
                 f"model.max_len ({model.max_len}) is below data.seq_len ({seq_len})",
             )
+        wants_eval = self.train.eval.every or self.train.eval.at_end
+        if wants_eval and getattr(data, "eval_samples", None) == 0:
+            raise located(
+                "train.eval",
+                "train.eval asks for evaluation, but data.eval_samples is 0: set "
+                "data.eval_samples, or turn evaluation off",
+            )
         if self.world.backend == "nccl" and self.world.device == "cpu":
             raise located("world.backend", "nccl needs CUDA devices; use gloo (or auto) on CPU")
         if self.train.precision == "fp16" and self.world.device == "cpu":

@@ -168,8 +168,12 @@ def build_space(
             raise SpaceError(f"tune.search.{name}", f"tune.search.{name} names no knob to search")
         if "intensity" not in knobs:
             dims.append(Dimension(name, "on", "categorical", choices=(True, False)))
-        for knob, given in knobs.items():
-            dims.append(_dimension(cls, knob, given, tune.intensity_step, framework))
+        own = [
+            _dimension(cls, knob, given, tune.intensity_step, framework)
+            for knob, given in knobs.items()
+        ]
+        _check_together(cls, optimizations.get(name) or {}, own)
+        dims += own
     if tune.policy and framework == "torch":
         dims.append(Dimension(SCHEDULER, "policy", "categorical", choices=tuple(POLICIES)))
     if policy_knobs is not None:
@@ -182,6 +186,22 @@ def build_space(
         )
         raise SpaceError("tune.search", f"nothing to search: {said}")
     return SearchSpace(tuple(dims))
+
+
+def _check_together(cls: type, base: dict[str, Any], dims: list[Dimension]) -> None:
+    """The searched knobs with the scenario's own: a knob that the others make
+    meaningless (checkpoint.max_overhead without every: auto) is refused here, not
+    in every trial."""
+    searched = {d.knob: d.values()[0] for d in dims if d.knob != "intensity"}
+    if not searched:
+        return
+    settings = {k: v for k, v in base.items() if k != "intensity"}
+    try:
+        cls.resolve(1.0, {**settings, **searched})
+    except KnobError as error:
+        raise SpaceError(
+            f"tune.search.{cls.name}.{error.knob}", str(error), error.allowed
+        ) from None
 
 
 def _policy_dimensions(knobs: Any, framework: str, step: float) -> list[Dimension]:

@@ -16,7 +16,7 @@ from time import perf_counter
 from typing import Any
 
 from ...folders import stamped, unused
-from ...runtime import Demand, Knob, Optimization, Resource, State, register_optimization
+from ...runtime import Demand, Knob, KnobError, Optimization, Resource, State, register_optimization
 from ...runtime.distributed import all_gather_objects
 from ...runtime.timing import Marks
 from .coordination import Collectives, Domains, probe_domains
@@ -78,6 +78,12 @@ class Checkpoint(Optimization):
         if explicit.get("every") == "auto":  # the YAML spelling of auto mode
             del explicit["every"]
             explicit["auto"] = True
+        if "max_overhead" in explicit and explicit.get("auto") is not True:
+            raise KnobError(
+                "max_overhead",
+                "max_overhead bounds the overhead of auto mode only: set every: auto, or "
+                "leave max_overhead out",
+            )
         return super().resolve(intensity, explicit)
 
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
