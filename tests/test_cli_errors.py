@@ -209,6 +209,7 @@ def test_malformed_numeric_arguments_name_the_argument(tmp_path, data):
 @FAST
 @given(override=st.text(max_size=20))
 @example(override="0.0=")  # a key only --set made, with a parent it made too (found by CI)
+@example(override="data.shape=[3,16]")  # the file had a data.shape.2 that --set replaced
 def test_any_set_argument_is_accepted_or_names_itself(tiny_scenario, override):
     code, _, err = cli("check", tiny_scenario(), "--set", override)
     assert code in (0, 2), err

@@ -194,14 +194,14 @@ def _problem_from(
     below = [text for keys, text in sources.items() if keys[: len(path)] == path]
     if below and path not in lines:
         return Problem(below[0], None, ".".join(str(p) for p in path), message, allowed)
-    for end in range(len(path), 0, -1):
-        prefix = path[:end]
-        if prefix in sources:
-            source, line = sources[prefix], None
-            break
-        if prefix in lines:
-            line = lines[prefix]
-            break
+    # A --set that wrote the key or a section above it replaced what the file had there.
+    written = next((path[:end] for end in range(len(path), 0, -1) if path[:end] in sources), None)
+    if written is not None:
+        source = sources[written]
+    else:
+        line = next(
+            (lines[path[:end]] for end in range(len(path), 0, -1) if path[:end] in lines), None
+        )
     return Problem(source, line, ".".join(str(p) for p in path), message, allowed)
 
 
