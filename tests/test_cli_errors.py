@@ -443,3 +443,14 @@ def test_settings_that_would_do_nothing_are_refused(tiny_scenario):
         assert code == 2 and said in err, (overrides, err)
     auto = ["optimizations.checkpoint={every: auto}", "tune={search: {checkpoint: [max_overhead]}}"]
     assert cli("check", tiny_scenario(), *[w for o in auto for w in ("--set", o)])[0] == 0
+
+
+def test_yes_or_true_where_a_number_belongs_is_not_read_as_1(tiny_scenario):
+    # YAML reads yes/no/on/off as booleans, and pydantic took true as 1: a 1-step run.
+    for override, key in (
+        ("train.steps=yes", "train.steps"),
+        ("train.eval={every: on}", "train.eval.every"),
+    ):
+        code, _, err = cli("check", tiny_scenario(), "--set", override)
+        assert code == 2 and f"--set {override}: {key}:" in err and "needs a number" in err, err
+    assert cli("check", tiny_scenario(), "--set", "train.deterministic=yes")[0] == 0  # a flag

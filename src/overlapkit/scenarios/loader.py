@@ -180,6 +180,8 @@ def _problem_from(
         loc = [*loc, "name"] if error["type"] == "union_tag_invalid" else loc
     elif error["type"] == "missing":
         message = "required key is missing"
+    elif error["type"] == "number_not_bool":  # raised for its section: name the key
+        loc, message = [*loc, ctx["name"]], error["msg"]
     else:
         message = f"{error['msg']}, got {error.get('input')!r}"
         if error["type"] == "literal_error" and "expected" in ctx:
