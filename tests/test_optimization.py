@@ -99,3 +99,14 @@ def test_min_world_size_is_checked():
     with pytest.raises(ValueError, match="needs at least 2 ranks, the run has 1"):
         NeedsTwo().check(1, "cpu", "gloo")
     NeedsTwo().check(2, "cpu", "gloo")
+
+
+def test_a_knob_whose_default_breaks_its_own_range_is_refused_at_registration():
+    from overlapkit import register_optimization
+
+    class Broken(Optimization):
+        name = "broken_default"
+        knobs = (Knob(name="every", type=int, default=500, low=0, high=100),)
+
+    with pytest.raises(TypeError, match="the default of knob every: every=500 is out of range"):
+        register_optimization(Broken)

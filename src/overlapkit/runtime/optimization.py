@@ -380,6 +380,12 @@ def register_optimization(cls: type[Optimization]) -> type[Optimization]:
     """Class decorator: make ``cls`` available to scenarios under ``cls.name``."""
     if not cls.name:
         raise TypeError(f"{cls.__qualname__} must set a name")
+    for knob in cls.knobs:  # a plugin's declaration, checked once, not in every run
+        try:
+            if knob.default is not None:
+                knob.coerce(knob.default)
+        except KnobError as error:
+            raise TypeError(f"{_origin(cls)}: the default of knob {knob.name}: {error}") from None
     taken = REGISTRY.get(cls.name)
     if taken is not None and _origin(taken) != _origin(cls):
         raise TypeError(
