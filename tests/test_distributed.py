@@ -236,6 +236,7 @@ def test_resuming_a_run_folder_with_another_rank_count_is_a_clear_error(tiny_sce
     again = run_cli(
         "run", tiny_scenario(), "--out", out, "--quiet",
         "--set", "optimizations.checkpoint.every=4", "--set", "world.nprocs=2",
+        "--set", "train.steps=10",  # more steps: a finished run has nothing to resume
     )  # fmt: skip
     assert again.returncode == 1, again.stderr
     assert "internal error" not in again.stderr and "Traceback" not in again.stderr
