@@ -125,6 +125,9 @@ def test_resume_without_an_earlier_run_or_with_out_is_a_usage_error(tiny_scenari
     assert alone.returncode == 2 and "no earlier run of tiny" in alone.stderr
     never = overlapkit("run", tiny_scenario(name="plain.yaml"), "--resume", cwd=tmp_path)
     assert never.returncode == 2 and "tiny does not checkpoint" in never.stderr
+    fresh_always = TINY_SCENARIO + "optimizations: {checkpoint: {resume: false}}\n"
+    over = overlapkit("run", tiny_scenario(fresh_always, name="f.yaml"), "--resume", cwd=tmp_path)
+    assert over.returncode == 2 and "has resume: false" in over.stderr
     both = overlapkit("run", scenario, "--resume", "--out", tmp_path / "x", cwd=tmp_path)
     assert both.returncode == 2 and "--out names one" in both.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "x").exists()

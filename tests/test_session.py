@@ -131,13 +131,20 @@ def test_accumulating_half_batches_equals_full_batches():
         ({"optimizations": ["checkpoint"]}, TypeError, "pass instances, e.g. overlapkit.get_"),
         ({"policy": "fastest"}, ValueError, "policy 'fastest' is not one of free"),
         ({"precision": "fp8"}, ValueError, "precision 'fp8' is not one of fp32, bf16, fp16"),
-        ({"device": "gpu"}, ValueError, "device 'gpu' is not one of auto, cpu, cuda"),
+        ({"device": "gpu"}, ValueError, "device 'gpu' is not a device: auto, cpu, cuda or cuda:N"),
         ({"warmup_steps": -5}, ValueError, "warmup_steps must be a whole number of at least 0"),
     ],
 )
 def test_session_arguments_that_cannot_work_say_what_is_allowed(arguments, error, said):
     with pytest.raises(error, match=said.replace("(", r"\(")):
         Session(**arguments)
+
+
+def test_devices_torch_names_are_accepted():
+    import numpy as np
+
+    for device in ("cpu", torch.device("cpu")):
+        Session(device=device, warmup_steps=np.int64(2)).finish()
 
 
 def test_session_calls_out_of_order_say_what_to_call():

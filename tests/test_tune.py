@@ -120,12 +120,26 @@ def test_checkpoint_intervals_longer_than_a_trial_are_found_before_it_starts(tmp
     def job(**tune):
         return TuneJob(base, TuneConfig(**tune), tmp_path, default_storage(tmp_path), "tiny")
 
-    # Intensities 0.25, 0.5, 0.75, 1: every 178, 32, 6, 1 steps; a trial runs 10 + 5.
+    # Intensities 0.25, 0.5, 0.75, 1: every 178, 32, 6, 1 steps; a trial runs 12 + 3.
     assert job(intensity_step=0.25).rare_checkpoints() == [32, 178]
     assert job(intensity_step=0.25, steps=40).rare_checkpoints() == [178]
     assert job(intensity_step=0.5, steps=40).rare_checkpoints() == []
-    raw = {"checkpoint": {"every": [2, 8, 50]}}
-    assert job(search=raw, steps=40).rare_checkpoints() == [50]
+    raw = {"checkpoint": {"every": [2, 8, 42, 43, 50]}}  # steps 0-42: 43 is never reached
+    assert job(search=raw, steps=40).rare_checkpoints() == [43, 50]
+
+
+def test_a_knob_left_idle_by_a_trials_setting_is_dropped_or_refused():
+    # The README's spelling, tuned by intensity: the intensity replaces every: auto, so
+    # each trial drops max_overhead instead of failing on it.
+    base = {"optimizations": {"checkpoint": {"every": "auto", "max_overhead": 0.02}}}
+    space = build_space(base["optimizations"], TuneConfig(policy=False))
+    trial = apply_params(base, space, {"checkpoint.intensity": 0.5})
+    assert trial["optimizations"]["checkpoint"] == {"intensity": 0.5}
+    # Searched raw with auto off in some setting (in either order): refused before any trial.
+    for auto in ([False, True], [True, False]):
+        search = {"checkpoint": {"auto": auto, "max_overhead": [0.01, 0.05]}}
+        with pytest.raises(SpaceError, match="max_overhead means something only when auto"):
+            build_space({"checkpoint": {"every": 5}}, TuneConfig(search=search))
 
 
 def test_a_study_measured_with_another_scenario_is_not_continued(tmp_path):
@@ -134,6 +148,9 @@ def test_a_study_measured_with_another_scenario_is_not_continued(tmp_path):
     open_study(TuneJob(base, TuneConfig(trials=2), tmp_path, storage, "tiny"))
     # More trials continue it; another model would mix two models' measurements.
     open_study(TuneJob(base, TuneConfig(trials=20), tmp_path, storage, "tiny"))
+    # Where TensorBoard files go does not change what a trial measures.
+    logged = {**base, "log": {"tensorboard": str(tmp_path / "tb")}}
+    open_study(TuneJob(logged, TuneConfig(trials=20), tmp_path, storage, "tiny"))
     wider = {**base, "model": {**base["model"], "width": 16}}
     with pytest.raises(TuneError, match=r"measured with another scenario \(model.width 4 -> 16\)"):
         open_study(TuneJob(wider, TuneConfig(trials=2), tmp_path, storage, "tiny"))
@@ -149,6 +166,11 @@ def test_a_tune_folder_holding_another_study_is_left_alone(tmp_path, tiny_scenar
     assert result.returncode == 2, result.stderr
     assert "holds the study 'other'" in result.stderr and "--study other" in result.stderr
     assert (folder / "tune.json").read_text() == before and not (folder / "trials").exists()
+    # The same study name in another storage: the hint names the storage.
+    elsewhere = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    result = cli_here("tune", scenario, "--out", folder, "--study", "other", "--storage", elsewhere)
+    assert result.returncode == 2 and f"--storage {default_storage(folder)}" in result.stderr
+    assert (folder / "tune.json").read_text() == before
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 the run failed, 2 bad input (scenario, data, usage).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shlex
@@ -17,13 +18,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 
 from . import __version__
 from .data import DataError, DataNotFoundError
-from .earlier_run import EarlierRunError, check_earlier_run
+from .earlier_run import EarlierRunError, check_earlier_run, scenario_in
 from .launch.cluster import ClusterConfigError
 from .launch.interrupt import RunInterrupted, exit_now
 from .launch.local import NodePlace, RankFailedError
@@ -335,15 +335,16 @@ def main(argv: list[str] | None = None) -> int:
         errors.print("interrupted")
         return 130
     except OSError as error:
-        if not error.filename:
+        if not error.filename or error.errno not in PATH_ERRORS:
             errors.print(
                 _internal_error(error, where.get("folder")), highlight=False, soft_wrap=True
             )
             return 1
         # A folder or file it was told to use and cannot (a file in its way, no permission).
         errors.print("[bold red]error:[/] ", end="")
+        paths = " -> ".join(str(p) for p in (error.filename, error.filename2) if p)
         errors.print(
-            f"{error.filename}: {error.strerror or error}",
+            f"{paths}: {error.strerror or error}",
             highlight=False,
             markup=False,
             soft_wrap=True,
@@ -352,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # a bug: one line here, the traceback in a file
         errors.print(_internal_error(error, where.get("folder")), highlight=False, soft_wrap=True)
         return 1
+
+
+# What a path the user gave (or a folder in its way) can do: not a bug of overlapkit's.
+PATH_ERRORS = {
+    errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM, errno.EROFS,
+    errno.ENOENT, errno.ENOSPC, errno.ENAMETOOLONG,
+}  # fmt: skip
 
 
 class UsageError(ValueError):
@@ -494,6 +502,11 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
                 f"--resume: {scenario.name} does not checkpoint (no checkpoint in its "
                 "optimizations), so there is nothing to resume"
             )
+        if (scenario.optimizations["checkpoint"] or {}).get("resume") is False:
+            raise UsageError(
+                f"--resume: {scenario.name}'s checkpoint has resume: false (it starts over "
+                "every time); drop that to resume"
+            )
         earlier = _earlier_runs(scenario.name)
         if not earlier:
             raise UsageError(
@@ -520,15 +533,12 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
 
 def _earlier_runs(name: str, root: Path = Path("runs")) -> list[Path]:
     """Run folders of scenario ``name`` (not of ``name-wide``), newest first."""
-    runs = [p.parent for p in root.glob(f"{name}-*/scenario.yaml") if _name_in(p) == name]
+    runs = [
+        p.parent
+        for p in root.glob(f"{name}-*/scenario.yaml")
+        if (scenario_in(p.parent) or {}).get("name") == name
+    ]
     return sorted(runs, key=lambda p: (p / "scenario.yaml").stat().st_mtime, reverse=True)
-
-
-def _name_in(scenario_file: Path) -> Any:
-    try:
-        return (yaml.safe_load(scenario_file.read_text()) or {}).get("name")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return None
 
 
 def _stopped_line(

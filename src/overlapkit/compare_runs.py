@@ -17,6 +17,7 @@ from rich.table import Table
 from .folders import new_stamped
 from .optimizations import get_optimization
 from .runtime import KnobError
+from .scenarios.diff import value_at
 from .tuning.plots import plt, save_figure
 
 POP = {
@@ -45,10 +46,12 @@ def load_run(folder: Path) -> dict[str, Any]:
     except json.JSONDecodeError as error:
         raise RunFolderError(f"{path}: not valid JSON ({error})") from None
     missing = [key for key in NEEDED if not isinstance(summary, dict) or key not in summary]
-    if missing or not isinstance(summary.get("step_time_s"), dict):
+    if missing:
         raise RunFolderError(
-            f"{path}: not an overlapkit run summary (it lacks {', '.join(missing or NEEDED)})"
+            f"{path}: not an overlapkit run summary (it lacks {', '.join(missing)})"
         )
+    if not isinstance(summary["step_time_s"], dict):
+        raise RunFolderError(f"{path}: not an overlapkit run summary (step_time_s is no table)")
     return summary
 
 
@@ -94,18 +97,9 @@ def key_figures(name: str, section: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"intensity": section.get("intensity")}
     for label, paths in declared.items():
         out[label] = next(
-            (value for path in paths if (value := _at(section, path)) is not None), None
+            (value for path in paths if (value := value_at(section, path)) is not None), None
         )
     return out
-
-
-def _at(section: dict[str, Any], dotted: str) -> Any:
-    node: Any = section
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 def _labels(folders: list[Path]) -> list[str]:

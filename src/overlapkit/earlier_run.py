@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from .scenarios import Scenario
-from .scenarios.diff import first_difference
+from .scenarios.diff import first_difference, value_at
 
 # What a checkpoint's state depends on: a change in any of these makes a resume load
 # a different model, optimizer or data position (the step count and the learning rate
@@ -38,7 +38,7 @@ def check_earlier_run(folder: Path, scenario: Scenario, fresh: bool) -> None:
     """Raise `EarlierRunError` when a run of ``scenario`` in ``folder`` would resume
     checkpoints of another setup, resume a run that already finished, or (without
     ``fresh``) write over the results of a finished run it does not resume."""
-    earlier = _scenario_in(folder)
+    earlier = scenario_in(folder)
     if earlier is None:
         return
     optimizations = scenario.build_optimizations()
@@ -76,19 +76,13 @@ def check_earlier_run(folder: Path, scenario: Scenario, fresh: bool) -> None:
 def setup_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """What differs between two scenarios (as plain data) in what checkpoints depend
     on, as ``path before -> now`` (a whole section by its first differing key)."""
-    found = (first_difference(_at(earlier, path), _at(now, path), path) for path in SAVED_WITH)
+    found = (
+        first_difference(value_at(earlier, path), value_at(now, path), path) for path in SAVED_WITH
+    )
     return [change for change in found if change is not None]
 
 
-def _at(data: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(data, dict):
-            return None
-        data = data.get(part)
-    return data
-
-
-def _scenario_in(folder: Path) -> dict[str, Any] | None:
+def scenario_in(folder: Path) -> dict[str, Any] | None:
     """The scenario an earlier run wrote in ``folder`` (None: no earlier run)."""
     try:
         data = yaml.safe_load((folder / "scenario.yaml").read_text())

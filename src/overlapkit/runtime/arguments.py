@@ -3,6 +3,7 @@ ValueError or TypeError that says what is allowed, not an error deep inside."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, get_args
 
@@ -13,8 +14,6 @@ from .arbitration import ArbitrationPolicy
 from .optimization import Optimization
 from .policies import POLICIES
 from .precision import PrecisionName
-
-DEVICES = ("auto", "cpu", "cuda")
 
 
 def check_session_arguments(
@@ -41,20 +40,35 @@ def check_session_arguments(
         raise TypeError(f"optimizations holds {given!r}, not an overlapkit Optimization")
     if not isinstance(policy, ArbitrationPolicy) and policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
-    if device not in DEVICES:
-        raise ValueError(f"device {device!r} is not one of {', '.join(DEVICES)}")
+    if device != "auto" and not isinstance(device, torch.device):
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"device {device!r} is not a device: auto, cpu, cuda or cuda:N"
+            ) from None
     if precision not in get_args(PrecisionName):
         raise ValueError(
             f"precision {precision!r} is not one of {', '.join(get_args(PrecisionName))}"
         )
     for name, value, least in (("warmup_steps", warmup_steps, 0), ("accumulate", accumulate, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if _whole(value) is None or _whole(value) < least:
             raise ValueError(f"{name} must be a whole number of at least {least}, got {value!r}")
 
 
 def check_total_steps(total_steps: Any) -> None:
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
+    if _whole(total_steps) is None or _whole(total_steps) < 0:
         raise ValueError(f"steps() takes a whole number of steps (0 or more), got {total_steps!r}")
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int when it is a whole number (numpy's too), never a bool."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 _END = object()
 
 
+# Why a loader yields nothing when it is its own iterator.
+USED_UP = (
+    ": it is an iterator (a generator?), used up after one pass; pass something that "
+    "can be iterated again (a DataLoader, a list)"
+)
+
+
 class EpochLoop:
     """`Session` methods for epoch loops (mixed into `Session`)."""
 
@@ -114,11 +121,7 @@ class EpochLoop:
                 if batch is _END:
                     self._end_of_epoch()
                     if batches == 0 and iterator is loader:
-                        raise RuntimeError(
-                            "the loader yielded no batch this epoch: it is an iterator (a "
-                            "generator?), used up after one pass; pass something that can "
-                            "be iterated again (a DataLoader, a list)"
-                        )
+                        raise RuntimeError(f"the loader yielded no batch this epoch{USED_UP}")
                     return
                 batches += 1
                 yield self._arrived(batch)

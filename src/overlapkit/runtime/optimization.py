@@ -117,6 +117,7 @@ class Knob:
     log: bool = False
     intensity: tuple[Any, ...] | None = None
     at_zero: Any = None  # the value at intensity exactly 0, when that is a mode of its own
+    needs: str | None = None  # a bool knob that must be true for this one to mean anything
     help: str = ""
     frameworks: tuple[str, ...] | None = None  # where it means something (None: everywhere)
 
@@ -257,6 +258,13 @@ class Optimization:
             raise KnobError(unknown[0], message + f"; allowed: {', '.join(allowed)}", allowed)
         settings = {k.name: k.at_intensity(intensity) for k in cls.knobs}
         settings.update({key: by_name[key].coerce(value) for key, value in explicit.items()})
+        for knob in cls.knobs:
+            if knob.needs and knob.name in explicit and not settings[knob.needs]:
+                raise KnobError(
+                    knob.name,
+                    f"{knob.name} means something only when {knob.needs} is on: turn "
+                    f"{knob.needs} on, or leave {knob.name} out",
+                )
         return settings
 
     @classmethod

@@ -45,7 +45,7 @@ from .arbitration import ArbitrationPolicy
 from .arguments import check_optimizer_of, check_session_arguments, check_total_steps
 from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
-from .epochs import EpochLoop
+from .epochs import USED_UP, EpochLoop
 from .events import Event
 from .gradsync import FlatAllReduce, broadcast_model
 from .hardware import describe_node, nodes_of
@@ -225,16 +225,8 @@ class Session(EpochLoop, SavedState):
                 iterator = None
                 self._epoch += 1
         else:
-            used_up = iter(loader) is loader  # a generator or iterator: one pass only
-            raise RuntimeError(
-                "the loader yielded no batch in a whole epoch"
-                + (
-                    ": it is an iterator (a generator?), used up after one pass; pass "
-                    "something that can be iterated again (a DataLoader, a list)"
-                    if used_up
-                    else ""
-                )
-            )
+            used_up = USED_UP if iter(loader) is loader else ""  # one pass only
+            raise RuntimeError(f"the loader yielded no batch in a whole epoch{used_up}")
         return batch, iterator
 
     def _arrived(self, batch: Any) -> Any:

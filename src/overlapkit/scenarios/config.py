@@ -253,8 +253,9 @@ class Scenario(Config):
         if samples is not None and samples < batch:
             raise CombinationError(
                 f"data.num_samples is {samples}, fewer than one step's batch ({batch}: "
-                f"train.batch_size {self.train.batch_size} x {shards} rank(s)); raise "
-                "data.num_samples or lower train.batch_size"
+                f"train.batch_size {self.train.batch_size} x {shards} rank(s), "
+                "world.nprocs x world.nodes); raise data.num_samples, or lower "
+                "train.batch_size or the ranks"
             )
         counted = getattr(self.data, "classes_on_disk", None)
         classes = counted() if counted is not None else None

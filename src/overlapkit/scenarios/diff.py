@@ -1,4 +1,5 @@
-"""The first difference between two scenarios as plain data, said in one phrase."""
+"""Scenarios as plain data: a value at a dotted path, and the first difference
+between two, said in one phrase."""
 
 from __future__ import annotations
 
@@ -22,3 +23,12 @@ def first_difference(before: Any, after: Any, path: str = "") -> str | None:
 
 def _text(value: Any) -> str:
     return "unset" if value is None else str(value)
+
+
+def value_at(data: Any, dotted: str) -> Any:
+    """The value at ``a.b.c`` in nested mappings (None where a key is missing)."""
+    for part in dotted.split("."):
+        if not isinstance(data, dict):
+            return None
+        data = data.get(part)
+    return data

@@ -83,10 +83,15 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
                 "use another --out"
             ) from None
         if (earlier.study_name, earlier.storage_url) != (job.study_name, job.storage_url):
+            to_continue = (
+                f"--study {earlier.study_name}"
+                if earlier.study_name != job.study_name
+                else f"--storage {earlier.storage_url}"
+            )
             raise TuneError(
                 f"{folder} holds the study {earlier.study_name!r} (in {earlier.storage_url}); "
-                f"tuning {job.study_name!r} there would write over its trial folders and "
-                f"report: use another --out, or --study {earlier.study_name} to continue it"
+                f"tuning {job.study_name!r} in {job.storage_url} there would write over its "
+                f"trial folders and report: use another --out, or {to_continue} to continue it"
             )
     if args.workers < 1:
         raise TuneError("--workers must be at least 1")

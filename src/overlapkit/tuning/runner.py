@@ -53,8 +53,9 @@ def tune(
     run the trials on a Ray cluster instead (``workers`` and ``gpus`` unused)."""
     console = console or Console(stderr=True)
     quiet_optuna()
+    job.folder.mkdir(parents=True, exist_ok=True)
+    study = open_study(job)  # refuses a study of another scenario before tune.json changes
     job.save()
-    study = open_study(job)
     deadline = None if timeout_s is None else time.time() + timeout_s
     pool = Pool(workers, gpus, ray)
     queue = lambda: waiting(study)  # noqa: E731

@@ -188,20 +188,35 @@ def build_space(
     return SearchSpace(tuple(dims))
 
 
+def _without_idle_knobs(cls: type, entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` without the knobs whose ``needs`` the trial's setting turned off (the
+    scenario's max_overhead where the intensity searched replaces its every: auto)."""
+    needing = {k.name: k.needs for k in cls.knobs if k.needs and k.name in entry}
+    if not needing:
+        return entry
+    rest = {k: v for k, v in entry.items() if k not in needing}
+    settings = cls.resolve(rest.pop("intensity", 1.0), rest)
+    return {k: v for k, v in entry.items() if k not in needing or settings[needing[k]]}
+
+
+SETTINGS_CHECKED = 64  # searched combinations of one optimization's raw knobs tried at check
+
+
 def _check_together(cls: type, base: dict[str, Any], dims: list[Dimension]) -> None:
-    """The searched knobs with the scenario's own: a knob that the others make
-    meaningless (checkpoint.max_overhead without every: auto) is refused here, not
-    in every trial."""
-    searched = {d.knob: d.values()[0] for d in dims if d.knob != "intensity"}
-    if not searched:
+    """The searched knobs with the scenario's own: a knob that the others leave idle
+    (checkpoint.max_overhead with auto off) is refused here, not in every trial."""
+    raw = [d for d in dims if d.knob not in ("intensity", "on")]
+    if not raw:
         return
     settings = {k: v for k, v in base.items() if k != "intensity"}
-    try:
-        cls.resolve(1.0, {**settings, **searched})
-    except KnobError as error:
-        raise SpaceError(
-            f"tune.search.{cls.name}.{error.knob}", str(error), error.allowed
-        ) from None
+    combinations = itertools.product(*(d.values() for d in raw))
+    for values in itertools.islice(combinations, SETTINGS_CHECKED):
+        searched = {d.knob: value for d, value in zip(raw, values, strict=True)}
+        try:
+            cls.resolve(1.0, {**settings, **searched})
+        except KnobError as error:
+            path = f"tune.search.{cls.name}.{error.knob}"
+            raise SpaceError(path, str(error), error.allowed) from None
 
 
 def _policy_dimensions(knobs: Any, framework: str, step: float) -> list[Dimension]:
@@ -312,7 +327,7 @@ def apply_params(
         for d in space.dimensions:
             if d.owner == name and d.knob != "on":
                 entry[d.knob] = params[d.name]
-        optimizations[name] = entry
+        optimizations[name] = _without_idle_knobs(cls, entry)
     data["optimizations"] = optimizations
     scheduler = dict(data.get("scheduler") or {})
     for d in space.dimensions:

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import datetime
 import functools
+import itertools
 import json
+import logging
 import os
 import socket
 import time
@@ -75,22 +77,25 @@ class TuneJob:
         return list(METRICS) if self.tune.objective == "both" else [self.tune.objective]
 
     def rare_checkpoints(self) -> list[int]:
-        """The checkpoint intervals searched (in steps) that are longer than a trial:
+        """The checkpoint intervals searched (in steps) that a trial is too short to
+        reach (with ``final`` off, a trial of N steps checkpoints at steps below N):
         such settings take no checkpoint there, so their cost goes unmeasured."""
         space = self.space
         if "checkpoint" not in space.optimizations:
             return []
         checkpoint = get_optimization("checkpoint")
         length = self.tune.steps + self.tune.warmup_steps
+        own = [d for d in space.dimensions if d.owner == "checkpoint"]
+        others = {d.name: d.values()[0] for d in space.dimensions if d.owner != "checkpoint"}
         rare = set()
-        for params in space.grid_points():
-            entry = dict(
-                apply_params(self.base, space, params)["optimizations"].get("checkpoint") or {}
-            )
-            if not entry:
+        for values in itertools.product(*(d.values() for d in own)):
+            params = {**others, **{d.name: v for d, v in zip(own, values, strict=True)}}
+            entry = apply_params(self.base, space, params)["optimizations"].get("checkpoint")
+            if entry is None:
                 continue  # off
+            entry = dict(entry)
             settings = checkpoint.resolve(entry.pop("intensity", 1.0), entry)
-            if not settings.get("auto") and settings["every"] > length:
+            if not settings["auto"] and settings["every"] >= length:
                 rare.add(settings["every"])
         return sorted(rare)
 
@@ -194,9 +199,10 @@ def open_study(job: TuneJob, queued: bool = False) -> optuna.Study:
 
 
 def _trials_of(scenario: dict[str, Any]) -> dict[str, Any]:
-    """What a study's trials run: the scenario without its tune section (whose trial
-    count may grow when a study is continued)."""
-    return {key: value for key, value in scenario.items() if key != "tune"}
+    """What a study's trials measure: the scenario without its tune section (whose
+    trial count may grow when a study is continued) and its log section (where
+    TensorBoard files go)."""
+    return {key: value for key, value in scenario.items() if key not in ("tune", "log")}
 
 
 # ------------------------------------------------------------------ one trial
@@ -313,9 +319,21 @@ def _queued_again(trial: FrozenTrial) -> bool:
 
 
 def quiet_optuna() -> None:
-    # Failed trials are said by the trial lines; Optuna would add each one's traceback.
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # On the handlers: the records come from Optuna's modules' own loggers.
+    for handler in logging.getLogger("optuna").handlers:
+        if not any(isinstance(f, _NoFailedTrialLines) for f in handler.filters):
+            handler.addFilter(_NoFailedTrialLines())
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+class _NoFailedTrialLines(logging.Filter):
+    """Failed trials are said by the trial lines; Optuna would add each one's
+    traceback. Its other warnings (storage retries, heartbeats) still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Trial ") and " failed" in message)
 
 
 def worker_main(

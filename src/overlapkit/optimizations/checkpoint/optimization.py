@@ -16,7 +16,7 @@ from time import perf_counter
 from typing import Any
 
 from ...folders import stamped, unused
-from ...runtime import Demand, Knob, KnobError, Optimization, Resource, State, register_optimization
+from ...runtime import Demand, Knob, Optimization, Resource, State, register_optimization
 from ...runtime.distributed import all_gather_objects
 from ...runtime.timing import Marks
 from .coordination import Collectives, Domains, probe_domains
@@ -53,7 +53,15 @@ class Checkpoint(Optimization):
             help="steps between checkpoints; 'auto': CheckFreq's policy",
         ),
         Knob(name="auto", type=bool, default=False, help="choose the interval (every: auto)"),
-        Knob(name="max_overhead", type=float, default=0.035, low=0.001, high=0.5),
+        Knob(
+            name="max_overhead",
+            type=float,
+            default=0.035,
+            low=0.001,
+            high=0.5,
+            needs="auto",
+            help="auto mode's bound on the overhead",
+        ),
         Knob(name="keep", type=int, default=2, low=1, high=10_000, help="checkpoints kept"),
         Knob(name="dir", type=str, default="checkpoints", help="relative to the run folder"),
         Knob(name="max_in_flight", type=int, default=1, low=1, high=4, help="persists at once"),
@@ -78,12 +86,6 @@ class Checkpoint(Optimization):
         if explicit.get("every") == "auto":  # the YAML spelling of auto mode
             del explicit["every"]
             explicit["auto"] = True
-        if "max_overhead" in explicit and explicit.get("auto") is not True:
-            raise KnobError(
-                "max_overhead",
-                "max_overhead bounds the overhead of auto mode only: set every: auto, or "
-                "leave max_overhead out",
-            )
         return super().resolve(intensity, explicit)
 
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
@@ -283,7 +285,8 @@ class Checkpoint(Optimization):
     def on_fit_end(self, state: State) -> None:
         if self._persister is None:
             return
-        self._observe_previous_step(perf_counter())  # the last step's time
+        # The last step's time is not fed to the auto policy: up to here it holds what
+        # follows the steps (an evaluation at the end, the script's own code).
         # A snapshot taken at the start of a step that never ran (a script's epoch end).
         pending = self._pending
         if self.settings["final"] and (state.step != self._last_step or pending is not None):
@@ -359,7 +362,7 @@ class Checkpoint(Optimization):
 
     @property
     def stalls_s(self) -> list[float]:
-        """Each closed checkpoint's stall: the time the step waited for it."""
+        """Each checkpoint's stall: the time the steps waited for its snapshot."""
         seconds = self._marks.seconds
         return [sum(seconds(b, e) for b, e in spans) for spans in self._stall_records]
 

@@ -322,7 +322,8 @@ class DDPOverlap(Optimization):
         exposed = self._comm_exposed_s / steps if steps else None
         return {
             **super().summary(),
-            # None: no measured step was profiled (the run was too short), not "nothing hidden".
+            # None: nothing was measured (no step profiled: the run was too short; or no
+            # communication), not "nothing hidden".
             "overlap": {
                 "comm_busy_s_per_step": busy,
                 "comm_exposed_s_per_step": exposed,
