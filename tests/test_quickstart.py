@@ -56,6 +56,8 @@ def test_gpu_benchmark_runs_every_part_on_a_cpu(tmp_path):
             "--device",
             "cpu",
             "--quick",
+            "--rounds",
+            "1",
             "--json",
             tmp_path / "n.json",
         ],
