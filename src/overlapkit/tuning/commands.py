@@ -150,14 +150,9 @@ def open_checked(url: str, named: str, existing: bool = False) -> optuna.storage
     """The storage ``url``, opened before anything is written: a mistake in it is a
     clear error naming ``named`` (the argument or key that gave it). ``existing``: a
     file storage must already exist (a report reads; it never makes an empty one)."""
+    said = f"{named} {url}"
     if url.startswith("journal:"):
-        path = Path(url.removeprefix("journal:"))
-        if not path.parent.is_dir():
-            raise TuneError(f"{named} {url}: the folder {path.parent} does not exist")
-        if path.is_dir():
-            raise TuneError(f"{named} {url}: {path} is a folder; name the journal file in it")
-        if existing and not path.is_file():
-            raise TuneError(f"{named} {url}: there is no such journal file")
+        _check_file(Path(url.removeprefix("journal:")), "journal", said, existing)
         return open_storage(url)
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
@@ -175,13 +170,7 @@ def open_checked(url: str, named: str, existing: bool = False) -> optuna.storage
                 f"{named} {url}: an in-memory database lives in one connection and is "
                 "gone at the end; name a file: sqlite:///PATH"
             )
-        path = Path(parsed.database)
-        if not path.parent.is_dir():
-            raise TuneError(f"{named} {url}: the folder {path.parent} does not exist")
-        if path.is_dir():
-            raise TuneError(f"{named} {url}: {path} is a folder; name the database file in it")
-        if existing and not path.is_file():
-            raise TuneError(f"{named} {url}: there is no such database file")
+        _check_file(Path(parsed.database), "database", said, existing)
     try:
         return open_storage(url)
     except Exception as error:  # the driver's own words: unreachable host, bad password...
@@ -191,6 +180,17 @@ def open_checked(url: str, named: str, existing: bool = False) -> optuna.storage
             # SQLAlchemy's default PostgreSQL driver is psycopg 3; overlapkit's extra is psycopg2.
             hint = f" (name the driver: {parsed.set(drivername='postgresql+psycopg2')!s})"
         raise TuneError(f"{named} {url}: cannot open it: {first}{hint}") from None
+
+
+def _check_file(path: Path, kind: str, said: str, existing: bool) -> None:
+    """A storage's file: in a folder that exists, not a folder itself, and (``existing``)
+    already there."""
+    if not path.parent.is_dir():
+        raise TuneError(f"{said}: the folder {path.parent} does not exist")
+    if path.is_dir():
+        raise TuneError(f"{said}: {path} is a folder; name the {kind} file in it")
+    if existing and not path.is_file():
+        raise TuneError(f"{said}: there is no such {kind} file")
 
 
 def report_command(args: argparse.Namespace, console: Console) -> int:
