@@ -52,23 +52,23 @@ def check_session_arguments(
             f"precision {precision!r} is not one of {', '.join(get_args(PrecisionName))}"
         )
     for name, value, least in (("warmup_steps", warmup_steps, 0), ("accumulate", accumulate, 1)):
-        if _whole(value) is None or _whole(value) < least:
+        if not _at_least(value, least):
             raise ValueError(f"{name} must be a whole number of at least {least}, got {value!r}")
 
 
 def check_total_steps(total_steps: Any) -> None:
-    if _whole(total_steps) is None or _whole(total_steps) < 0:
+    if not _at_least(total_steps, 0):
         raise ValueError(f"steps() takes a whole number of steps (0 or more), got {total_steps!r}")
 
 
-def _whole(value: Any) -> int | None:
-    """``value`` as an int when it is a whole number (numpy's too), never a bool."""
+def _at_least(value: Any, least: int) -> bool:
+    """Whether ``value`` is a whole number (numpy's too, never a bool) of at least ``least``."""
     if isinstance(value, bool):
-        return None
+        return False
     try:
-        return operator.index(value)
+        return operator.index(value) >= least
     except TypeError:
-        return None
+        return False
 
 
 def check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

@@ -34,3 +34,8 @@ class TuneConfig(Config):
     job_hours: float = Field(24.0, gt=0)  # the training job's length (rework without checkpoints)
     storage: str | None = None  # an Optuna storage URL; None = SQLite in the tune folder
     study: str | None = None  # default: the scenario's name
+
+    @property
+    def trial_steps(self) -> int:
+        """The steps a trial runs: its warm-up, then the measured ones."""
+        return self.warmup_steps + self.steps

@@ -138,7 +138,7 @@ def _warnings(analysis: Analysis, comparison: list[dict[str, Any]]) -> list[str]
         tune = analysis.tune
         out.append(
             f"trial{'s' if len(unpriced) > 1 else ''} {', '.join(map(str, unpriced))} "
-            f"took no checkpoint in their {tune.steps + tune.warmup_steps} steps (their "
+            f"took no checkpoint in their {tune.trial_steps} steps (their "
             "interval is longer): their goodput counts the checkpoints as free; make "
             "tune.steps longer than the checkpoint intervals searched"
         )

@@ -68,10 +68,9 @@ def tune(
     console.print(f"study {job.study_name}: {plan.describe()}")
     rare = job.rare_checkpoints() if "goodput" in job.objectives else []
     if rare:
-        length = job.tune.steps + job.tune.warmup_steps
         console.print(
             f"[yellow]warning:[/] checkpoint intervals of {', '.join(map(str, rare))} steps "
-            f"are searched, but a trial runs {length}: those settings take no checkpoint, "
+            f"are searched, but a trial runs {job.tune.trial_steps}: those settings take no checkpoint, "
             "and their goodput counts checkpoints as free (raise tune.steps)"
         )
     if shown.numbers:

@@ -84,7 +84,7 @@ class TuneJob:
         if "checkpoint" not in space.optimizations:
             return []
         checkpoint = get_optimization("checkpoint")
-        length = self.tune.steps + self.tune.warmup_steps
+        length = self.tune.trial_steps
         own = [d for d in space.dimensions if d.owner == "checkpoint"]
         others = {d.name: d.values()[0] for d in space.dimensions if d.owner != "checkpoint"}
         rare = set()

@@ -336,7 +336,6 @@ class Checkpoint(Optimization):
         if self._step_started == 0.0 or self.policy_auto is None:
             return
         self.policy_auto.record_step(now - self._step_started)
-        self._step_started = 0.0  # counted once
         self._feed_persists()
 
     def _feed_persists(self) -> None:
