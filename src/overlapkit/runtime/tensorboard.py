@@ -6,6 +6,8 @@ text, written with torch's SummaryWriter (the ``tensorboard`` package, the
 from __future__ import annotations
 
 import json
+import sys
+import types
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,16 @@ def tensorboard_missing() -> str | None:
     )
 
 
+def _without_tensorflow() -> None:
+    """Let TensorBoard write its event files with its own stub of TensorFlow's file
+    API: where TensorFlow is installed but not in use, SummaryWriter imported it
+    (3.7 s of a 2-core machine per run, and TensorFlow's start-up lines on stderr).
+    ``tensorboard.compat.notf`` is the module TensorBoard's own no-TensorFlow build
+    provides to choose the stub."""
+    if "tensorflow" not in sys.modules:
+        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+
+
 class TensorBoardSteps:
     """Writes each finished step (the same records as ``steps.jsonl``) as scalars, and
     the run's setting (its optimizations' knobs on ``framework``, the policy) as text."""
@@ -42,6 +54,7 @@ class TensorBoardSteps:
         framework: str,
         policy: str,
     ) -> None:
+        _without_tensorflow()
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(folder))
