@@ -40,7 +40,9 @@ def _without_tensorflow() -> None:
     ``tensorboard.compat.notf`` is the module TensorBoard's own no-TensorFlow build
     provides to choose the stub."""
     if "tensorflow" not in sys.modules:
-        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+        sys.modules.setdefault(
+            "tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf")
+        )
 
 
 class TensorBoardSteps:
