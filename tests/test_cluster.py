@@ -159,6 +159,7 @@ def test_the_local_config_drives_rays_autoscaler_on_this_machine(tmp_path):
         "RAY_FAKE_CLUSTER": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "disabled",
+        "AUTOSCALER_UPDATE_INTERVAL_S": "1",  # Ray's autoscaler looks every 5 s by default
     }
     ray = str(Path(sys.executable).with_name("ray"))  # the venv's, activated or not
     temp = Path("/tmp") / f"okray{port}"  # Unix socket paths must stay short
@@ -189,4 +190,6 @@ def test_the_local_config_drives_rays_autoscaler_on_this_machine(tmp_path):
         gpus = json.loads(line.removeprefix("NODE_GPUS "))
         assert gpus[0] == 0 and set(gpus[1:]) <= {1, 4, 8} and sum(gpus) >= 4
     finally:
-        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=60)
+        # SIGKILL needs no grace; Ray waits for each group of processes (zombies too).
+        stop = [ray, "stop", "--force", "--grace-period", "1"]
+        subprocess.run(stop, env=env, capture_output=True, timeout=60)
