@@ -199,7 +199,7 @@ def test_sigkill_mid_persist_resumes_bit_identically(tmp_path):
 
 @pytest.mark.slow
 def test_a_peer_that_never_starts_is_a_clear_error_within_the_time_out(tmp_path):
-    scenario = scenario_file(tmp_path, BERT, world__timeout_s=5)
+    scenario = scenario_file(tmp_path, BERT, world__timeout_s=2)
     env = {
         **os.environ,
         "RANK": "0",
@@ -223,7 +223,7 @@ def test_a_peer_that_never_starts_is_a_clear_error_within_the_time_out(tmp_path)
     )
     assert result.returncode != 0
     assert "PeerTimeoutError" in result.stderr
-    assert "waited 5 s (world.timeout_s) for the other ranks" in result.stderr
+    assert "waited 2 s (world.timeout_s) for the other ranks" in result.stderr
     assert time.monotonic() - start < 60
 
 
@@ -255,7 +255,7 @@ def test_tune_runs_a_small_study_on_a_tensorflow_scenario(tmp_path):
         RESNET,
         optimizations={"prefetch": {"intensity": 1}},
         tune={
-            "trials": 2,
+            "trials": 1,
             "references": False,
             "finalists": 0,
             "repeats": 1,
