@@ -81,13 +81,11 @@ def fake_clock(monkeypatch):
 def run_cli(
     *args: str, timeout: float = 240, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "overlapkit", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd or ROOT,
-    )
+    """`overlapkit ARGS` in a process of its own, its output captured (`forked_cli`:
+    forked from a server that imported torch, as the tuner starts its trials)."""
+    import forked_cli
+
+    return forked_cli.run([str(a) for a in args], timeout, cwd or ROOT)
 
 
 def cli_here(*args: Any, cwd: Path | None = None) -> subprocess.CompletedProcess:

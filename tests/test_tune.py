@@ -483,7 +483,7 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
         # Every row was measured twice (the confirm phase); it shows the median and range.
         assert row["measured"] >= 2 and row["low"] <= row["goodput"] <= row["high"], row
     assert document["best"]["measured"] >= 2 and document["noise"] is not None
-    # 40 ms of sleep per step is never worth it: the tuned best has it off.
+    # 200 ms of sleep per step is never worth it: the tuned best has it off.
     assert document["best"]["params"]["toy_sleep.intensity"] == 0.0
     # Two objectives: a Pareto front. At a 2 h MTBF a 1 h job without checkpoints keeps
     # 76 % of its throughput; checkpoints every step lose almost nothing.
@@ -525,7 +525,7 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     for t in complete:
         if t.params["toy_sleep.intensity"] == 1.0:
             attrs = t.user_attrs
-            assert attrs["step_time_s"] * attrs["phase_shares"]["other"] >= 0.0399, attrs
+            assert attrs["step_time_s"] * attrs["phase_shares"]["other"] >= 0.1999, attrs
     assert cli_here("check", out / "best.yaml").returncode == 0
     # optuna-dashboard reads the study as it is, trials and their attributes.
     status, body = dashboard_get(f"sqlite:///{out / 'study.db'}", "/api/studies/1")
@@ -555,14 +555,17 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     assert priced.returncode == 0, priced.stderr
     repriced = json.loads(priced.stdout)
     assert repriced["goodput_at"] == {"mtbf_hours": 2.0, "restart_s": 600.0, "job_hours": 3.0}
-    trials = {t.number: t.user_attrs for t in study.trials}
-    for row in repriced["comparison"]:
-        attrs = trials[row["trial"]]
+
+    def priced(attrs):
         tau, persist = attrs["checkpoint_interval_s"], attrs["persist_s"]
         if tau is None:
             tau, persist = 3 * 3600, 0.0
-        expected = row["throughput"] * tau / ((7200 + 600 + persist) * math.expm1(tau / 7200))
-        assert row["goodput"] == pytest.approx(expected), row
+        return attrs["throughput"] * tau / ((7200 + 600 + persist) * math.expm1(tau / 7200))
+
+    for row in repriced["comparison"]:  # the median of the row's measurements, each priced
+        same = [priced(t.user_attrs) for t in complete if t.params == row["params"]]
+        assert len(same) == row["measured"], row
+        assert row["goodput"] == pytest.approx(statistics.median(same)), row
     base = {row["row"]: row for row in repriced["comparison"]}["baseline (all off)"]
     kept = 3 * 3600 / ((7200 + 600) * math.expm1(1.5))  # 40 % kept (it was 76 %)
     assert base["goodput"] == pytest.approx(base["throughput"] * kept) and kept < 0.41
@@ -700,8 +703,8 @@ def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
     path = scenario_with(
         tiny_scenario,
         "{toy_sleep: {intensity: 1}}",
-        # Trials of ~1 s (40 ms a step): long enough to be killed mid-trial.
-        "{trials: 4, references: false, sampler: random, prune: false, steps: 24, warmup_steps: 1, repeats: 1}",
+        # Trials of ~1 s (50 to 200 ms a step): long enough to be killed mid-trial.
+        "{trials: 4, references: false, sampler: random, prune: false, steps: 8, warmup_steps: 1, repeats: 1}",
     )
     out = tmp_path / "tune"
     command = [sys.executable, "-m", "overlapkit", "tune", str(path), "--out", str(out)]

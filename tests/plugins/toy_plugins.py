@@ -119,7 +119,8 @@ class ToySleep(Optimization):
 
     name = "toy_sleep"
     knobs = (
-        Knob(name="ms", type=float, default=0.0, low=0.0, high=1000.0, intensity=(10.0, 40.0)),
+        # From 50 ms, 5x a tiny step: a tuner must see its cost on a loaded machine too.
+        Knob(name="ms", type=float, default=0.0, low=0.0, high=1000.0, intensity=(50.0, 200.0)),
     )
 
     def on_step_start(self, state):
