@@ -37,10 +37,13 @@ def run(args: list[str], timeout: float, cwd: Path) -> subprocess.CompletedProce
         if child.exitcode is None:  # as subprocess.run: killed, then TimeoutExpired
             os.killpg(child.pid, signal.SIGKILL)
             child.join()
-            raise subprocess.TimeoutExpired(args, timeout, out.read_text(), err.read_text())
-        return subprocess.CompletedProcess(
-            args, child.exitcode, out.read_text(errors="replace"), err.read_text(errors="replace")
-        )
+            raise subprocess.TimeoutExpired(args, timeout, _text(out), _text(err))
+        return subprocess.CompletedProcess(args, child.exitcode, _text(out), _text(err))
+
+
+def _text(path: Path) -> str:
+    """What the child wrote there ("" if it died before it opened the file)."""
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def _main(args: list[str], stdout: str, stderr: str, env: dict[str, str], cwd: str) -> None:

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from conftest import TINY_SCENARIO
+from conftest import TINY_SCENARIO, run_cli
 from overlapkit.cli import main
 
 BASE = yaml.safe_load(textwrap.dedent(TINY_SCENARIO))
@@ -335,6 +335,7 @@ def test_data_that_cannot_feed_the_model_is_refused_before_any_rank_starts(tiny_
         assert "internal error" not in err
 
 
+@pytest.mark.slow
 def test_unreadable_data_files_are_named(tiny_scenario, tmp_path):
     images = image_folder(tmp_path / "images", "ab", bad=True)
     run = ["run", tiny_scenario(), "--quiet", "--set", "model.num_classes=2"]
@@ -343,6 +344,14 @@ def test_unreadable_data_files_are_named(tiny_scenario, tmp_path):
         *run, "--out", tmp_path / "r1", "--set", folder, "--set", "train.batch_size=9"
     )
     assert code == 2 and f"cannot read the image {images}/train/a/zz-bad.jpg" in err, err
+    # Found by one rank of two once they run: the same line, naming the rank, no traceback.
+    two = run_cli(
+        *run, "--out", tmp_path / "r3", "--set", folder,
+        "--set", "train.batch_size=4", "--set", "world.nprocs=2",
+    )  # fmt: skip
+    assert two.returncode == 2 and "Traceback" not in two.stderr, two.stderr
+    assert f"cannot read the image {images}/train/a/zz-bad.jpg" in two.stderr, two.stderr
+    assert "error: rank " in two.stderr, two.stderr
     cifar = tmp_path / "cifar" / "cifar-10-batches-py"
     cifar.mkdir(parents=True)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import json
 import os
 import shlex
@@ -298,18 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         errors.print("[bold red]error in scenario[/]")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
-    except (
-        PluginError,
-        DataError,
-        DataNotFoundError,
-        CombinationError,
-        GPUSetupError,
-        TuneError,
-        ClusterConfigError,
-        RayClusterError,
-        UsageError,
-        EarlierRunError,
-    ) as error:
+    except USER_ERRORS as error:
         errors.print("[bold red]error:[/] ", end="")
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 2
@@ -322,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 1
     except RankFailedError as error:
+        kind = _raised_class(error.error)
+        if kind is not None and issubclass(kind, (*USER_ERRORS, ScenarioError, CheckpointError)):
+            # The user's mistake, found by a rank once it ran: one line, as before start.
+            what = "run failed" if issubclass(kind, CheckpointError) else "error"
+            errors.print(f"[bold red]{what}:[/] rank {error.rank}: ", end="", highlight=False)
+            errors.print(error.error["message"], highlight=False, markup=False, soft_wrap=True)
+            return 1 if what == "run failed" else 2
         errors.print(f"[bold red]run failed: rank {error.rank}[/]", highlight=False)
         errors.print(error.details, highlight=False, markup=False, soft_wrap=True)
         return 1
@@ -355,6 +352,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _raised_class(raised: dict[str, str] | None) -> type | None:
+    """The class of the exception a rank raised ("module:qualname"), or None."""
+    if not raised:
+        return None
+    module, _, name = raised["type"].partition(":")
+    try:
+        found: Any = importlib.import_module(module)
+        for part in name.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return None
+    return found if isinstance(found, type) else None
+
+
 # What a path the user gave (or a folder in its way) can do: not a bug of overlapkit's.
 PATH_ERRORS = {
     errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM, errno.EROFS,
@@ -364,6 +375,21 @@ PATH_ERRORS = {
 
 class UsageError(ValueError):
     """A command-line argument that cannot work (named in the message)."""
+
+
+# The user's mistakes: named in one line, exit status 2.
+USER_ERRORS = (
+    PluginError,
+    DataError,
+    DataNotFoundError,
+    CombinationError,
+    GPUSetupError,
+    TuneError,
+    ClusterConfigError,
+    RayClusterError,
+    UsageError,
+    EarlierRunError,
+)
 
 
 def _command(

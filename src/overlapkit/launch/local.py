@@ -37,9 +37,11 @@ _FAILURE_DIR_ENV = "OVERLAPKIT_FAILURE_DIR"
 class RankFailedError(RuntimeError):
     """A rank of a multi-rank run failed; ``rank`` and ``details`` say which and why."""
 
-    def __init__(self, rank: int, details: str) -> None:
+    def __init__(self, rank: int, details: str, error: dict[str, str] | None = None) -> None:
         self.rank = rank
         self.details = details.rstrip()
+        # The rank's exception: its class ("module:qualname") and message, when it raised one.
+        self.error = error
         super().__init__(f"rank {rank} failed:\n{self.details}")
 
 
@@ -88,6 +90,11 @@ def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
                 record.update(error.record())
             else:
                 record["error"] = "".join(traceback.format_exception(error))
+                kind = type(error)
+                record["raised"] = {
+                    "type": f"{kind.__module__}:{kind.__qualname__}",
+                    "message": str(error),
+                }
             Path(folder, f"rank{rank}.json").write_text(json.dumps(record))
         if isinstance(error, RunInterrupted):
             exit_now(error.exit_code)  # no traceback: the launcher tells the user
@@ -190,7 +197,7 @@ def launch_local(
                 ) from None
             if recorded:
                 first = min(recorded.values(), key=lambda r: r["time"])
-                raise RankFailedError(first["rank"], first["error"]) from None
+                raise RankFailedError(first["rank"], first["error"], first.get("raised")) from None
             rank, failure = error.get_first_failure()
             message = failure.message
             if isinstance(message, dict):

@@ -82,6 +82,8 @@ def _trial_main(command: list[str], stdout: str, stderr: str, env: dict[str, Any
     code = 1
     try:
         code = main(command)
+    except SystemExit as done:  # argparse's usage errors: 2, as from a fresh interpreter
+        code = done.code if isinstance(done.code, int) else int(done.code is not None)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
