@@ -298,10 +298,19 @@ def test_two_rank_run_killed_and_resumed_matches_an_uninterrupted_one(tiny_scena
         "--set",
         "optimizations.ddp_overlap.intensity=1",
         "--set",
-        "optimizations.checkpoint={every: 4}",
+        "optimizations.checkpoint={every: 4, keep: 10}",
     ]
     straight = run_cli("run", tiny_scenario(), "--out", tmp_path / "a", *common)
     assert straight.returncode == 0, straight.stderr[-2000:]
+    # The bytes written are every rank's files of every checkpoint, as the manifest lists them.
+    written = json.loads((tmp_path / "a" / "summary.json").read_text())["optimizations"]
+    entries = json.loads((tmp_path / "a" / "checkpoints" / "manifest.json").read_text())
+    entries = entries["checkpoints"]
+    assert len(entries) == written["checkpoint"]["checkpoints"]
+    assert {"rank00000.ckpt", "rank00001.ckpt"} <= set(entries[0]["files"])
+    assert written["checkpoint"]["bytes_written"] == sum(
+        record["bytes"] for entry in entries for record in entry["files"].values()
+    )
     crashed = run_cli(
         "run",
         tiny_scenario(),

@@ -388,7 +388,7 @@ class Checkpoint(Optimization):
                 if persister and persister.persist_s
                 else 0.0
             ),
-            "bytes_written": persister.bytes_written if persister else 0,
+            "bytes_written": persister.bytes_written if persister else 0,  # all ranks' files
             "host_buffer_bytes": sum(b.nbytes for b in self._snapshotter.sets)
             if self._snapshotter
             else 0,

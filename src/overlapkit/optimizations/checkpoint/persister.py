@@ -125,7 +125,8 @@ class Persister:
                 },
             }
             self.manifest.add(entry, self.keep)
-        self.bytes_written += sum(record["bytes"] for record in files.values())
+        # Every rank's files of this checkpoint (each file is written by one rank).
+        self.bytes_written += sum(r["bytes"] for _, _, fs in everyone for r in fs.values())
         self.persist_s.append(perf_counter() - start)
 
     def _write(self, snapshot: Snapshot) -> dict[str, Any]:
