@@ -15,11 +15,10 @@ import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-PRELOAD = ["torch", "torch._dynamo", "overlapkit.cli", "overlapkit.run", "forked_cli"]
+from overlapkit.tuning.trial_process import PRELOAD, command_main
 
 
 def run(args: list[str], timeout: float, cwd: Path) -> subprocess.CompletedProcess:
@@ -30,7 +29,7 @@ def run(args: list[str], timeout: float, cwd: Path) -> subprocess.CompletedProce
     with tempfile.TemporaryDirectory(prefix="okcli") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
         child = context.Process(
-            target=_main, args=(args, str(out), str(err), dict(os.environ), str(cwd))
+            target=command_main, args=(args, str(out), str(err), dict(os.environ), str(cwd))
         )
         child.start()
         child.join(timeout)
@@ -44,29 +43,3 @@ def run(args: list[str], timeout: float, cwd: Path) -> subprocess.CompletedProce
 def _text(path: Path) -> str:
     """What the child wrote there ("" if it died before it opened the file)."""
     return path.read_text(errors="replace") if path.exists() else ""
-
-
-def _main(args: list[str], stdout: str, stderr: str, env: dict[str, str], cwd: str) -> None:
-    os.setsid()
-    for fd, path in ((1, stdout), (2, stderr)):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(opened, fd)
-        os.close(opened)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    sys.argv = ["overlapkit", *args]
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
-    code = 1
-    try:
-        from overlapkit.console import main
-
-        code = main()
-    except SystemExit as done:  # argparse: usage errors (2), --help (0)
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)

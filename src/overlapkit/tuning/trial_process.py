@@ -45,7 +45,7 @@ def start_trial_process(
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     process = context.Process(
-        target=_trial_main, args=(command, str(stdout), str(stderr), env), daemon=False
+        target=command_main, args=(command, str(stdout), str(stderr), env), daemon=False
     )
     process.start()
     return _Forked(process)
@@ -66,7 +66,12 @@ class _Forked:
         return self.process.exitcode or 0
 
 
-def _trial_main(command: list[str], stdout: str, stderr: str, env: dict[str, Any]) -> None:
+def command_main(
+    command: list[str], stdout: str, stderr: str, env: dict[str, Any], cwd: str | None = None
+) -> None:
+    """``overlapkit COMMAND`` in this forked process, as a fresh one started from a shell
+    would run it: its own session, output files, environment (and folder); its exit
+    status. It does not return."""
     os.setsid()  # its own process group: the watcher kills it with all its ranks
     for fd, path in ((1, stdout), (2, stderr)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -76,6 +81,8 @@ def _trial_main(command: list[str], stdout: str, stderr: str, env: dict[str, Any
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     sys.argv = ["overlapkit", *command]
     from ..cli import main
 
