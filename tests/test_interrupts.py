@@ -191,3 +191,34 @@ def test_ctrl_c_stops_tune_quietly_and_the_stopped_trial_runs_again(
             and w.user_attrs.get("role") == trial.user_attrs["role"]
             for w in waiting
         ), (trial.params, [w.system_attrs for w in waiting])
+
+
+def test_a_tune_worker_that_ctrl_c_stopped_mid_bookkeeping_exits_quietly(monkeypatch, capsys):
+    """Seen once in CI: Ctrl-C stopped a worker's trial, then Optuna's record of it failed
+    ("Cannot tell a FAIL trial") and the worker printed a traceback. After Ctrl-C, such an
+    error ends the worker with 130 and one line; without Ctrl-C it is raised."""
+    from overlapkit.tuning import runner
+
+    def stopped_then_failed(*args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            pass  # Optuna catches it and records the trial, which fails:
+        raise ValueError("Cannot tell a FAIL trial.")
+
+    def failed(*args):
+        raise ValueError("a bug")
+
+    kept = signal.getsignal(signal.SIGINT)
+    try:
+        monkeypatch.setattr(runner, "worker_main", stopped_then_failed)
+        with pytest.raises(SystemExit) as done:
+            runner._worker_process()
+        assert done.value.code == 130
+        assert "stopped while recording its trial: Cannot tell" in capsys.readouterr().err
+        monkeypatch.setattr(runner, "worker_main", failed)
+        with pytest.raises(ValueError, match="a bug"):
+            runner._worker_process()
+    finally:
+        signal.signal(signal.SIGINT, kept)
