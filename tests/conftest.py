@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import socket
 import subprocess
@@ -86,6 +87,12 @@ def run_cli(
     import forked_cli
 
     return forked_cli.run([str(a) for a in args], timeout, cwd or ROOT)
+
+
+def step_losses(run: Path) -> dict[tuple[int, int], float]:
+    """A run folder's steps.jsonl: (step, rank) -> that rank's loss."""
+    records = map(json.loads, (run / "steps.jsonl").read_text().splitlines())
+    return {(r["step"], r["rank"]): r["loss"] for r in records}
 
 
 def cli_here(*args: Any, cwd: Path | None = None) -> subprocess.CompletedProcess:

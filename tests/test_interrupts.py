@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY_SCENARIO
+from conftest import ROOT, TINY_SCENARIO, step_losses
 from overlapkit.optimizations.checkpoint.fileformat import read as read_checkpoint
 
 COMMON = [
@@ -57,11 +57,6 @@ def resume_command(line: str) -> list[str]:
     return words[1:]
 
 
-def losses(run: Path) -> dict[tuple[int, int], float]:
-    records = map(json.loads, (run / "steps.jsonl").read_text().splitlines())
-    return {(r["step"], r["rank"]): r["loss"] for r in records}
-
-
 def final_model(run: Path) -> dict[str, torch.Tensor]:
     return read_checkpoint(run / "checkpoints" / "step-00000014" / "shared.ckpt")["model"]
 
@@ -84,7 +79,7 @@ def test_ctrl_c_on_two_ranks_prints_a_command_that_resumes_bit_identically(tiny_
     summary = json.loads((out / "summary.json").read_text())
     resumed_from = summary["optimizations"]["checkpoint"]["resumed_from_step"]
     assert resumed_from in (4, 8) and f"step {resumed_from}" in line
-    again, first = losses(out), losses(tmp_path / "a")
+    again, first = step_losses(out), step_losses(tmp_path / "a")
     assert set(again) == {(s, r) for s in range(resumed_from, 14) for r in (0, 1)}
     assert all(first[key] == loss for key, loss in again.items())
     a, b = final_model(tmp_path / "a"), final_model(out)

@@ -22,7 +22,7 @@ import sqlalchemy
 from optuna.trial import TrialState
 from pg_server import throwaway_postgres
 
-from conftest import ROOT, TINY_SCENARIO, dashboard_get, run_cli
+from conftest import ROOT, TINY_SCENARIO, dashboard_get, run_cli, step_losses
 from overlapkit.tuning.study import open_storage
 
 pytestmark = pytest.mark.slow
@@ -248,37 +248,31 @@ def test_a_run_on_two_machines_matches_two_local_ranks_and_resumes(
     # Each machine kept its own checkpoints (no shared file system between them).
     for folder in (on_ray, on_ray / "nodes" / "node1"):
         assert list((folder / "checkpoints").glob("*")), folder
-    first = losses_by_step(on_ray)
+    first = step_losses(on_ray)
     # Three more steps: each machine gets its checkpoints back and resumes.
     more = ["--set", "train.steps=9"]
     result = run_cli("run", path, "--ray", cluster.address, "--out", on_ray, "--json", *more)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from the checkpoints" in result.stderr
-    resumed = losses_by_step(on_ray)
-    assert max(resumed) == max(first) + 3
+    resumed = step_losses(on_ray)
+    last = max(step for step, _ in first)
+    assert max(step for step, _ in resumed) == last + 3
     # Two local ranks, 9 steps straight: their first steps are the first run's, their
     # last 3 the resumed run's (the learning rate is constant), every rank's loss.
     straight = tmp_path / "straight"
     two = ["--set", "world.nodes=1", "--set", "world.nprocs=2"]
     assert run_cli("run", path, "--out", straight, "--quiet", *two, *more).returncode == 0
-    local = losses_by_step(straight)
+    local = step_losses(straight)
     for ran in (first, resumed):
-        for step, losses in ran.items():
-            assert len(losses) == 2 and losses == pytest.approx(local[step], rel=1e-6), step
-    last = max(first)
-    assert summary["final_loss"] == pytest.approx(sum(local[last]) / 2, rel=1e-6)
-    assert json.loads(result.stdout)["final_loss"] == pytest.approx(
-        sum(local[last + 3]) / 2, rel=1e-6
-    )
+        assert set(ran) == {(step, rank) for step, _ in ran for rank in (0, 1)}, sorted(ran)
+        for key, loss in ran.items():
+            assert loss == pytest.approx(local[key], rel=1e-6), key
 
+    def mean_loss(step: int) -> float:
+        return (local[(step, 0)] + local[(step, 1)]) / 2
 
-def losses_by_step(run: Path) -> dict[int, list[float]]:
-    """steps.jsonl's losses: step -> [rank 0's, rank 1's, ...]."""
-    records = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
-    by_step: dict[int, list[float]] = {}
-    for record in sorted(records, key=lambda r: (r["step"], r["rank"])):
-        by_step.setdefault(record["step"], []).append(record["loss"])
-    return by_step
+    assert summary["final_loss"] == pytest.approx(mean_loss(last), rel=1e-6)
+    assert json.loads(result.stdout)["final_loss"] == pytest.approx(mean_loss(last + 3), rel=1e-6)
 
 
 def test_a_tensorflow_run_on_two_machines_equals_two_local_ranks(cluster, tiny_scenario, tmp_path):

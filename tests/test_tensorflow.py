@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import cli_here, free_port, run_cli
+from conftest import cli_here, free_port, run_cli, step_losses
 
 pytest.importorskip("tensorflow")
 
@@ -83,11 +83,6 @@ def run(scenario: Path, out: Path, *extra: str) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def losses(out: Path) -> dict[tuple[int, int], float]:
-    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    return {(r["step"], r["rank"]): r["loss"] for r in records}
-
-
 @pytest.mark.slow
 def test_two_workers_equal_one_worker_on_the_global_batch_and_packs_follow_the_knob(tmp_path):
     # Two workers with 8 samples each read, together, the 16 samples one worker reads.
@@ -103,7 +98,7 @@ def test_two_workers_equal_one_worker_on_the_global_batch_and_packs_follow_the_k
     )
     assert packed["strategy"]["replicas"] == 2 and one["strategy"]["replicas"] == 1
     assert packed["strategy"]["replicas_identical"]  # every weight, bit for bit
-    two_losses, one_losses = losses(tmp_path / "two"), losses(tmp_path / "one")
+    two_losses, one_losses = step_losses(tmp_path / "two"), step_losses(tmp_path / "one")
     for step in range(8):
         mean_of_ranks = (two_losses[(step, 0)] + two_losses[(step, 1)]) / 2
         assert mean_of_ranks == pytest.approx(one_losses[(step, 0)], rel=2e-4, abs=2e-5)
@@ -192,7 +187,7 @@ def test_sigkill_mid_persist_resumes_bit_identically(tmp_path):
     assert resumed["resumed_from_step"] == 2
     assert resumed["optimizations"]["checkpoint"]["resumed_from_step"] == 2
     assert resumed["strategy"]["model_sha256"] == whole["strategy"]["model_sha256"]
-    whole_losses, resumed_losses = losses(tmp_path / "whole"), losses(out)
+    whole_losses, resumed_losses = step_losses(tmp_path / "whole"), step_losses(out)
     assert all(resumed_losses[key] == whole_losses[key] for key in resumed_losses)
     assert sorted(resumed_losses) == [(s, 0) for s in range(2, 8)]
 
