@@ -312,12 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         errors.print(str(error), highlight=False, markup=False, soft_wrap=True)
         return 1
     except RankFailedError as error:
-        kind = _raised_class(error.error)
+        kind = _raised_class(error.raised)
         if kind is not None and issubclass(kind, (*USER_ERRORS, ScenarioError, CheckpointError)):
             # The user's mistake, found by a rank once it ran: one line, as before start.
             what = "run failed" if issubclass(kind, CheckpointError) else "error"
             errors.print(f"[bold red]{what}:[/] rank {error.rank}: ", end="", highlight=False)
-            errors.print(error.error["message"], highlight=False, markup=False, soft_wrap=True)
+            errors.print(error.raised["message"], highlight=False, markup=False, soft_wrap=True)
             return 1 if what == "run failed" else 2
         errors.print(f"[bold red]run failed: rank {error.rank}[/]", highlight=False)
         errors.print(error.details, highlight=False, markup=False, soft_wrap=True)

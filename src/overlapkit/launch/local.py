@@ -37,11 +37,11 @@ _FAILURE_DIR_ENV = "OVERLAPKIT_FAILURE_DIR"
 class RankFailedError(RuntimeError):
     """A rank of a multi-rank run failed; ``rank`` and ``details`` say which and why."""
 
-    def __init__(self, rank: int, details: str, error: dict[str, str] | None = None) -> None:
+    def __init__(self, rank: int, details: str, raised: dict[str, str] | None = None) -> None:
         self.rank = rank
         self.details = details.rstrip()
         # The rank's exception: its class ("module:qualname") and message, when it raised one.
-        self.error = error
+        self.raised = raised
         super().__init__(f"rank {rank} failed:\n{self.details}")
 
 
