@@ -6,13 +6,13 @@ import os
 import queue
 import threading
 import time
-from functools import partial
 from pathlib import Path
 from time import perf_counter
 from typing import Any
 
 from ...runtime import Resource
 from ...runtime.arbitration import ArbitrationPolicy
+from ...runtime.background import start_thread
 from ...runtime.state import Shard
 from .coordination import Collectives, Domains
 from .snapshot import Snapshot
@@ -26,6 +26,10 @@ def split_state(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     shared = {k: v for k, v in tree.items() if k in SHARED_KEYS}
     own = {k: v for k, v in tree.items() if k not in SHARED_KEYS}
     return shared, own
+
+
+class PersistAbandoned(Exception):
+    """The process is ending before this persist finished (its step stays unlisted)."""
 
 
 class Persister:
@@ -56,8 +60,8 @@ class Persister:
         self.in_flight = 0
         self._queue: queue.Queue[Snapshot | None] = queue.Queue()
         self._idle = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="overlapkit-persist", daemon=True)
-        self._thread.start()
+        self._abandoned = threading.Event()
+        self._thread = start_thread(self._run, name="overlapkit-persist", stop=self.abandon)
 
     def submit(self, snapshot: Snapshot) -> None:
         with self._idle:
@@ -74,6 +78,12 @@ class Persister:
         self._queue.put(None)
         self._thread.join(timeout=10)
 
+    def abandon(self) -> None:
+        """End the thread soon, leaving what is not persisted yet (a stopped run's
+        exit): a write under way stops at its next chunk; no collective is joined."""
+        self._abandoned.set()
+        self._queue.put(None)
+
     def _run(self) -> None:
         self.policy.join("persist")  # a policy that places work on cores places this thread
         # Linux applies nice values per thread: the persist fills the cores' idle gaps
@@ -85,7 +95,7 @@ class Persister:
                 pass
         while (snapshot := self._queue.get()) is not None:
             try:
-                if self.error is None:
+                if self.error is None and not self._abandoned.is_set():
                     self._persist(snapshot)
             except BaseException as error:  # reported on the training thread
                 self.error = error
@@ -99,6 +109,8 @@ class Persister:
         start = perf_counter()
         try:
             files: dict[str, Any] | str = self._write(snapshot)
+        except PersistAbandoned:
+            raise  # the process is ending: its peers may be gone
         except Exception as error:  # every rank must still hear of it (below)
             files, failure = f"{type(error).__name__}: {error}", error
         else:
@@ -136,9 +148,14 @@ class Persister:
         folder = step_dir(self.root, snapshot.step)
         shared, own = split_state(snapshot.tree)
         files = {}
-        # Under the "priority" policy the writes pause between 4 MiB chunks while the
-        # step waits on what they use (the host CPU for checksums and copies, the disk).
-        gate = partial(self.policy.pause, Resource.DISK, Resource.HOST_CPU)
+
+        def gate() -> None:
+            # Under the "priority" policy the writes pause between 4 MiB chunks while the
+            # step waits on what they use (the host CPU for checksums and copies, the disk).
+            self.policy.pause(Resource.DISK, Resource.HOST_CPU)
+            if self._abandoned.is_set():
+                raise PersistAbandoned(f"step {snapshot.step}")
+
         files[rank_file(self.rank)] = write_state(folder / rank_file(self.rank), own, gate)
         if shared:  # only the shard's writer (in its storage domain) keeps it in its snapshot
             name = shard_file(self.shard.name)

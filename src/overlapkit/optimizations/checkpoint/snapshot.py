@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ...runtime.background import start_thread
 from .fileformat import BLOCK
 
 Tree = Any
@@ -170,10 +171,7 @@ class Snapshotter:
             for buffers in self.sets:
                 buffers.reserve(layout)
 
-        self._reserving = threading.Thread(
-            target=allocate, name="overlapkit-host-buffers", daemon=True
-        )
-        self._reserving.start()
+        self._reserving = start_thread(allocate, name="overlapkit-host-buffers")
 
     def free_buffers(self) -> HostBuffers:
         """A buffer set no persist is reading (waits for one if needed)."""
@@ -221,12 +219,7 @@ class Snapshotter:
                 end.record()
             snapshot._cuda_events = (begin, end)
         else:
-            threading.Thread(
-                target=self._copy_in_background,
-                args=(snapshot, deferred),
-                name="overlapkit-snapshot",
-                daemon=True,
-            ).start()
+            start_thread(self._copy_in_background, snapshot, deferred, name="overlapkit-snapshot")
         return snapshot
 
     def _copy_in_background(

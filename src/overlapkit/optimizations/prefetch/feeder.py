@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...runtime.background import start_thread
 from ...runtime.batch import tensors_in, to_device
 
 _DONE = object()
@@ -39,10 +40,9 @@ class Feeder:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._thread = threading.Thread(
-            target=self._run, args=(source,), name="overlapkit-prefetch", daemon=True
+        self._thread = start_thread(
+            self._run, source, name="overlapkit-prefetch", stop=self._stop_soon
         )
-        self._thread.start()
 
     def _run(self, source: Iterator[Any]) -> None:
         try:
@@ -102,10 +102,14 @@ class Feeder:
             self.close()
 
     def close(self) -> None:
+        self._stop_soon()
+        self._thread.join(timeout=5)
+
+    def _stop_soon(self) -> None:
+        """The thread ends after the batch it is loading."""
         self._stop.set()
         while True:  # unblock a producer waiting on a full queue
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        self._thread.join(timeout=5)
