@@ -193,7 +193,11 @@ def test_a_machine_lost_mid_trial_fails_that_trial_and_the_study_completes(
 
 
 def test_a_driver_killed_and_started_again_resumes_the_study(cluster, tiny_scenario, tmp_path):
-    path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (2, 30))
+    # The first trial runs through; the second waits at its step 3 until the gate opens.
+    gate = tmp_path / "gate"
+    optimizations = f"{{ddp_overlap: {{intensity: 1}}, toy_gate: {{path: '{gate}', step: 3}}}}"
+    tune = TUNE[:-1] % (2, 6) + ", search: {ddp_overlap: null}}"
+    path = two_machine_scenario(tiny_scenario, optimizations, tune)
     out = tmp_path / "tune"
     command = ["tune", str(path), "--ray", cluster.address, "--max-concurrent", "1"]
     command += ["--out", str(out)]
@@ -218,6 +222,7 @@ def test_a_driver_killed_and_started_again_resumes_the_study(cluster, tiny_scena
     finally:
         driver.send_signal(signal.SIGKILL)  # the driver alone: Ray cleans up after it
         driver.wait()
+    gate.with_suffix(".open").touch()
     done_before = {t.number for t in trials_of(sqlite(out)) if t.state == TrialState.COMPLETE}
     result = run_cli(*command, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -125,3 +125,28 @@ class ToySleep(Optimization):
 
     def on_step_start(self, state):
         time.sleep(self.settings["ms"] / 1000)
+
+
+@register_optimization
+class ToyGate(Optimization):
+    """Holds runs at step ``step`` on rank 0: the first run to get there passes, later
+    ones wait until the file ``{path}.open`` exists. A test can so keep a tune trial
+    running for as long as it needs, without racing the clock."""
+
+    name = "toy_gate"
+    knobs = (
+        Knob(name="path", type=str, default=""),
+        Knob(name="step", type=int, default=2, low=0, high=10**6),
+    )
+
+    def on_step_start(self, state):
+        if state.world.rank != 0 or state.step != self.settings["step"]:
+            return
+        path = self.settings["path"]
+        try:
+            os.close(os.open(f"{path}.first", os.O_CREAT | os.O_EXCL))
+            return  # the first run
+        except FileExistsError:
+            pass
+        while not os.path.exists(f"{path}.open"):
+            time.sleep(0.05)
