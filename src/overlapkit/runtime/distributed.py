@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .background import settle_at_exit
 from .cores import available
 from .gpus import GPUSetupError, check_rank_count
 
@@ -100,6 +101,8 @@ def init_world(
     # Ranks on one host share the cores it lets this process use (its CPU affinity);
     # oversubscribing them slows every rank.
     torch.set_num_threads(threads or max(1, len(available()) // local_world_size))
+    if world_size > 1:
+        settle_at_exit()
     if world_size > 1 and not adopted:
         dist.init_process_group(
             process_group_backend(backend),
