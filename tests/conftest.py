@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +17,12 @@ import pytest
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 PLUGINS = TESTS / "plugins"
+
+# Tests play Ctrl-C (SIGINT) on the commands they start. A runner that started pytest
+# in the background (`nohup ... &` without job control) left SIGINT ignored, and every
+# child would inherit that and never stop: restore it (children then start with it).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The toy optimizations are visible to this process and to every rank it starts.
 os.environ["OVERLAPKIT_PLUGINS"] = "toy_plugins"
