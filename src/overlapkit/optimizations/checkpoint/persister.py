@@ -150,11 +150,11 @@ class Persister:
         files = {}
 
         def gate() -> None:
+            if self._abandoned.is_set():
+                raise PersistAbandoned(f"step {snapshot.step}")
             # Under the "priority" policy the writes pause between 4 MiB chunks while the
             # step waits on what they use (the host CPU for checksums and copies, the disk).
             self.policy.pause(Resource.DISK, Resource.HOST_CPU)
-            if self._abandoned.is_set():
-                raise PersistAbandoned(f"step {snapshot.step}")
 
         files[rank_file(self.rank)] = write_state(folder / rank_file(self.rank), own, gate)
         if shared:  # only the shard's writer (in its storage domain) keeps it in its snapshot
