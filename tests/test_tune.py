@@ -703,7 +703,7 @@ def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
     path = scenario_with(
         tiny_scenario,
         "{toy_sleep: {intensity: 1}}",
-        # Trials of ~1 s (50 to 200 ms a step): long enough to be killed mid-trial.
+        # Trials of ~2 s (9 steps of 200 ms at intensity 1): long enough to be killed mid-trial.
         "{trials: 4, references: false, sampler: random, prune: false, steps: 8, warmup_steps: 1, repeats: 1}",
     )
     out = tmp_path / "tune"
