@@ -166,3 +166,27 @@ def test_a_generator_used_up_after_one_epoch_is_said_not_trained_on_silently():
     assert sum(1 for _ in epochs) == 2
     with pytest.raises(RuntimeError, match="used up after one pass"):
         sum(1 for _ in epochs)
+
+
+def test_two_ranks_clip_gradients_already_averaged_as_under_ddp():
+    """A script that clips gradients between backward and the optimizer step (or lets
+    a grad scaler check them for infs) must see them averaged across ranks, as under
+    DistributedDataParallel. With the flat all-reduce at the optimizer step, each rank
+    clipped its own gradients and the port trained to other parameters."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    from rank_programs import clipped_training
+
+    from overlapkit.launch.local import launch_local
+
+    ways = ["ddp", "plain", "explicit", "ddp_overlap"]
+    ranks = launch_local(clipped_training, 2, ways)
+    for rank in ranks.values():
+        reference = rank["ddp"]
+        assert min(reference["norms"]) > 0.05  # every step clips
+        for way in ways[1:]:
+            assert rank[way]["norms"] == pytest.approx(reference["norms"], rel=1e-5), way
+            assert torch.allclose(rank[way]["params"], reference["params"], atol=1e-6), way
+    assert ranks[0]["plain"]["norms"] == ranks[1]["plain"]["norms"]  # one norm, every rank

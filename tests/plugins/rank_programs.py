@@ -93,6 +93,57 @@ def train_mlp(
     return {"params": params, "summary": summary, **(calls if record_calls else {})}
 
 
+def clipped_training(ways: list[str], steps: int = 5) -> dict[str, dict[str, Any]]:
+    """In one 2-rank group, train the MLP clipping gradients between backward and the
+    optimizer step, once per way: ``ddp`` (the plain script, DistributedDataParallel),
+    ``plain`` (its port, the script's own calls), ``explicit`` (`Session.backward` and
+    `optimizer_step`), ``ddp_overlap``. Returns each way's final parameters and the
+    gradient norms the script saw before clipping, one per step."""
+    world = init_world("cpu", "gloo")
+    results = {}
+    try:
+        for way in ways:
+            seed_everything(0)
+            model = mlp()
+            dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=0)
+            loader = ResumableLoader(
+                dataset, 16, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
+            )
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+            session = None
+            if way == "ddp":
+                model = nn.parallel.DistributedDataParallel(model)
+            else:
+                chosen = [get_optimization("ddp_overlap")()] if way == "ddp_overlap" else []
+                session = Session(chosen, device="cpu")
+                model, optimizer, loader = session.prepare(model, optimizer, loader)
+            norms = []
+            batches = iter(loader)
+            for _ in range(steps):
+                inputs, targets = next(batches)
+                optimizer.zero_grad()
+                if way == "explicit":
+                    with session.forward():
+                        loss = nn.functional.cross_entropy(model(inputs), targets)
+                    session.backward(loss)
+                else:
+                    nn.functional.cross_entropy(model(inputs), targets).backward()
+                norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+                if way == "explicit":
+                    session.optimizer_step()
+                else:
+                    optimizer.step()
+            if session is not None:
+                batches.close()  # the step loop ends here, not at the loader's end
+                session.finish()
+            raw = model.module if hasattr(model, "module") else model
+            params = torch.cat([p.detach().reshape(-1) for p in raw.parameters()])
+            results[way] = {"params": params, "norms": norms}
+        return results
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def ddp_configs(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """In one 2-rank process group, train once per config (kwargs of `train_mlp`)."""
     world = init_world("cpu", "gloo")

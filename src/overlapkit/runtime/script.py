@@ -90,6 +90,7 @@ class PlainCalls:
         self.session = session
         self.in_session_call = False  # Session.forward/backward/optimizer_step running
         self.steps_outside = 0  # optimizer steps taken outside any session step
+        self._end_queued = False  # the end-of-backward callback of this pass
         self._handles: list[Any] = []
 
     def install(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -116,6 +117,7 @@ class PlainCalls:
         if not self._plain(module):
             return
         self.session.check_plain_forward()
+        self._end_queued = False  # a new graph (a backward that raised never ended)
         state = self.session.state
         self.session.scheduler.fire(Event.BEFORE_FORWARD, state)
         state.clock.switch("forward")
@@ -135,6 +137,21 @@ class PlainCalls:
         if session.in_step and not self.in_session_call:
             session.scheduler.fire(Event.BEFORE_BACKWARD, session.state)
             session.state.clock.switch("backward")
+            if not self._end_queued:  # once per backward pass, whatever the outputs
+                self._end_queued = True
+                # Runs on the thread that called backward, once the pass is done (as
+                # DistributedDataParallel's own end-of-backward work does).
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+
+    def _backward_ends(self) -> None:
+        """The script's ``loss.backward()`` is done: its gradients are averaged
+        across ranks before it returns, so clipping them sees them synced."""
+        self._end_queued = False
+        session = self.session
+        if session.state.clock.current == "backward":
+            session.state.clock.switch("other")
+            session.scheduler.fire(Event.AFTER_BACKWARD, session.state)
+        session.sync_gradients()
 
     # --------------------------------------------------------- optimizer
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

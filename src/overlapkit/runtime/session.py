@@ -72,7 +72,9 @@ class Session(EpochLoop, SavedState):
     batches per step, `backward` scales the loss by 1/k, and `optimizer_step`
     does nothing until the last micro-batch. Without an optimization that
     provides ``grad_sync``, a multi-rank session averages gradients with one
-    flat all-reduce before each optimizer step.
+    flat all-reduce when backward ends (as DistributedDataParallel does), so a
+    script that clips or inspects gradients before the optimizer step sees them
+    averaged.
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class Session(EpochLoop, SavedState):
         self._stateful: dict[str, Any] = {}
         self._raw_model: nn.Module | None = None
         self._grad_sync: FlatAllReduce | None = None
+        self._grads_synced = False  # since this step's last backward
         self._epoch = 0
         self._started = False
         self._start: Start | None = None
@@ -278,6 +281,7 @@ class Session(EpochLoop, SavedState):
         self._in_step = True
         self._step_samples = 0
         self._micro_losses.clear()
+        self._grads_synced = False
         self.scheduler.fire(Event.STEP_START, self.state)
 
     @contextmanager
@@ -325,14 +329,18 @@ class Session(EpochLoop, SavedState):
         state.loss = loss
         if loss is not None:
             self._micro_losses.append(loss.detach())
+        self._grads_synced = False
         for event in (Event.AFTER_FORWARD, Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD):
             self.scheduler.fire(event, state)
+        if state.is_sync_step:
+            self.sync_gradients()
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         state = self.state
         state.loss = loss
         self._micro_losses.append(loss.detach())
+        self._grads_synced = False
         self.scheduler.fire(Event.BEFORE_BACKWARD, state)
         clock = state.clock
         clock.switch("backward")
@@ -340,6 +348,20 @@ class Session(EpochLoop, SavedState):
             self.precision.backward(loss / state.accumulate if state.accumulate > 1 else loss)
         clock.switch("other")
         self.scheduler.fire(Event.AFTER_BACKWARD, self.state)
+        if state.is_sync_step:
+            self.sync_gradients()
+
+    def sync_gradients(self) -> None:
+        """Average the gradients across ranks now, with the flat all-reduce, when no
+        optimization syncs them (else nothing). Called when backward ends, so that
+        the script's own use of the gradients before the optimizer step (clipping,
+        a grad scaler's inf check, logging their norm) sees what DDP would show."""
+        if self._grad_sync is None:
+            return
+        state = self.state
+        with state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
+            self._grad_sync()
+        self._grads_synced = True
 
     def optimizer_step(self) -> None:
         """Sync gradients if nothing else does, step optimizer and LR schedule, zero
@@ -356,14 +378,11 @@ class Session(EpochLoop, SavedState):
         self.after_optimizer_step()
 
     def before_optimizer_step(self) -> None:
-        """Sync gradients if nothing else does; BEFORE_OPTIMIZER_STEP."""
+        """Sync gradients if the end of backward did not (a backward the session did
+        not see); BEFORE_OPTIMIZER_STEP."""
         state = self.state
-        if self._grad_sync is not None:
-            with (
-                state.clock.phase("comm_exposed"),
-                state.policy.critical(*COMM_WAIT),
-            ):
-                self._grad_sync()
+        if not self._grads_synced:
+            self.sync_gradients()
         self.scheduler.fire(Event.BEFORE_OPTIMIZER_STEP, state)
         state.clock.switch("optimizer")
 
@@ -373,6 +392,7 @@ class Session(EpochLoop, SavedState):
         if state.lr_scheduler is not None:
             state.lr_scheduler.step()
         state.clock.switch("other")
+        self._grads_synced = False
         self.scheduler.fire(Event.AFTER_OPTIMIZER_STEP, state)
 
     def end_step(
