@@ -181,7 +181,7 @@ def test_two_ranks_clip_gradients_already_averaged_as_under_ddp():
 
     from overlapkit.launch.local import launch_local
 
-    ways = ["ddp", "plain", "explicit", "ddp_overlap"]
+    ways = ["ddp", "plain", "explicit", "ddp_overlap", "no_overlap"]
     ranks = launch_local(clipped_training, 2, ways)
     for rank in ranks.values():
         reference = rank["ddp"]

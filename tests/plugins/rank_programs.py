@@ -97,7 +97,7 @@ def clipped_training(ways: list[str], steps: int = 5) -> dict[str, dict[str, Any
     """In one 2-rank group, train the MLP clipping gradients between backward and the
     optimizer step, once per way: ``ddp`` (the plain script, DistributedDataParallel),
     ``plain`` (its port, the script's own calls), ``explicit`` (`Session.backward` and
-    `optimizer_step`), ``ddp_overlap``. Returns each way's final parameters and the
+    `optimizer_step`), ``ddp_overlap`` and its ``no_overlap`` baseline. Returns each way's final parameters and the
     gradient norms the script saw before clipping, one per step."""
     world = init_world("cpu", "gloo")
     results = {}
@@ -114,7 +114,10 @@ def clipped_training(ways: list[str], steps: int = 5) -> dict[str, dict[str, Any
             if way == "ddp":
                 model = nn.parallel.DistributedDataParallel(model)
             else:
-                chosen = [get_optimization("ddp_overlap")()] if way == "ddp_overlap" else []
+                intensity = {"ddp_overlap": 1.0, "no_overlap": 0.0}  # 0: its flat baseline
+                chosen = (
+                    [get_optimization("ddp_overlap")(intensity[way])] if way in intensity else []
+                )
                 session = Session(chosen, device="cpu")
                 model, optimizer, loader = session.prepare(model, optimizer, loader)
             norms = []

@@ -276,22 +276,25 @@ class DDPOverlap(Optimization):
             self.ddp.require_backward_grad_sync = state.is_sync_step
 
     def on_after_backward(self, state: State) -> None:
-        if self._timer is None or not state.is_sync_step:
+        if not state.is_sync_step:
             return
-        self._syncs += 1
-        if self._timer.calls:
-            self._measure(state, SyncTiming(self._timer.calls, self._marks))
+        if self._flat is not None:
+            self._flat_sync(state, self._flat)
+        elif self._timer is not None:
+            self._syncs += 1
+            if self._timer.calls:
+                self._measure(state, SyncTiming(self._timer.calls, self._marks))
 
-    def on_before_optimizer_step(self, state: State) -> None:
-        if self._flat is None:
-            return
+    def _flat_sync(self, state: State, flat: FlatAllReduce) -> None:
+        """The baseline: one flat all-reduce when backward ends (so a script clipping
+        the gradients before its optimizer step sees them averaged, as with DDP)."""
         self._syncs += 1
-        call = BucketCall(0, self._flat.bytes_per_call, self._marks.mark())
+        call = BucketCall(0, flat.bytes_per_call, self._marks.mark())
         with (
             state.clock.phase("comm_exposed"),
             state.policy.critical(*COMM_WAIT),
         ):
-            self._flat()
+            flat()
         call.completed = self._marks.mark()
         self._measure(state, SyncTiming([call], self._marks), exposed_in_clock=True)
 
