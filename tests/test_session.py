@@ -190,3 +190,22 @@ def test_two_ranks_clip_gradients_already_averaged_as_under_ddp():
             assert rank[way]["norms"] == pytest.approx(reference["norms"], rel=1e-5), way
             assert torch.allclose(rank[way]["params"], reference["params"], atol=1e-6), way
     assert ranks[0]["plain"]["norms"] == ranks[1]["plain"]["norms"]  # one norm, every rank
+
+
+def test_a_ported_ddp_script_keeps_module_and_no_sync():
+    """A script that wrapped its model in DDP keeps calling ``model.module`` and
+    ``model.no_sync()`` after `prepare` unwrapped it for the flat all-reduce: the port
+    trains to the script's parameters with one all-reduce per step, not one per
+    micro-batch (before, both calls were an AttributeError)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    from rank_programs import ddp_script_accumulating
+
+    from overlapkit.launch.local import launch_local
+
+    for rank in launch_local(ddp_script_accumulating, 2, 4).values():
+        assert rank["port"]["model"] == "DDPView"
+        assert torch.allclose(rank["port"]["params"], rank["ddp"]["params"], atol=1e-6)
+        assert rank["port"]["calls"] == 4  # the micro-batches under no_sync() waited

@@ -147,6 +147,47 @@ def clipped_training(ways: list[str], steps: int = 5) -> dict[str, dict[str, Any
         torch.distributed.destroy_process_group()
 
 
+def ddp_script_accumulating(steps: int = 4) -> dict[str, dict[str, Any]]:
+    """In one 2-rank group, a DDP script that accumulates two micro-batches per step
+    under ``model.no_sync()``, clips, and reads ``model.module``: as written (``ddp``)
+    and ported (``port``: the same lines after `Session.prepare`). Returns each one's
+    final parameters, the type of the model it trained and, for the port, the flat
+    all-reduce's calls."""
+    world = init_world("cpu", "gloo")
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for way in ("ddp", "port"):
+            seed_everything(0)
+            model = nn.parallel.DistributedDataParallel(mlp())
+            dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=0)
+            loader: Any = ResumableLoader(
+                dataset, 8, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
+            )
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+            session = Session([], device="cpu") if way == "port" else None
+            if session is not None:
+                model, optimizer, loader = session.prepare(model, optimizer, loader)
+            batches = iter(loader)
+            for _ in range(steps):
+                optimizer.zero_grad()
+                with model.no_sync():
+                    inputs, targets = next(batches)
+                    nn.functional.cross_entropy(model(inputs), targets).backward()
+                inputs, targets = next(batches)
+                nn.functional.cross_entropy(model(inputs), targets).backward()
+                nn.utils.clip_grad_norm_(model.module.parameters(), 0.05)
+                optimizer.step()
+            results[way] = {"model": type(model).__name__}
+            if session is not None:
+                batches.close()
+                results[way]["calls"] = session.finish()["grad_sync"]["calls"]
+            params = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+            results[way]["params"] = params
+        return results
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def ddp_configs(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """In one 2-rank process group, train once per config (kwargs of `train_mlp`)."""
     world = init_world("cpu", "gloo")

@@ -7,6 +7,10 @@ baseline that ``ddp_overlap`` is measured against.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -42,6 +46,7 @@ class FlatAllReduce:
             sum(t.numel() for t in tensors), dtype=dtype, device=_device(tensors)
         )
         self.bytes_per_call = self.flat.numel() * self.flat.element_size()
+        self.calls = 0
         self._views: list[torch.Tensor] = []
         offset = 0
         for tensor in tensors:
@@ -64,9 +69,34 @@ class FlatAllReduce:
         for buffer, view in zip(self.buffers, buffer_views, strict=True):
             view.copy_(buffer)
         dist.all_reduce(self.flat, group=self.group)
+        self.calls += 1
         self.flat /= self.world_size
         for buffer, view in zip(self.buffers, buffer_views, strict=True):
             buffer.copy_(view)
+
+
+class DDPView(nn.Module):
+    """What a script that wrapped its model in DistributedDataParallel keeps using
+    after `Session.prepare` unwrapped it for the flat all-reduce: ``.module``,
+    ``no_sync()`` and ``require_backward_grad_sync`` (a backward under them is not
+    synced when it ends, only at the optimizer step or with a later backward), and
+    ``module.``-prefixed state dict keys, as the script's own saves have."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.require_backward_grad_sync = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
 
 
 def _device(tensors: list[torch.Tensor]) -> torch.device:

@@ -137,6 +137,7 @@ class PlainCalls:
         if session.in_step and not self.in_session_call:
             session.scheduler.fire(Event.BEFORE_BACKWARD, session.state)
             session.state.clock.switch("backward")
+            session.backward_started()
             if not self._end_queued:  # once per backward pass, whatever the outputs
                 self._end_queued = True
                 # Runs on the thread that called backward, once the pass is done (as
@@ -151,7 +152,7 @@ class PlainCalls:
         if session.state.clock.current == "backward":
             session.state.clock.switch("other")
             session.scheduler.fire(Event.AFTER_BACKWARD, session.state)
-        session.sync_gradients()
+        session.backward_ended()
 
     # --------------------------------------------------------- optimizer
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .arbitration import ArbitrationPolicy
 from .arguments import check_optimizer_of, check_session_arguments, check_total_steps
@@ -47,7 +48,7 @@ from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
 from .epochs import USED_UP, EpochLoop
 from .events import Event
-from .gradsync import FlatAllReduce, broadcast_model
+from .gradsync import DDPView, FlatAllReduce, broadcast_model
 from .hardware import describe_node, nodes_of
 from .metrics import PhaseClock, summarize
 from .optimization import COMM_WAIT, Optimization, needed_environment
@@ -129,6 +130,7 @@ class Session(EpochLoop, SavedState):
         self._stateful: dict[str, Any] = {}
         self._raw_model: nn.Module | None = None
         self._grad_sync: FlatAllReduce | None = None
+        self._ddp_view: DDPView | None = None  # the model returned for the script's DDP
         self._grads_synced = False  # since this step's last backward
         self._epoch = 0
         self._started = False
@@ -155,11 +157,13 @@ class Session(EpochLoop, SavedState):
         """Move the model to the device and apply every optimization's wrappers.
 
         A model already wrapped in DistributedDataParallel is unwrapped: the session
-        syncs gradients itself (``ddp_overlap``, or one flat all-reduce). A map-style
+        syncs gradients itself (``ddp_overlap``, or one flat all-reduce, when the
+        model returned is a `DDPView`: ``.module`` and ``no_sync()`` still work). A map-style
         DataLoader is made resumable in its own order (`ScriptLoader`). The loader
         returned runs one epoch of steps when iterated (`epoch`); ``lr_scheduler`` is
         stepped after every optimizer step (register one stepped per epoch with
         `register_for_checkpointing` or `start` instead)."""
+        came_in_ddp = isinstance(model, DistributedDataParallel)
         model = self._unwrapped(model)
         check_optimizer_of(model, optimizer)
         loader = self._resumable(loader)
@@ -176,6 +180,9 @@ class Session(EpochLoop, SavedState):
             state.zero_grad_in_place = True
         self._plain_calls.install(state.model, state.optimizer)
         loader = StepLoader(self, state.loader) if state.loader is not None else None
+        if came_in_ddp and self._grad_sync is not None:
+            self._ddp_view = DDPView(state.model)  # `.module`, `no_sync()` keep working
+            return self._ddp_view, state.optimizer, loader
         return state.model, state.optimizer, loader
 
     @property
@@ -329,18 +336,17 @@ class Session(EpochLoop, SavedState):
         state.loss = loss
         if loss is not None:
             self._micro_losses.append(loss.detach())
-        self._grads_synced = False
+        self.backward_started()
         for event in (Event.AFTER_FORWARD, Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD):
             self.scheduler.fire(event, state)
-        if state.is_sync_step:
-            self.sync_gradients()
+        self.backward_ended()
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         state = self.state
         state.loss = loss
         self._micro_losses.append(loss.detach())
-        self._grads_synced = False
+        self.backward_started()
         self.scheduler.fire(Event.BEFORE_BACKWARD, state)
         clock = state.clock
         clock.switch("backward")
@@ -348,14 +354,24 @@ class Session(EpochLoop, SavedState):
             self.precision.backward(loss / state.accumulate if state.accumulate > 1 else loss)
         clock.switch("other")
         self.scheduler.fire(Event.AFTER_BACKWARD, self.state)
-        if state.is_sync_step:
+        self.backward_ended()
+
+    def backward_started(self) -> None:
+        self._grads_synced = False
+
+    def backward_ended(self) -> None:
+        """Average the gradients now (the flat all-reduce, when no optimization syncs
+        them), as DDP does when backward ends: the script's own use of them before the
+        optimizer step (clipping, a grad scaler's inf check, their norm) sees the
+        averaged values. Not on a micro-batch before a step's last, nor under the
+        script's ``model.no_sync()``: the optimizer step syncs what is left."""
+        view = self._ddp_view
+        if self.state.is_sync_step and (view is None or view.require_backward_grad_sync):
             self.sync_gradients()
 
     def sync_gradients(self) -> None:
-        """Average the gradients across ranks now, with the flat all-reduce, when no
-        optimization syncs them (else nothing). Called when backward ends, so that
-        the script's own use of the gradients before the optimizer step (clipping,
-        a grad scaler's inf check, logging their norm) sees what DDP would show."""
+        """Average the gradients across ranks now with the flat all-reduce, when no
+        optimization syncs them (else nothing)."""
         if self._grad_sync is None:
             return
         state = self.state
@@ -534,6 +550,7 @@ class Session(EpochLoop, SavedState):
             summary["grad_sync"] = {
                 "mode": "flat_allreduce",
                 "bytes": self._grad_sync.bytes_per_call,
+                "calls": self._grad_sync.calls,
             }
         if self.state.run_dir is not None:
             summary["run_dir"] = str(self.state.run_dir)
