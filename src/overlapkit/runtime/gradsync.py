@@ -79,8 +79,9 @@ class DDPView(nn.Module):
     """What a script that wrapped its model in DistributedDataParallel keeps using
     after `Session.prepare` unwrapped it for the flat all-reduce: ``.module``,
     ``no_sync()`` and ``require_backward_grad_sync`` (a backward under them is not
-    synced when it ends, only at the optimizer step or with a later backward), and
-    ``module.``-prefixed state dict keys, as the script's own saves have."""
+    synced when it ends, only at the optimizer step or with a later backward). Its
+    state dict is the module's, unprefixed: a script that unwraps DDP models by type
+    (``isinstance``) saves and loads the same keys as one that reads ``.module``."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -89,6 +90,12 @@ class DDPView(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict, assign)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
