@@ -77,6 +77,7 @@ from overlapkit import Optimization, Session, get_optimization, register_optimiz
 from overlapkit.data import SyntheticImages
 from overlapkit.models import ResNet
 from overlapkit.run import run_scenario
+from overlapkit.runtime.distributed import process_group_backend, resolve_backend
 from overlapkit.runtime.loop import OptimizerConfig, TrainConfig, build_optimizer, train
 from overlapkit.scenarios import Scenario
 
@@ -709,8 +710,16 @@ def part_b_measure(ctx: Context, wl: Workload, max_overhead: float) -> dict[str,
 
     owns_group = False
     if dcp is not None and not dist.is_initialized():
+        # The group the sessions adopt: the one overlapkit starts on this device (on a
+        # GPU nccl with gloo beside it; DCP's stager needs gloo). A gloo-only group
+        # on a GPU is refused by the sessions (they resolve the backend to nccl).
+        cuda = ctx.device.type == "cuda"
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+            process_group_backend(resolve_backend("auto", ctx.device.type)),
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None,
         )
         owns_group = True
     try:

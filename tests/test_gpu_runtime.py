@@ -260,3 +260,35 @@ def test_every_summary_records_the_machines_it_ran_on():
     other = {**node, "host": "elsewhere"}
     nodes = nodes_of([node, node, other])
     assert [n["ranks"] for n in nodes] == [[0, 1], [2]]
+
+
+def test_the_grad_scalers_state_is_saved_as_tensors_and_resumes_exactly():
+    """`GradScaler.state_dict` reads the scale with ``.item()``: on a GPU every checkpoint
+    would wait for the device. The precision's state keeps them as tensors (copied:
+    the next update must not change what was saved) and loads them back exactly. On a
+    CPU with torch's CPU grad scaler, the same code."""
+    from overlapkit.runtime.precision import Precision
+
+    def with_scaler() -> Precision:
+        precision = Precision("fp32", torch.device("cpu"))
+        precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        return precision
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    precision = with_scaler()
+    assert precision.state_dict()["scale"] == 2.0**10  # before any step: the plain numbers
+    for factor in (1.0, float("inf"), 1.0, 1.0, 1.0):  # one skipped step, then growth
+        optimizer.zero_grad()
+        precision.backward((weight * factor).sum())
+        precision.step(optimizer)
+    expected = precision.scaler.state_dict()
+    saved = precision.state_dict()
+    assert isinstance(saved["scale"], torch.Tensor)
+    assert isinstance(saved["_growth_tracker"], torch.Tensor)
+    precision.backward((weight * float("inf")).sum())  # changes the live scale...
+    precision.step(optimizer)
+    assert precision.scaler.get_scale() != expected["scale"]  # (the test can tell)
+    resumed = with_scaler()
+    resumed.load_state_dict(saved)  # ...not the saved one
+    assert resumed.scaler.state_dict() == expected

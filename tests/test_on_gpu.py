@@ -70,7 +70,14 @@ def params(model):
 
 @pytest.mark.parametrize(
     ("precision", "optimization"),
-    [("fp32", None), ("bf16", None), ("fp16", None), ("fp32", "checkpoint"), ("fp32", "prefetch")],
+    [
+        ("fp32", None),
+        ("bf16", None),
+        ("fp16", None),
+        ("fp32", "checkpoint"),
+        ("fp16", "checkpoint"),  # the grad scaler's state is saved without a read
+        ("fp32", "prefetch"),
+    ],
 )
 def test_steps_never_synchronise_the_host_with_the_gpu(tmp_path, precision, optimization):
     if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
@@ -137,6 +144,46 @@ def test_a_nccl_run_evaluates_and_checkpoints(tmp_path):
     )
     assert len(summary["eval"]["runs"]) >= 3
     assert summary["optimizations"]["checkpoint"]["checkpoints"] >= 2
+
+
+def test_a_session_in_a_nccl_group_evaluates_and_checkpoints(tmp_path):
+    """The group overlapkit starts under nccl (`cpu:gloo,cuda:nccl`, bound to the
+    rank's GPU), here of one rank and started first, as under Ray Train: evaluation
+    sums on the device, checkpoints coordinate, the group closes. (A one-rank run
+    through the CLI starts no group at all.)"""
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from overlapkit.runtime.distributed import process_group_backend
+
+    dist.init_process_group(
+        process_group_backend("nccl"),
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0),
+    )
+    try:
+        seed_everything(0)
+        data = SyntheticImages((3, 8, 8), num_classes=4, num_samples=128, seed=0)
+        loader = ResumableLoader(data, 32, ShardedSampler(len(data), seed=0))
+        session = Session([Checkpoint(every=2)], device="cuda", run_dir=tmp_path)
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, fused=True)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        assert session.world.backend == "nccl"
+        for inputs, targets in session.steps(6):
+            with session.forward():
+                loss = F.cross_entropy(model(inputs), targets)
+            session.backward(loss)
+            session.optimizer_step()
+        result = session.evaluate(ResumableLoader(data, 32, ShardedSampler(len(data), seed=1)))
+        summary = session.finish()
+        assert result["samples"] == 128
+        assert summary["optimizations"]["checkpoint"]["checkpoints"] >= 3
+        dist.barrier()  # the group is still the caller's, and works
+    finally:
+        dist.destroy_process_group()
 
 
 def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(tmp_path):

@@ -41,8 +41,26 @@ class Precision:
             optimizer.step()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler else {}
+        """The grad scaler's state, its scale and growth tracker as device tensors:
+        `GradScaler.state_dict` reads them with ``.item()``, which would make every
+        checkpoint wait for the GPU. Copies, since the next ``update`` changes them
+        in place; the snapshot takes them to the host in stream order."""
+        scaler = self.scaler
+        if scaler is None:
+            return {}
+        if scaler._scale is None or scaler._growth_tracker is None:
+            return scaler.state_dict()  # before the first step: plain numbers, no read
+        return {
+            "scale": scaler._scale.detach().clone(),
+            "growth_factor": scaler.get_growth_factor(),
+            "backoff_factor": scaler.get_backoff_factor(),
+            "growth_interval": scaler.get_growth_interval(),
+            "_growth_tracker": scaler._growth_tracker.clone(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler and state:
-            self.scaler.load_state_dict(state)
+            numbers = {"scale": float, "_growth_tracker": int}  # tensors when saved by us
+            self.scaler.load_state_dict(
+                {k: numbers[k](v) if k in numbers else v for k, v in state.items()}
+            )

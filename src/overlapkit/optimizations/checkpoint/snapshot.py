@@ -216,6 +216,8 @@ class Snapshotter:
                 begin.record()
                 for buffer, tensor in deferred:
                     buffer.copy_(tensor, non_blocking=True)
+                    if tensor.is_cuda:  # a temporary's memory waits for this copy
+                        tensor.record_stream(self._stream)
                 end.record()
             snapshot._cuda_events = (begin, end)
         else:
