@@ -186,6 +186,20 @@ def test_a_session_in_a_nccl_group_evaluates_and_checkpoints(tmp_path):
         dist.destroy_process_group()
 
 
+def test_a_deterministic_resnet_run_on_the_gpu_repeats_itself(tmp_path):
+    """``train.deterministic`` on CUDA: the built-in ResNet has no operation torch
+    refuses there (adaptive pooling's backward was one), and two runs agree."""
+    path = scenario(tmp_path, world__device="cuda", train__deterministic=True)
+    runs = []
+    for name in ("a", "b"):
+        result = run_cli("run", path, "--out", tmp_path / name, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert any("deterministic on a GPU" in note for note in summary["notes"])
+        runs.append(summary["final_loss"])
+    assert runs[0] == runs[1]
+
+
 def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(tmp_path):
     gpus = torch.cuda.device_count()
     path = scenario(tmp_path, world__nprocs=gpus + 1, world__backend="nccl")

@@ -81,3 +81,21 @@ def test_run_json_stdout_holds_only_the_document_whatever_else_writes_there(
     out, err = capfd.readouterr()
     assert json.loads(out) == {"samples_per_s": 1.0}
     assert "Rank 0 is connected" in err and "Rank 1 is connected" in err
+
+
+def test_deterministic_runs_repeat_their_losses_exactly(tiny_scenario, tmp_path):
+    """``train.deterministic`` on a CPU: torch's deterministic algorithms, no note (the
+    GPU's warn-only mode has one), and two runs give the same step losses."""
+    from conftest import run_cli, step_losses
+
+    runs = []
+    for name in ("a", "b"):
+        done = run_cli(
+            "run", tiny_scenario(), "--quiet", "--out", tmp_path / name,
+            "--set", "train.deterministic=true",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert not any("deterministic" in note for note in summary.get("notes", []))
+        runs.append(step_losses(tmp_path / name))
+    assert runs[0] == runs[1] and len(runs[0]) == 8  # warm-up steps included

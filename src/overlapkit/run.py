@@ -58,8 +58,7 @@ def rank_main(
                 environment=partial(needed_environment, optimizations),
             )
             try:
-                if cfg.deterministic:
-                    torch.use_deterministic_algorithms(True)
+                said = deterministic_algorithms(world.device) if cfg.deterministic else None
                 seed_everything(cfg.seed)  # the same initial model on every rank
                 model = scenario.model.build()
                 session = Session(
@@ -76,6 +75,8 @@ def rank_main(
                     trace=scenario.scheduler.trace,
                     tensorboard=scenario.log.tensorboard,
                 )
+                if said is not None:
+                    session.notes.append(said)
                 result = _train(scenario, session, model)
                 close_world(world)
                 return result
@@ -89,6 +90,24 @@ def rank_main(
                 raise
             step, checkpoint = session.stopped() if session is not None else (None, None)
             raise RunInterrupted(received.first, step, checkpoint) from None
+
+
+def deterministic_algorithms(device: torch.device) -> str | None:
+    """``train.deterministic``: torch's deterministic algorithms. On a GPU, an
+    operation with no deterministic CUDA kernel (torch's list includes NLLLoss and
+    adaptive pooling's backward) warns instead of stopping the run, and the returned
+    note says that such runs are not bit-reproducible; cuBLAS gets the fixed workspace
+    its determinism needs (before its first use)."""
+    if device.type != "cuda":
+        torch.use_deterministic_algorithms(True)
+        return None
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return (
+        "train.deterministic on a GPU: torch's deterministic kernels where it has them; "
+        "an operation without one warns once (UserWarning) and makes the run "
+        "reproducible only up to its rounding"
+    )
 
 
 def _train(scenario: Scenario, session: Session, model: torch.nn.Module) -> dict[str, Any]:

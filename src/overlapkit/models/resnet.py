@@ -56,6 +56,14 @@ def _shortcut(in_planes: int, out_planes: int, stride: int) -> nn.Module:
 _DEPTHS = {"resnet18": (BasicBlock, (2, 2, 2, 2)), "resnet50": (Bottleneck, (3, 4, 6, 3))}
 
 
+class GlobalAvgPool(nn.Module):
+    """``AdaptiveAvgPool2d(1)`` as a mean: its backward is deterministic on a GPU too
+    (torch has no deterministic CUDA kernel for adaptive pooling's backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3), keepdim=True)
+
+
 class ResNet(nn.Module):
     """A ResNet as a flat sequence of named children (stem, layer1..4, head), so
     that it can be split into pipeline stages at any child boundary."""
@@ -90,9 +98,7 @@ class ResNet(nn.Module):
                 blocks.append(block(in_planes, planes, stride=2 if (i > 0 and j == 0) else 1))
                 in_planes = planes * block.expansion
             setattr(self, f"layer{i + 1}", nn.Sequential(*blocks))
-        self.head = nn.Sequential(
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(in_planes, num_classes)
-        )
+        self.head = nn.Sequential(GlobalAvgPool(), nn.Flatten(), nn.Linear(in_planes, num_classes))
         for module in self.modules():
             if isinstance(module, nn.Conv2d):
                 nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
