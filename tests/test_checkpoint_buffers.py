@@ -70,3 +70,25 @@ def test_no_buffer_is_allocated_inside_a_checkpoint(tmp_path, monkeypatch):
     buffers = checkpoint._snapshotter.sets[0]
     assert len({t.untyped_storage().data_ptr() for t in buffers.tensors.values()}) == 1
     assert section["pinned_bytes"] == 0  # nothing is pinned on a CPU
+
+
+def test_the_summary_counts_buffers_a_reservation_still_under_way_makes(monkeypatch):
+    """A run that ends soon after its first step reads the buffers' size while the
+    background reservation may still be filling them: it waits for it (before, it
+    read them mid-fill: too few bytes, or "dictionary changed size")."""
+    import threading
+
+    go = threading.Event()
+    reserve = HostBuffers.reserve
+
+    def held_back(self, layout):
+        go.wait(30)
+        reserve(self, layout)
+
+    monkeypatch.setattr(HostBuffers, "reserve", held_back)
+    state = {"w": torch.randn(64, 64), "opt": [{"m": torch.randn(64, 64)}]}
+    snapshotter = snapshot_module.Snapshotter(torch.device("cpu"))
+    snapshotter.reserve(tensor_layout(state))
+    threading.Timer(0.2, go.set).start()  # the reservation finishes later
+    assert snapshotter.buffer_bytes == 2 * 64 * 64 * 4
+    assert snapshotter.held_bytes >= snapshotter.buffer_bytes

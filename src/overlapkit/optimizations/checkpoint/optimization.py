@@ -389,9 +389,7 @@ class Checkpoint(Optimization):
                 else 0.0
             ),
             "bytes_written": persister.bytes_written if persister else 0,  # all ranks' files
-            "host_buffer_bytes": sum(b.nbytes for b in self._snapshotter.sets)
-            if self._snapshotter
-            else 0,
+            "host_buffer_bytes": self._snapshotter.buffer_bytes if self._snapshotter else 0,
             # Pinned on a GPU, as the host allocator holds it (0 on a CPU: nothing pinned).
             "pinned_bytes": self._snapshotter.held_bytes
             if self._snapshotter and self._snapshotter.sets[0].pin

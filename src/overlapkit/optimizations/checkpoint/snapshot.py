@@ -173,11 +173,16 @@ class Snapshotter:
 
         self._reserving = start_thread(allocate, name="overlapkit-host-buffers")
 
+    def _reserved(self) -> None:
+        """Wait for the background reservation (started steps ago: done by now, unless
+        every=1 or the run ended at once)."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+
     def free_buffers(self) -> HostBuffers:
         """A buffer set no persist is reading (waits for one if needed)."""
-        if self._reserving is not None:
-            self._reserving.join()  # started steps ago: done by now, unless every=1
-            self._reserving = None
+        self._reserved()
         while True:
             for buffers in self.sets:
                 if buffers.free.is_set():
@@ -187,7 +192,15 @@ class Snapshotter:
 
     @property
     def held_bytes(self) -> int:
+        """Host memory the buffer sets hold (pinned: as the allocator rounds it)."""
+        self._reserved()
         return sum(b.held_bytes for b in self.sets)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes of state the buffer sets have room for."""
+        self._reserved()
+        return sum(b.nbytes for b in self.sets)
 
     def take(self, step: int, state: Tree, deferrable: set[int] | None) -> Snapshot:
         """Copy ``state`` into host buffers: now what may change in the next step, in
