@@ -178,6 +178,8 @@ def test_a_build_without_the_gpus_kernels_is_refused_naming_gpu_capability_and_a
         ((9, 0), ("sm_80", "sm_86"), False),  # no cubin for major 9 and no PTX
         ((9, 0), ("sm_80", "compute_80"), True),  # PTX is compiled at load time
         ((12, 0), ("sm_90a", "sm_100", "sm_120"), True),
+        ((9, 0), ("sm_90a",), True),
+        ((9, 1), ("sm_90a",), False),  # an arch-specific cubin runs on that capability only
         ((7, 0), ("compute_75",), False),  # PTX for a newer GPU does not run on an older one
     ],
 )

@@ -42,7 +42,9 @@ def describe_node(device: torch.device) -> dict[str, Any]:
         # The interconnect as far as a process sees it: can each GPU read the others'
         # memory directly (NVLink or PCIe peer-to-peer), or only through the host.
         pairs = [(a, b) for a in range(count) for b in range(count) if a != b]
-        node["gpu_peer_access"] = all(torch.cuda.can_device_access_peer(a, b) for a, b in pairs)
+        node["gpu_peer_access"] = (  # None: one GPU, no pair to ask about
+            all(torch.cuda.can_device_access_peer(a, b) for a, b in pairs) if pairs else None
+        )
     return node
 
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 
-from .gpus import check_precision
+from .gpus import GPUFacts, check_build, check_precision
 
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 
@@ -18,7 +18,10 @@ class Precision:
             raise ValueError(
                 "precision fp16 needs a CUDA device (its grad scaler is for GPUs); use bf16 on CPU"
             )
-        if name == "bf16" and device.type == "cuda":
+        if device.type == "cuda":
+            # A script's Session gets the scenario's checks too: kernels for this GPU
+            # ("no kernel image" at the first step otherwise), bf16 where it is real.
+            check_build(GPUFacts.probe())
             check_precision(name, torch.cuda.get_device_capability(device))
         self.name = name
         self.device = device
