@@ -201,7 +201,7 @@ def _build_backend(
     if name == "tfdata":
         from .tfdata_backend import TfDataBackend
 
-        return TfDataBackend(loader, workers, depth, settings["autotune"], device)
+        return TfDataBackend(loader, workers, depth, settings["autotune"])
     if name == "dali":
         from .dali_backend import DaliBackend
 

@@ -6,9 +6,11 @@ stacks it, ``workers`` batches at a time, like DataLoader workers (through
 ``tf.numpy_function``, so a Python dataset holds the GIL while it runs: loading
 that releases it, like file reads, runs in parallel, pure-Python decoding does
 not; one call per batch rather than per sample saves ~6 ms a batch of 32);
-``prefetch`` keeps ``depth`` batches ahead (or AUTOTUNE) and, on a GPU
-TensorFlow can see, ``prefetch_to_device`` puts them on it. Batches reach
-torch through DLPack, without a copy.
+``prefetch`` keeps ``depth`` batches ahead (or AUTOTUNE). Batches reach
+torch through DLPack, without a copy. TensorFlow stays on the host even on a
+GPU machine: there it would reserve nearly all the memory torch trains in, and
+its device copies would run on streams torch does not wait for; the prefetch
+feeder copies each batch to the GPU on its own side stream instead.
 
 Unless ``autotune`` is set, tf.data's own rewrites (injected prefetch,
 automatic map parallelism) are off and its thread pool is ``workers + 1``
@@ -44,12 +46,10 @@ def load_overlapped(
     workers: int,
     depth: int,
     autotune: bool,
-    device: str | None = None,
-    device_depth: int = 0,
 ) -> Any:
     """``dataset`` mapped by ``load`` as the prefetch knobs say: ``workers`` calls at
-    once (0: on the pipeline's own thread), ``depth`` batches ahead (0: none), and on
-    ``device`` ``device_depth`` batches already there; or tf.data's ``autotune``.
+    once (0: on the pipeline's own thread), ``depth`` batches ahead (0: none); or
+    tf.data's ``autotune``.
     Without autotune tf.data's own rewrites (injected prefetch, map parallelism) stay
     off, so the knobs mean what they say and depth 0 loads nothing ahead."""
     if autotune:
@@ -60,10 +60,6 @@ def load_overlapped(
         dataset = dataset.map(load)
     if autotune or depth:
         dataset = dataset.prefetch(tf.data.AUTOTUNE if autotune else depth)
-    if device is not None and device_depth:
-        dataset = dataset.apply(
-            tf.data.experimental.prefetch_to_device(device, buffer_size=device_depth)
-        )
     options = tf.data.Options()
     options.deterministic = True
     options.autotune.enabled = autotune
@@ -82,13 +78,14 @@ class TfDataBackend:
         workers: int,
         depth: int,
         autotune: bool,
-        device: torch.device,
     ) -> None:
         self.tf = import_tensorflow()
         self.inner, self.workers, self.depth, self.autotune = inner, workers, depth, autotune
         self.layout = SampleLayout.probe(inner)
-        gpus = self.tf.config.list_physical_devices("GPU") if device.type == "cuda" else []
-        self.target = f"/gpu:{device.index or 0}" if gpus else None
+        try:  # on the host only (see the module's note)
+            self.tf.config.set_visible_devices([], "GPU")
+        except RuntimeError:  # this process already started TensorFlow on a GPU
+            pass
 
     def _load(self, indices: np.ndarray) -> list[np.ndarray]:
         samples = [self.layout.flatten(self.inner.dataset[int(i)]) for i in indices]
@@ -116,8 +113,6 @@ class TfDataBackend:
             self.workers,
             self.depth,
             self.autotune,
-            device=self.target,
-            device_depth=max(1, self.depth),
         )
 
     def iterate(self, epoch: int, start: int) -> Iterator[Any]:
