@@ -225,3 +225,18 @@ def test_check_shows_the_settings_as_they_will_run_in_80_columns(tiny_scenario):
     assert row["space: checkpoint.on"] == "yes, no"
     # Section names whole, not cut at 80 columns.
     assert "optimizations.checkpoint" in row and "optimizations.pipeline" in row
+
+
+def test_check_of_a_scenario_without_optimizations_shows_what_tune_will_search(tiny_scenario):
+    """`tune` searches every built-in optimization that applies when the scenario lists
+    none; `check` said "nothing to search" there."""
+    from rich.console import Console
+
+    from overlapkit.cli import _describe_scenario
+
+    console = Console(width=120, record=True)
+    console.print(_describe_scenario(load_scenario(tiny_scenario())))
+    text = console.export_text()
+    assert "nothing to search" not in text
+    assert "space: chosen" in text and "space: prefetch.intensity" in text
+    assert "left out ddp_overlap" in text and "does nothing with one rank" in text

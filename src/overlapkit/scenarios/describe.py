@@ -81,9 +81,15 @@ def _tune(scenario: Scenario) -> list[tuple[str, str]]:
     rows = [(k, v) for k, v in _flat(scenario.tune.model_dump(mode="json")) if k != "search"]
     if scenario.tune.search is None:
         rows.insert(0, ("search", "each optimization above by its intensity"))
+    optimizations = scenario.optimizations
+    if not optimizations:  # as `tune` does: every built-in one that applies
+        chosen, left_out = scenario.applicable_optimizations()
+        optimizations = {name: None for name in chosen}
+        rows.append(("space: chosen", ", ".join(chosen) or "none applies"))
+        rows += [(f"space: left out {name}", why) for name, why in left_out.items()]
     try:
-        space = build_space(scenario.optimizations, scenario.tune, scenario.framework)
-    except SpaceError as error:  # no optimization: `tune` chooses them itself
+        space = build_space(optimizations, scenario.tune, scenario.framework)
+    except SpaceError as error:
         rows.append(("space", str(error)))
         return rows
     for dimension in space.dimensions:
