@@ -245,6 +245,27 @@ def test_report_of_a_storage_file_that_does_not_exist_makes_none(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_report_of_a_broken_tune_folder_is_one_line_and_writes_nothing(tmp_path):
+    """A tune file that is not JSON, or lacks its keys, was an internal error; one whose
+    database is gone got an empty database made there, and blamed a --study never given."""
+    import json
+
+    for text in ("{oops", "{}"):
+        (tmp_path / "tune.json").write_text(text)
+        code, _, err = cli("report", tmp_path)
+        assert code == 2 and "is not a tune file overlapkit can read" in err, err
+    db = tmp_path / "study.db"
+    (tmp_path / "tune.json").write_text(
+        json.dumps({"storage": f"sqlite:///{db}", "study": "gone", "scenario": {}, "tune": {}})
+    )
+    code, _, err = cli("report", tmp_path)
+    assert code == 2 and "there is no such" in err and "--study" not in err, err
+    assert not db.exists()
+    optuna.create_study(study_name="real", storage=f"sqlite:///{db}")
+    code, _, err = cli("report", tmp_path)
+    assert code == 2 and "the study 'gone': no such study" in err and "real" in err, err
+
+
 def test_report_of_a_study_the_storage_lacks_names_those_it_has(tmp_path):
     url = f"sqlite:///{tmp_path}/study.db"
     optuna.create_study(study_name="real", storage=url)

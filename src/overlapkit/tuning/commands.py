@@ -76,12 +76,9 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     )
     if (folder / TUNE_FILE).is_file():
         try:
-            earlier = TuneJob.load(folder)
-        except (ValueError, KeyError, TypeError) as error:
-            raise TuneError(
-                f"{folder / TUNE_FILE} is not a tune file overlapkit can read ({error}): "
-                "use another --out"
-            ) from None
+            earlier = _read_tune_file(folder)
+        except TuneError as error:
+            raise TuneError(f"{error}: use another --out") from None
         if (earlier.study_name, earlier.storage_url) != (job.study_name, job.storage_url):
             to_continue = (
                 f"--study {earlier.study_name}"
@@ -212,9 +209,11 @@ def load_target(target: str, name: str | None = None) -> tuple[optuna.Study, Pat
     """The study a tune folder or a storage URL names ("URL#NAME" picks one of several),
     and the folder its report goes to by default."""
     if (Path(target) / TUNE_FILE).exists():
-        job = TuneJob.load(Path(target))
-        storage = open_checked(job.storage_url, f"{target}/{TUNE_FILE}")
-        study = _load_study(storage, name or job.study_name, job.storage_url)
+        job = _read_tune_file(Path(target))
+        # existing=True: a report never creates the study's database (an empty one
+        # would be left behind by the error that follows).
+        storage = open_checked(job.storage_url, f"{target}/{TUNE_FILE}", existing=True)
+        study = _load_study(storage, name or job.study_name, job.storage_url, name is not None)
         folder = Path(target)
     else:
         if "://" not in target and not target.startswith("journal:"):
@@ -223,20 +222,33 @@ def load_target(target: str, name: str | None = None) -> tuple[optuna.Study, Pat
             )
         url, _, named = target.partition("#")
         storage = open_checked(url, "the study's URL", existing=True)
-        study = _load_study(storage, name or named, url)
+        study = _load_study(storage, name or named, url, bool(name))
         folder = Path("runs") / f"{study.study_name}-report"
     if "scenario" not in study.user_attrs:
         raise TuneError(f"study {study.study_name} was not made by overlapkit tune")
     return study, folder
 
 
-def _load_study(storage: optuna.storages.BaseStorage, name: str | None, url: str) -> optuna.Study:
-    """The study ``name`` of ``storage`` (the only one, when ``name`` is None)."""
+def _read_tune_file(folder: Path) -> TuneJob:
+    try:
+        return TuneJob.load(folder)
+    except (ValueError, KeyError, TypeError) as error:
+        raise TuneError(
+            f"{folder / TUNE_FILE} is not a tune file overlapkit can read ({error})"
+        ) from None
+
+
+def _load_study(
+    storage: optuna.storages.BaseStorage, name: str | None, url: str, asked: bool = True
+) -> optuna.Study:
+    """The study ``name`` of ``storage`` (the only one, when ``name`` is None).
+    ``asked``: the user named it (``--study``), rather than a tune file."""
     names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     name = name or (names[0] if len(names) == 1 else None)
     if name not in names:
+        missing = f"--study {name}" if asked else f"the study {name!r}"
         raise TuneError(
-            (f"--study {name}: no such study in {url}; " if name else "")
+            (f"{missing}: no such study in {url}; " if name else "")
             + "choose one with --study (or URL#NAME): "
             + (", ".join(names) or "the storage holds none")
         )
