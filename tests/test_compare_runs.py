@@ -64,9 +64,13 @@ def test_a_file_or_a_summary_of_something_else_is_named(two_runs, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "summary.json").write_text('{"accuracy": 0.9}')
+    nulls = tmp_path / "nulls"  # the keys, without figures in them (an internal error)
+    nulls.mkdir()
+    (nulls / "summary.json").write_text('{"samples_per_s": 10.0, "step_time_s": {"p50": null}}')
     for target, said in (
         (tmp_path / "afile", "a file; name a run folder"),
         (other, "not an overlapkit run summary (it lacks samples_per_s, step_time_s)"),
+        (nulls, "not an overlapkit run summary (step_time_s.p50 is null, not a number)"),
     ):
         result = cli_here("compare", two_runs[0], target)
         assert result.returncode == 2 and said in result.stderr, result.stderr

@@ -52,6 +52,20 @@ def load_run(folder: Path) -> dict[str, Any]:
         )
     if not isinstance(summary["step_time_s"], dict):
         raise RunFolderError(f"{path}: not an overlapkit run summary (step_time_s is no table)")
+    phases = summary.get("phases_s", {})
+    figures = {
+        "samples_per_s": summary["samples_per_s"],
+        "step_time_s.p50": summary["step_time_s"].get("p50"),
+        **({f"phases_s.{k}": v for k, v in phases.items()} if isinstance(phases, dict) else {}),
+    }
+    if not isinstance(phases, dict):
+        figures["phases_s"] = phases
+    for key, value in figures.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise RunFolderError(
+                f"{path}: not an overlapkit run summary ({key} is {json.dumps(value)}, "
+                "not a number)"
+            )
     return summary
 
 
