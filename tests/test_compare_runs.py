@@ -75,3 +75,13 @@ def test_a_file_or_a_summary_of_something_else_is_named(two_runs, tmp_path):
         result = cli_here("compare", two_runs[0], target)
         assert result.returncode == 2 and said in result.stderr, result.stderr
         assert "internal error" not in result.stderr
+
+
+def test_an_out_that_cannot_be_a_folder_names_out(two_runs, tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    for out, said in ((taken, "--out"), (taken / "below", "--out")):
+        result = cli_here("compare", *two_runs, "--out", out)
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+        assert "internal error" not in result.stderr
+    assert taken.read_text() == "mine"

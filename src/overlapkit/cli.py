@@ -60,8 +60,8 @@ def _at_least(low: float, kind: type = int) -> Any:
 
 
 def _above_zero(text: str) -> float:
-    value = _at_least(0.0, float)(text)
-    if value == 0:
+    value = _at_least(float("-inf"), float)(text)  # a finite number
+    if value <= 0:
         raise argparse.ArgumentTypeError(f"{text}: must be above 0")
     return value
 
@@ -430,7 +430,12 @@ def _command(
             document = compare_document(args.runs)
         except RunFolderError as error:
             raise UsageError(str(error)) from None
-        files = write_comparison(document, args.out)
+        if args.out is not None and args.out.exists() and not args.out.is_dir():
+            raise UsageError(f"--out {args.out}: a file; name a folder for the comparison")
+        try:
+            files = write_comparison(document, args.out)
+        except OSError as error:
+            raise UsageError(f"--out {args.out}: {error.strerror or error}") from None
         if args.json:
             print(json.dumps(document, indent=2))
         else:
