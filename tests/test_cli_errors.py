@@ -488,3 +488,18 @@ def test_yes_or_true_where_a_number_belongs_is_not_read_as_1(tiny_scenario):
         code, _, err = cli("check", tiny_scenario(), "--set", override)
         assert code == 2 and f"--set {override}: {key}:" in err and "needs a number" in err, err
     assert cli("check", tiny_scenario(), "--set", "train.deterministic=yes")[0] == 0  # a flag
+
+
+def test_a_set_that_breaks_a_section_is_named_not_the_files_line(tiny_scenario):
+    """A --set inside a section the file has (a section's own check, or a value a --set
+    turned into a section) was blamed on the file's line, with pydantic's raw words."""
+    scenario = tiny_scenario()
+    code, _, err = cli(
+        "check", scenario, "--set", "scheduler.partition.background_nice=25",
+        "--set", "scheduler.policy=partition",
+    )  # fmt: skip
+    assert code == 2, err
+    assert "--set scheduler.partition.background_nice=25: scheduler:" in err, err
+    assert "Value error" not in err and "{'policy'" not in err, err
+    code, _, err = cli("check", scenario, "--set", "train.steps.x=1")
+    assert code == 2 and "--set train.steps.x=1: train.steps:" in err, err

@@ -182,6 +182,8 @@ def _problem_from(
         message = "required key is missing"
     elif error["type"] == "number_not_bool":  # raised for its section: name the key
         loc, message = [*loc, ctx["name"]], error["msg"]
+    elif error["type"] == "value_error":  # a section's own check: its words, not its input
+        message = str(error["msg"]).removeprefix("Value error, ")
     else:
         message = f"{error['msg']}, got {error.get('input')!r}"
         if error["type"] == "literal_error" and "expected" in ctx:
@@ -192,10 +194,14 @@ def _problem_from(
             ]
     path = tuple(loc)
     source, line = default_source, None
-    # A key only a --set wrote (the parents it created too): that --set names it.
-    below = [text for keys, text in sources.items() if keys[: len(path)] == path]
-    if below and path not in lines:
-        return Problem(below[0], None, ".".join(str(p) for p in path), message, allowed)
+    # A key a --set wrote, or a section one wrote into (a section's own check, a value
+    # a --set turned into a section): that --set names it (the latest one, or the
+    # latest whose key the message names).
+    below = [(keys, text) for keys, text in sources.items() if keys[: len(path)] == path]
+    if below:
+        named = [text for keys, text in below if str(keys[-1]) in message]
+        source = (named or [text for _, text in below])[-1]
+        return Problem(source, None, ".".join(str(p) for p in path), message, allowed)
     # A --set that wrote the key or a section above it replaced what the file had there.
     written = next((path[:end] for end in range(len(path), 0, -1) if path[:end] in sources), None)
     if written is not None:
