@@ -231,6 +231,11 @@ def test_pipeline_is_refused_on_tensorflow_before_start(tmp_path):
     torch_knob = scenario_file(tmp_path, BERT, optimizations={"ddp_overlap": {"comm_hook": "fp16"}})
     result = cli_here("check", torch_knob)
     assert result.returncode == 2 and "comm_hook is a knob of torch only" in result.stderr
+    for backend in ("gloo", "nccl"):  # gloo was accepted, and ignored
+        result = cli_here(
+            "check", scenario_file(tmp_path, BERT), "--set", f"world.backend={backend}"
+        )
+        assert result.returncode == 2 and "leave it auto" in result.stderr, result.stderr
 
 
 def test_list_says_which_optimization_runs_on_which_framework():

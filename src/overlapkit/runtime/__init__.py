@@ -32,6 +32,9 @@ _EXPORTS = {
     "SchedulerConfig": ".scheduler",
     "resolve_order": ".scheduler",
     "Session": ".session",
+    "LoopWarning": ".script",
+    "Start": ".script",
+    "DDPView": ".gradsync",
     "DataParallel": ".state",
     "Shard": ".state",
     "State": ".state",
@@ -42,11 +45,13 @@ __all__ = [
     "PHASES",
     "ArbitrationPolicy",
     "CombinationError",
+    "DDPView",
     "DataParallel",
     "Demand",
     "Event",
     "Knob",
     "KnobError",
+    "LoopWarning",
     "Optimization",
     "PartitionPolicy",
     "PhaseClock",
@@ -58,6 +63,7 @@ __all__ = [
     "SchedulerConfig",
     "Session",
     "Shard",
+    "Start",
     "State",
     "WrapStage",
     "register_optimization",
@@ -70,6 +76,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 if TYPE_CHECKING:
     from .arbitration import ArbitrationPolicy, PriorityPolicy
     from .events import Event
+    from .gradsync import DDPView
     from .metrics import PHASES, PhaseClock
     from .optimization import (
         COMM_WAIT,
@@ -86,5 +93,6 @@ if TYPE_CHECKING:
     from .partition import PartitionPolicy
     from .policies import POLICIES
     from .scheduler import Scheduler, SchedulerConfig, resolve_order
+    from .script import LoopWarning, Start
     from .session import Session
     from .state import DataParallel, Shard, State

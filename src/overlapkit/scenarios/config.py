@@ -151,11 +151,12 @@ class Scenario(Config):
                 "train.accumulate > 1 is not available with framework: tensorflow (its "
                 "compiled step applies every batch); raise train.batch_size instead",
             )
-        if self.world.backend == "nccl":
+        if self.world.backend != "auto":  # gloo too: it would be ignored, not used
             raise located(
                 "world.backend",
                 "world.backend is torch's process-group back end; with framework: tensorflow "
-                "the collective implementation is optimizations.ddp_overlap.implementation",
+                "leave it auto: the collective implementation is "
+                "optimizations.ddp_overlap.implementation",
             )
 
     def build_loaders(
