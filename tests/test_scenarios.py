@@ -240,3 +240,19 @@ def test_check_of_a_scenario_without_optimizations_shows_what_tune_will_search(t
     assert "nothing to search" not in text
     assert "space: chosen" in text and "space: prefetch.intensity" in text
     assert "left out ddp_overlap" in text and "does nothing with one rank" in text
+
+
+def test_check_shows_every_auto_as_auto_not_the_interval_it_replaces(tiny_scenario):
+    from rich.console import Console
+
+    from overlapkit.cli import _describe_scenario
+
+    path = tiny_scenario(TINY_SCENARIO + "optimizations: {checkpoint: {every: auto}}\n")
+    console = Console(width=120, record=True)
+    console.print(_describe_scenario(load_scenario(path)))
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in console.export_text().splitlines()
+        if line.count("│") == 3
+    }
+    assert rows["every"] == "auto  (set)" and rows["auto"] == "yes"

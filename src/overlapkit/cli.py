@@ -1,4 +1,4 @@
-"""overlapkit run | tune | report | check | list.
+"""overlapkit run | tune | report | compare | check | list | cluster.
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (scenario, data, usage).
 """
@@ -169,14 +169,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     report.add_argument("--json", action="store_true", help="print report.json to stdout")
     for figure, meaning in (
-        ("--mtbf-hours", "mean time between failures"),
-        ("--restart-s", "seconds to restart after a failure"),
-        ("--job-hours", "the job's length"),
+        ("--mtbf-hours", "the mean time between failures, in hours"),
+        ("--restart-s", "the time a restart after a failure takes, in seconds"),
+        ("--job-hours", "the job's length, in hours"),
     ):
         report.add_argument(
             figure,
             type=_at_least(0.0, float) if figure == "--restart-s" else _above_zero,
-            help=f"goodput at another {meaning} (default: the study's)",
+            help=f"price goodput with {meaning} (default: the study's)",
         )
 
     compare = commands.add_parser(
@@ -194,7 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     _scenario_arguments(check)
 
     listing = commands.add_parser("list", help="optimizations, their knobs and intensity mapping")
-    listing.add_argument("--json", action="store_true")
+    listing.add_argument(
+        "--json", action="store_true", help="print what `list` shows as JSON (optimizations, models, data, policies)"
+    )
 
     cluster = commands.add_parser("cluster", help="Ray cluster configs (cluster/)")
     cluster_commands = cluster.add_subparsers(dest="cluster_command", required=True)

@@ -36,6 +36,8 @@ def describe(scenario: Scenario) -> list[tuple[str, list[tuple[str, str]]]]:
         rows = []
         for knob, value in settings_on(optimization, scenario.framework).items():
             set_here = knob in optimization.explicit
+            if set_here and isinstance(optimization.explicit[knob], str):
+                value = optimization.explicit[knob]  # a word the knob stands for (every: auto)
             rows.append((knob, _text(value) + ("  (set)" if set_here else "")))
         sections.append((f"optimizations.{optimization.name}", rows))
     if not scenario.optimizations:
