@@ -193,3 +193,22 @@ def test_the_local_config_drives_rays_autoscaler_on_this_machine(tmp_path):
         # SIGKILL needs no grace; Ray waits for each group of processes (zombies too).
         stop = [ray, "stop", "--force", "--grace-period", "1"]
         subprocess.run(stop, env=env, capture_output=True, timeout=60)
+
+
+def test_a_config_that_is_not_one_is_said_in_a_line(tmp_path, capsys):
+    """A missing file, a folder, broken YAML and a config without its required keys:
+    one line each (they were a bare "'provider'", a parser dump, "[Errno 2] ...")."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("cluster_name: x\nprovider: {type: gcp\n")
+    nameless = tmp_path / "nameless.yaml"
+    nameless.write_text("max_workers: 2\n")
+    for path, said in (
+        (tmp_path / "nosuch.yaml", "No such file or directory"),
+        (tmp_path, "a folder, not a file"),
+        (broken, "not valid YAML"),
+        (nameless, "required keys missing: cluster_name, provider"),
+    ):
+        assert main(["cluster", "check", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Errno" not in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) <= 3, err

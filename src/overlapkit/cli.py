@@ -195,7 +195,9 @@ def _parser() -> argparse.ArgumentParser:
 
     listing = commands.add_parser("list", help="optimizations, their knobs and intensity mapping")
     listing.add_argument(
-        "--json", action="store_true", help="print what `list` shows as JSON (optimizations, models, data, policies)"
+        "--json",
+        action="store_true",
+        help="print what `list` shows as JSON (optimizations, models, data, policies)",
     )
 
     cluster = commands.add_parser("cluster", help="Ray cluster configs (cluster/)")

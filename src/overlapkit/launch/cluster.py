@@ -55,10 +55,23 @@ def check_cluster_file(path: Path, ray_version: str | None = None) -> dict[str, 
     """The config of ``path`` as Ray prepares it; raises `ClusterConfigError`."""
     try:
         config = yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-        raise ClusterConfigError(path, [Problem("(file)", str(error))]) from None
+    except OSError as error:  # the OS's words, without its "[Errno N]"
+        said = "a folder, not a file" if Path(path).is_dir() else error.strerror or str(error)
+        raise ClusterConfigError(path, [Problem("(file)", said)]) from None
+    except UnicodeDecodeError as error:
+        said = f"not UTF-8 text (byte {error.start}): save it as UTF-8"
+        raise ClusterConfigError(path, [Problem("(file)", said)]) from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else "(file)"
+        said = f"not valid YAML: {getattr(error, 'problem', None) or error}"
+        raise ClusterConfigError(path, [Problem(where, said)]) from None
     if not isinstance(config, dict):
         raise ClusterConfigError(path, [Problem("(file)", "not a YAML mapping")])
+    missing = [key for key in ("cluster_name", "provider") if key not in config]
+    if missing:  # Ray's own check names only the key, as a bare KeyError
+        said = f"required key{'s' if len(missing) > 1 else ''} missing: {', '.join(missing)}"
+        raise ClusterConfigError(path, [Problem("(top level)", said)])
     prepared, problems = ray_prepared(config)
     problems += overlapkit_problems(prepared, ray_version or _installed_ray())
     if problems:
