@@ -36,8 +36,9 @@ def describe(scenario: Scenario) -> list[tuple[str, list[tuple[str, str]]]]:
         rows = []
         for knob, value in settings_on(optimization, scenario.framework).items():
             set_here = knob in optimization.explicit
-            if set_here and isinstance(optimization.explicit[knob], str):
-                value = optimization.explicit[knob]  # a word the knob stands for (every: auto)
+            given = optimization.explicit.get(knob)
+            if isinstance(given, str) and not isinstance(value, str) and not _number(given):
+                value = given  # a word the knob stands for (every: auto), not its number
             rows.append((knob, _text(value) + ("  (set)" if set_here else "")))
         sections.append((f"optimizations.{optimization.name}", rows))
     if not scenario.optimizations:
@@ -98,6 +99,14 @@ def _tune(scenario: Scenario) -> list[tuple[str, str]]:
         rows.append((f"space: {dimension.name}", ", ".join(map(_text, dimension.values()))))
     rows.append(("space: grid size", str(space.grid_size())))
     return rows
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _flat(data: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:

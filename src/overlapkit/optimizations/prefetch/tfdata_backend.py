@@ -46,10 +46,13 @@ def load_overlapped(
     workers: int,
     depth: int,
     autotune: bool,
+    device: str | None = None,
+    device_depth: int = 0,
 ) -> Any:
     """``dataset`` mapped by ``load`` as the prefetch knobs say: ``workers`` calls at
-    once (0: on the pipeline's own thread), ``depth`` batches ahead (0: none); or
-    tf.data's ``autotune``.
+    once (0: on the pipeline's own thread), ``depth`` batches ahead (0: none), and on
+    ``device`` ``device_depth`` batches already there (TensorFlow's own training loop;
+    the torch back end below keeps TensorFlow on the host); or tf.data's ``autotune``.
     Without autotune tf.data's own rewrites (injected prefetch, map parallelism) stay
     off, so the knobs mean what they say and depth 0 loads nothing ahead."""
     if autotune:
@@ -60,6 +63,10 @@ def load_overlapped(
         dataset = dataset.map(load)
     if autotune or depth:
         dataset = dataset.prefetch(tf.data.AUTOTUNE if autotune else depth)
+    if device is not None and device_depth:
+        dataset = dataset.apply(
+            tf.data.experimental.prefetch_to_device(device, buffer_size=device_depth)
+        )
     options = tf.data.Options()
     options.deterministic = True
     options.autotune.enabled = autotune
