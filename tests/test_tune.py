@@ -225,6 +225,25 @@ def test_the_space_comes_from_the_knob_declarations():
     assert [d.name for d in default.dimensions] == ["checkpoint.intensity", "prefetch.intensity"]
 
 
+def test_declared_choices_the_setup_refuses_are_not_searched():
+    """A bf16 comm_hook needs nccl: on gloo its trials could only be refused (exit 2),
+    so the searched choices leave it out, with a note; on nccl it stays. Choices the
+    user listed, and other knobs, are left as given."""
+    from overlapkit.tuning.space import runnable_search
+
+    search = {"ddp_overlap": ["intensity", "comm_hook"], "checkpoint": {"every": [1, 5]}}
+    on_gloo, notes = runnable_search(search, {}, (2, "cpu", "gloo"))
+    assert on_gloo["ddp_overlap"] == {"intensity": None, "comm_hook": ["none", "fp16", "powersgd"]}
+    assert on_gloo["checkpoint"] == {"every": [1, 5]}
+    assert len(notes) == 1 and "left out bf16" in notes[0] and "nccl" in notes[0]
+    space = build_space({}, TuneConfig(search=on_gloo))
+    assert "bf16" not in space.dimensions[1].values()
+    on_nccl, notes = runnable_search(search, {}, (2, "cuda", "nccl"))
+    assert on_nccl["ddp_overlap"]["comm_hook"] is None and notes == []  # every declared one
+    listed = {"ddp_overlap": {"comm_hook": ["bf16", "fp16"]}}  # the user's own list: kept
+    assert runnable_search(listed, {}, (2, "cpu", "gloo"))[0] == listed
+
+
 def test_the_space_on_tensorflow_holds_only_what_runs_there():
     """On TensorFlow priority runs as free, so the policy is not searched; a torch-only
     knob or an optimization TensorFlow lacks is refused with the reason."""

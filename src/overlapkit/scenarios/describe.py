@@ -9,7 +9,7 @@ from typing import Any
 
 from ..runtime.optimization import settings_on
 from ..runtime.policies import POLICIES
-from ..tuning.space import SpaceError, build_space
+from ..tuning.space import SpaceError, build_space, runnable_search
 from .config import Scenario
 
 AT_START = "decided at start"
@@ -85,13 +85,20 @@ def _tune(scenario: Scenario) -> list[tuple[str, str]]:
     if scenario.tune.search is None:
         rows.insert(0, ("search", "each optimization above by its intensity"))
     optimizations = scenario.optimizations
+    search, narrowed = runnable_search(
+        scenario.tune.search,
+        optimizations,
+        (scenario.world.ranks, scenario.device_type, scenario.backend),
+    )
+    tune = scenario.tune.model_copy(update={"search": search})
     if not optimizations:  # as `tune` does: every built-in one that applies
         chosen, left_out = scenario.applicable_optimizations()
         optimizations = {name: None for name in chosen}
         rows.append(("space: chosen", ", ".join(chosen) or "none applies"))
         rows += [(f"space: left out {name}", why) for name, why in left_out.items()]
+    rows += [("space: narrowed", note) for note in narrowed]
     try:
-        space = build_space(optimizations, scenario.tune, scenario.framework)
+        space = build_space(optimizations, tune, scenario.framework)
     except SpaceError as error:
         rows.append(("space", str(error)))
         return rows

@@ -19,7 +19,7 @@ from .config import TuneConfig
 from .gpus import split_gpus, visible_gpus
 from .report import print_report, report_document, write_report
 from .runner import tune
-from .space import build_space
+from .space import build_space, runnable_search
 from .study import TUNE_FILE, TuneJob, default_storage, open_storage
 
 
@@ -50,6 +50,13 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
         scenario.log.tensorboard = str(Path(scenario.log.tensorboard).resolve())
     base = yaml.safe_load(dump_scenario(scenario))
     settings = scenario.tune.model_dump()
+    settings["search"], left_out = runnable_search(
+        scenario.tune.search,
+        scenario.optimizations,
+        (scenario.world.ranks, scenario.device_type, scenario.backend),
+    )
+    for note in left_out:
+        Console(stderr=True).print(f"tune: {note}", highlight=False, soft_wrap=True)
     if args.trials is not None:
         settings["trials"] = args.trials
     if args.storage:

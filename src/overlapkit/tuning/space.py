@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..optimizations import get_optimization
-from ..runtime import POLICIES, KnobError
+from ..runtime import POLICIES, CombinationError, KnobError
 from .config import TuneConfig
 
 SWEEP_POINTS = 5  # values of a wide numeric knob that a grid or a curve visits
@@ -186,6 +186,48 @@ def build_space(
         )
         raise SpaceError("tune.search", f"nothing to search: {said}")
     return SearchSpace(tuple(dims))
+
+
+def runnable_search(
+    search: dict[str, Any] | None, optimizations: dict[str, Any], setup: tuple[int, str, str]
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """``tune.search`` with each knob searched over its declared choices narrowed to
+    those the set-up (ranks, device type, back end) runs, e.g. no bf16 comm_hook on
+    gloo: a trial of another would only be refused. The tuner records the narrowed
+    lists, so the study's report rebuilds the same space on any machine. Returns the
+    search and a note per knob narrowed."""
+    if search is None:
+        return None, []
+    narrowed: dict[str, Any] = {}
+    notes = []
+    for name, knobs in search.items():
+        narrowed[name] = knobs
+        if name == SCHEDULER or not isinstance(knobs, (dict, list)):
+            continue
+        try:
+            cls = get_optimization(name)
+        except KnobError:
+            continue  # build_space names the mistake
+        knobs = {k: None for k in knobs} if isinstance(knobs, list) else dict(knobs)
+        own = {k: v for k, v in (optimizations.get(name) or {}).items() if k != "intensity"}
+        for knob in cls.knobs:
+            if knob.choices is None or knob.name not in knobs or knobs[knob.name] is not None:
+                continue
+            runs, refused = [], {}
+            for choice in knob.choices:
+                try:
+                    cls(1.0, **{**own, knob.name: choice}).check(*setup)
+                    runs.append(choice)
+                except (CombinationError, KnobError) as error:
+                    refused[choice] = str(error)
+            if runs and refused:
+                knobs[knob.name] = runs
+                notes.append(
+                    f"{name}.{knob.name} searches {', '.join(map(str, runs))}; left out "
+                    + "; ".join(f"{choice} ({why})" for choice, why in refused.items())
+                )
+        narrowed[name] = knobs
+    return narrowed, notes
 
 
 def _without_idle_knobs(cls: type, entry: dict[str, Any]) -> dict[str, Any]:
