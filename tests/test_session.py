@@ -209,3 +209,27 @@ def test_a_ported_ddp_script_keeps_module_and_no_sync():
         assert rank["port"]["model"] == "DDPView"
         assert torch.allclose(rank["port"]["params"], rank["ddp"]["params"], atol=1e-6)
         assert rank["port"]["calls"] == 4  # the micro-batches under no_sync() waited
+
+
+def test_backwards_that_miss_the_hooked_output_are_still_synced():
+    """The flat all-reduce (the session's, and ddp_overlap's no_overlap baseline) runs
+    when any backward that changed the gradients ends: a loss on a model's second
+    output, or a second backward through a part of the model, left ranks apart when
+    the sync hung on the output the session hooked (clipping saw each rank's own). A
+    DDP script under no_overlap gets the DDP-like model too."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    from rank_programs import backwards_the_session_cannot_see
+
+    from overlapkit.launch.local import launch_local
+
+    ranks = launch_local(backwards_the_session_cannot_see, 2, 4)
+    for way, result in ranks[0].items():
+        if way == "no_overlap/ddp_script":
+            assert result == ("DDPView", "Sequential")
+            continue
+        params, norms = result
+        assert norms == ranks[1][way][1], way  # clipping saw the averaged gradients
+        assert torch.equal(params, ranks[1][way][0]), way  # and the replicas agree

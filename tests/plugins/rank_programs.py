@@ -188,6 +188,61 @@ def ddp_script_accumulating(steps: int = 4) -> dict[str, dict[str, Any]]:
         torch.distributed.destroy_process_group()
 
 
+class TwoHeads(nn.Module):
+    """Returns two outputs; the tests' loss uses only the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.body(x)
+        return features * 0, self.head(features)
+
+
+def backwards_the_session_cannot_see(steps: int = 4) -> dict[str, Any]:
+    """In one 2-rank group, backward passes that never reach the output the session
+    hooks: a loss on a model's second output only, and a second backward through a
+    part of the model. Each way syncs with the flat all-reduce (the session's own,
+    and ddp_overlap's no_overlap baseline), clipping the gradients before each step;
+    returns each one's final parameters and the norms clipping saw, and the DDP
+    script's type checks."""
+    world = init_world("cpu", "gloo")
+    results: dict[str, Any] = {}
+    try:
+        for sync in ("session", "no_overlap"):
+            for pattern in ("second_output", "part_of_the_model"):
+                seed_everything(0)
+                model: Any = TwoHeads()
+                chosen = [get_optimization("ddp_overlap")(0.0)] if sync == "no_overlap" else []
+                session = Session(chosen, device="cpu")
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+                model, optimizer, _ = session.prepare(model, optimizer)
+                torch.manual_seed(world.rank)  # each rank its own data
+                norms = []
+                for inputs in session.steps(steps, [torch.randn(8, *SHAPE)] * steps):
+                    optimizer.zero_grad()
+                    _, out = model(inputs)
+                    out.square().mean().backward()
+                    if pattern == "part_of_the_model":
+                        model.head(torch.randn(8, 4)).square().mean().backward()
+                    norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+                    optimizer.step()
+                session.finish()
+                params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                results[f"{sync}/{pattern}"] = params, norms
+        seed_everything(0)
+        chosen = [get_optimization("ddp_overlap")(0.0)]
+        session = Session(chosen, device="cpu")
+        model, _, _ = session.prepare(nn.parallel.DistributedDataParallel(mlp()))
+        results["no_overlap/ddp_script"] = type(model).__name__, type(model.module).__name__
+        session.finish()
+        return results
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def ddp_configs(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """In one 2-rank process group, train once per config (kwargs of `train_mlp`)."""
     world = init_world("cpu", "gloo")

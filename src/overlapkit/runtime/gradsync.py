@@ -7,7 +7,7 @@ baseline that ``ddp_overlap`` is measured against.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,10 +31,19 @@ class FlatAllReduce:
     after the all-reduce, provided they are zeroed in place rather than set to
     None (``State.zero_grad_in_place``): otherwise the first call after each
     ``zero_grad(set_to_none=True)`` copies them back in.
+
+    As DDP's reducer does, a hook on each parameter's gradient accumulation notes
+    that gradients changed (`dirty`) and has ``on_backward_end`` called once the
+    backward pass that changed them ends, whatever the model's outputs, the loss or
+    the caller (a script's own ``loss.backward()``, a backward of part of the model).
     """
 
     def __init__(
-        self, model: nn.Module, world_size: int, group: dist.ProcessGroup | None = None
+        self,
+        model: nn.Module,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+        on_backward_end: Callable[[], None] | None = None,
     ) -> None:
         self.group = group
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -55,6 +64,29 @@ class FlatAllReduce:
         with torch.no_grad():
             for param, view in zip(self.params, self._views, strict=False):
                 param.grad = view  # gradients accumulate straight into the flat buffer
+        self.dirty = False  # gradients accumulated since the last all-reduce
+        self._on_backward_end = on_backward_end
+        self._queued_in: int | None = None  # the backward pass whose end is awaited
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self.dirty = True
+        if self._on_backward_end is None:
+            return
+        task = torch._C._current_graph_task_id()  # a new id each pass (one that raised too)
+        if task != self._queued_in:
+            self._queued_in = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._queued_in = None
+        if self._on_backward_end is not None:
+            self._on_backward_end()
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -70,6 +102,7 @@ class FlatAllReduce:
             view.copy_(buffer)
         dist.all_reduce(self.flat, group=self.group)
         self.calls += 1
+        self.dirty = False
         self.flat /= self.world_size
         for buffer, view in zip(self.buffers, buffer_views, strict=True):
             buffer.copy_(view)
@@ -78,8 +111,9 @@ class FlatAllReduce:
 class DDPView(nn.Module):
     """What a script that wrapped its model in DistributedDataParallel keeps using
     after `Session.prepare` unwrapped it for the flat all-reduce: ``.module``,
-    ``no_sync()`` and ``require_backward_grad_sync`` (a backward under them is not
-    synced when it ends, only at the optimizer step or with a later backward). Its
+    ``no_sync()`` and ``require_backward_grad_sync`` (read at the forward, as DDP
+    does: that forward's backward is not synced when it ends, only with a later
+    one or, for what is left, at the optimizer step). Its
     state dict is the module's, unprefixed: a script that unwraps DDP models by type
     (``isinstance``) saves and loads the same keys as one that reads ``.module``."""
 
@@ -87,14 +121,19 @@ class DDPView(nn.Module):
         super().__init__()
         self.module = module
         self.require_backward_grad_sync = True
+        self.sync_on_backward = True  # as DDP, the flag as the last forward found it
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.sync_on_backward = self.require_backward_grad_sync
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        keys = list(state_dict)
+        if keys and all(k.startswith("module.") for k in keys):  # saved from a real DDP
+            state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
         return self.module.load_state_dict(state_dict, strict, assign)
 
     @contextmanager

@@ -90,7 +90,7 @@ class PlainCalls:
         self.session = session
         self.in_session_call = False  # Session.forward/backward/optimizer_step running
         self.steps_outside = 0  # optimizer steps taken outside any session step
-        self._end_queued = False  # the end-of-backward callback of this pass
+        self._end_queued_in: int | None = None  # the pass whose end callback is queued
         self._handles: list[Any] = []
 
     def install(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -106,9 +106,12 @@ class PlainCalls:
         self._handles.clear()
 
     def _plain(self, module: nn.Module | None = None) -> bool:
-        """A script's own call, inside a training step."""
+        """A script's own call, inside a training step (a forward that activation
+        checkpointing recomputes during backward is not one)."""
         session = self.session
         if self.in_session_call or not session.in_step or session.paused_now:
+            return False
+        if session.state.clock.current == "backward":
             return False
         return module is None or (module.training and torch.is_grad_enabled())
 
@@ -117,7 +120,6 @@ class PlainCalls:
         if not self._plain(module):
             return
         self.session.check_plain_forward()
-        self._end_queued = False  # a new graph (a backward that raised never ended)
         state = self.session.state
         self.session.scheduler.fire(Event.BEFORE_FORWARD, state)
         state.clock.switch("forward")
@@ -137,17 +139,19 @@ class PlainCalls:
         if session.in_step and not self.in_session_call:
             session.scheduler.fire(Event.BEFORE_BACKWARD, session.state)
             session.state.clock.switch("backward")
-            session.backward_started()
-            if not self._end_queued:  # once per backward pass, whatever the outputs
-                self._end_queued = True
-                # Runs on the thread that called backward, once the pass is done (as
-                # DistributedDataParallel's own end-of-backward work does).
+            task = torch._C._current_graph_task_id()  # once per pass, whatever the outputs
+            if task != self._end_queued_in:
+                self._end_queued_in = task
+                # Runs once the pass is done, before backward() returns (on a GPU on the
+                # autograd thread that finishes it, as DDP's end-of-backward work does):
+                # the handlers of AFTER_BACKWARD keep no per-thread state.
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
 
     def _backward_ends(self) -> None:
         """The script's ``loss.backward()`` is done: its gradients are averaged
-        across ranks before it returns, so clipping them sees them synced."""
-        self._end_queued = False
+        across ranks before it returns, so clipping them sees them synced (the flat
+        all-reduce's own hooks also sync when the output was not reached)."""
+        self._end_queued_in = None
         session = self.session
         if session.state.clock.current == "backward":
             session.state.clock.switch("other")

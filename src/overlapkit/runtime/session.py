@@ -130,8 +130,6 @@ class Session(EpochLoop, SavedState):
         self._stateful: dict[str, Any] = {}
         self._raw_model: nn.Module | None = None
         self._grad_sync: FlatAllReduce | None = None
-        self._ddp_view: DDPView | None = None  # the model returned for the script's DDP
-        self._grads_synced = False  # since this step's last backward
         self._epoch = 0
         self._started = False
         self._start: Start | None = None
@@ -176,13 +174,15 @@ class Session(EpochLoop, SavedState):
         dp = state.dp
         if dp.size > 1 and not self.scheduler.provides("grad_sync"):
             broadcast_model(state.local_model, dp.src, dp.group)
-            self._grad_sync = FlatAllReduce(state.local_model, dp.size, dp.group)
+            self._grad_sync = FlatAllReduce(
+                state.local_model, dp.size, dp.group, on_backward_end=self.backward_ended
+            )
             state.zero_grad_in_place = True
         self._plain_calls.install(state.model, state.optimizer)
         loader = StepLoader(self, state.loader) if state.loader is not None else None
-        if came_in_ddp and self._grad_sync is not None:
-            self._ddp_view = DDPView(state.model)  # `.module`, `no_sync()` keep working
-            return self._ddp_view, state.optimizer, loader
+        if came_in_ddp and not isinstance(state.model, DistributedDataParallel):
+            state.script_ddp = DDPView(state.model)  # `.module`, `no_sync()` keep working
+            return state.script_ddp, state.optimizer, loader
         return state.model, state.optimizer, loader
 
     @property
@@ -288,7 +288,6 @@ class Session(EpochLoop, SavedState):
         self._in_step = True
         self._step_samples = 0
         self._micro_losses.clear()
-        self._grads_synced = False
         self.scheduler.fire(Event.STEP_START, self.state)
 
     @contextmanager
@@ -336,7 +335,6 @@ class Session(EpochLoop, SavedState):
         state.loss = loss
         if loss is not None:
             self._micro_losses.append(loss.detach())
-        self.backward_started()
         for event in (Event.AFTER_FORWARD, Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD):
             self.scheduler.fire(event, state)
         self.backward_ended()
@@ -346,7 +344,6 @@ class Session(EpochLoop, SavedState):
         state = self.state
         state.loss = loss
         self._micro_losses.append(loss.detach())
-        self.backward_started()
         self.scheduler.fire(Event.BEFORE_BACKWARD, state)
         clock = state.clock
         clock.switch("backward")
@@ -356,28 +353,25 @@ class Session(EpochLoop, SavedState):
         self.scheduler.fire(Event.AFTER_BACKWARD, self.state)
         self.backward_ended()
 
-    def backward_started(self) -> None:
-        self._grads_synced = False
-
     def backward_ended(self) -> None:
         """Average the gradients now (the flat all-reduce, when no optimization syncs
         them), as DDP does when backward ends: the script's own use of them before the
         optimizer step (clipping, a grad scaler's inf check, their norm) sees the
-        averaged values. Not on a micro-batch before a step's last, nor under the
-        script's ``model.no_sync()``: the optimizer step syncs what is left."""
-        view = self._ddp_view
-        if self.state.is_sync_step and (view is None or view.require_backward_grad_sync):
+        averaged values. Called when any backward pass that changed them ends (the
+        flat all-reduce's hooks) and after the session's own backward. Not on a
+        micro-batch before a step's last, nor under the script's ``model.no_sync()``:
+        the optimizer step syncs what is left."""
+        if self.state.sync_wanted:
             self.sync_gradients()
 
     def sync_gradients(self) -> None:
-        """Average the gradients across ranks now with the flat all-reduce, when no
-        optimization syncs them (else nothing)."""
-        if self._grad_sync is None:
+        """Average the gradients across ranks now with the flat all-reduce, if they
+        changed since it last ran and no optimization syncs them (else nothing)."""
+        if self._grad_sync is None or not self._grad_sync.dirty:
             return
         state = self.state
         with state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
             self._grad_sync()
-        self._grads_synced = True
 
     def optimizer_step(self) -> None:
         """Sync gradients if nothing else does, step optimizer and LR schedule, zero
@@ -397,8 +391,7 @@ class Session(EpochLoop, SavedState):
         """Sync gradients if the end of backward did not (a backward the session did
         not see); BEFORE_OPTIMIZER_STEP."""
         state = self.state
-        if not self._grads_synced:
-            self.sync_gradients()
+        self.sync_gradients()
         self.scheduler.fire(Event.BEFORE_OPTIMIZER_STEP, state)
         state.clock.switch("optimizer")
 
@@ -408,7 +401,6 @@ class Session(EpochLoop, SavedState):
         if state.lr_scheduler is not None:
             state.lr_scheduler.step()
         state.clock.switch("other")
-        self._grads_synced = False
         self.scheduler.fire(Event.AFTER_OPTIMIZER_STEP, state)
 
     def end_step(
@@ -573,6 +565,8 @@ class Session(EpochLoop, SavedState):
         if self._print_summary:
             print_summary(summary)
         self._plain_calls.remove()
+        if self._grad_sync is not None:
+            self._grad_sync.remove_hooks()
         if self._owns_world:
             close_world(self.world)
         return summary

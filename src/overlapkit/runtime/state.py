@@ -65,6 +65,7 @@ class State:
     loss: Any = None
     run_dir: Path | None = None
     zero_grad_in_place: bool = False  # gradients are views of a flat buffer: keep them
+    script_ddp: Any = None  # the `DDPView` a script that wrapped its model in DDP trains
     shard: Shard | None = None  # None: one shard for all ranks, written by rank 0
     data_parallel: DataParallel | None = None  # None: every rank (see `dp`)
     local_model: Any = None  # this rank's part of the model, before data-parallel wrapping
@@ -91,6 +92,13 @@ class State:
     @property
     def is_warmup(self) -> bool:
         return self.step < self.warmup_steps
+
+    @property
+    def sync_wanted(self) -> bool:
+        """Gradients are to be synced when this backward ends: the last micro-batch of
+        a step, and not under the script's own ``model.no_sync()``."""
+        view = self.script_ddp
+        return self.is_sync_step and (view is None or view.sync_on_backward)
 
     @property
     def is_sync_step(self) -> bool:

@@ -191,7 +191,9 @@ class DDPOverlap(Optimization):
         dp = state.dp
         if not self.overlapping:
             broadcast_model(model, dp.src, dp.group)
-            self._flat = FlatAllReduce(model, dp.size, dp.group)
+            self._flat = FlatAllReduce(
+                model, dp.size, dp.group, on_backward_end=lambda: self._flat_sync(state, True)
+            )
             state.zero_grad_in_place = True
             return model
         if state.data_parallel is not None and not self.settings["find_unused_parameters"]:
@@ -279,15 +281,28 @@ class DDPOverlap(Optimization):
         if not state.is_sync_step:
             return
         if self._flat is not None:
-            self._flat_sync(state, self._flat)
+            self._flat_sync(state, backward_ended=True)
         elif self._timer is not None:
             self._syncs += 1
             if self._timer.calls:
                 self._measure(state, SyncTiming(self._timer.calls, self._marks))
 
-    def _flat_sync(self, state: State, flat: FlatAllReduce) -> None:
-        """The baseline: one flat all-reduce when backward ends (so a script clipping
-        the gradients before its optimizer step sees them averaged, as with DDP)."""
+    def on_before_optimizer_step(self, state: State) -> None:
+        if self._flat is not None:
+            self._flat_sync(state, backward_ended=False)  # what no backward's end synced
+
+    def on_fit_end(self, state: State) -> None:
+        if self._flat is not None:  # the model outlives the run: no all-reduce after it
+            self._flat.remove_hooks()
+
+    def _flat_sync(self, state: State, backward_ended: bool) -> None:
+        """The baseline: one flat all-reduce when backward ends (whichever backward: the
+        all-reduce's own hooks call this when any pass that changed the gradients ends),
+        so a script clipping them before its optimizer step sees them averaged, as with
+        DDP; at the optimizer step, whatever changed since (a script's ``no_sync()``)."""
+        flat = self._flat
+        if flat is None or not flat.dirty or (backward_ended and not state.sync_wanted):
+            return
         self._syncs += 1
         call = BucketCall(0, flat.bytes_per_call, self._marks.mark())
         with (
