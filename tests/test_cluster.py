@@ -206,7 +206,7 @@ def test_a_config_that_is_not_one_is_said_in_a_line(tmp_path, capsys):
         (tmp_path / "nosuch.yaml", "No such file or directory"),
         (tmp_path, "a folder, not a file"),
         (broken, "not valid YAML"),
-        (nameless, "required keys missing: cluster_name, provider"),
+        (nameless, "required key missing: provider"),  # cluster_name: Ray's default
     ):
         assert main(["cluster", "check", str(path)]) == 2
         err = capsys.readouterr().err

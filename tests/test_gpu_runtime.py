@@ -180,6 +180,9 @@ def test_a_build_without_the_gpus_kernels_is_refused_naming_gpu_capability_and_a
         ((12, 0), ("sm_90a", "sm_100", "sm_120"), True),
         ((9, 0), ("sm_90a",), True),
         ((9, 1), ("sm_90a",), False),  # an arch-specific cubin runs on that capability only
+        ((12, 0), ("compute_90a",), False),  # arch-specific PTX too
+        ((10, 3), ("compute_100f",), True),  # family-specific PTX: its major, newer minors
+        ((12, 0), ("compute_100f",), False),
         ((7, 0), ("compute_75",), False),  # PTX for a newer GPU does not run on an older one
     ],
 )

@@ -81,6 +81,8 @@ def rank_main(
                 close_world(world)
                 return result
             finally:
+                if cfg.deterministic:  # the process may run more (benchmarks, the API)
+                    torch.use_deterministic_algorithms(False)
                 if world.world_size > 1 and dist.is_initialized() and not world.adopted:
                     dist.destroy_process_group()  # after a failure: no barrier, a peer may be gone
                     gc.collect()  # free gloo's last work now, not in the interpreter's exit
@@ -101,6 +103,7 @@ def deterministic_algorithms(device: torch.device) -> str | None:
     if device.type != "cuda":
         torch.use_deterministic_algorithms(True)
         return None
+    # cuBLAS reads it when it first starts in the process (a rank's process is new).
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     return (

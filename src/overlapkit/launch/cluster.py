@@ -68,9 +68,8 @@ def check_cluster_file(path: Path, ray_version: str | None = None) -> dict[str, 
         raise ClusterConfigError(path, [Problem(where, said)]) from None
     if not isinstance(config, dict):
         raise ClusterConfigError(path, [Problem("(file)", "not a YAML mapping")])
-    missing = [key for key in ("cluster_name", "provider") if key not in config]
-    if missing:  # Ray's own check names only the key, as a bare KeyError
-        said = f"required key{'s' if len(missing) > 1 else ''} missing: {', '.join(missing)}"
+    if "provider" not in config:  # Ray's own check names only the key, as a bare KeyError
+        said = "required key missing: provider (where the machines come from: gcp, aws, ...)"
         raise ClusterConfigError(path, [Problem("(top level)", said)])
     prepared, problems = ray_prepared(config)
     problems += overlapkit_problems(prepared, ray_version or _installed_ray())

@@ -64,8 +64,9 @@ def check_precision(precision: str, capability: tuple[int, int], name: str = "th
 
 def build_has_kernels(capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool:
     """True when the build runs on a GPU of ``capability``: a cubin for the same major
-    version and a minor at or below it (an arch-specific one, ``sm_90a``: exactly
-    that capability), or PTX for an older or equal one (compiled at load time)."""
+    version and a minor at or below it, or PTX for an older or equal one (compiled
+    at load time); arch-specific ones (``sm_90a``, ``compute_90a``) run on exactly
+    that capability, family-specific ones (``compute_100f``) on that major only."""
     major, minor = capability
     for arch in arch_list:
         kind, _, number = arch.partition("_")
@@ -73,8 +74,10 @@ def build_has_kernels(capability: tuple[int, int], arch_list: tuple[str, ...]) -
         if not digits.isdigit():
             continue
         arch_major, arch_minor = int(digits[:-1]), int(digits[-1])
-        if kind == "sm" and number.endswith("a") and (arch_major, arch_minor) != capability:
-            continue
+        if number.endswith("a") and (arch_major, arch_minor) != capability:
+            continue  # arch-specific (cubin or PTX): that capability only
+        if number.endswith("f") and arch_major != major:
+            continue  # family-specific: that major version only
         if kind == "sm" and arch_major == major and arch_minor <= minor:
             return True
         if kind == "compute" and (arch_major, arch_minor) <= capability:

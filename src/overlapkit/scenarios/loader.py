@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -194,12 +195,12 @@ def _problem_from(
             ]
     path = tuple(loc)
     source, line = default_source, None
-    # A key a --set wrote, or a section one wrote into (a section's own check, a value
-    # a --set turned into a section): that --set names it (the latest one, or the
-    # latest whose key the message names).
+    # A key only --set wrote, or a section the file has that a --set wrote into and the
+    # message names that --set's key (a section's own check, a value a --set turned
+    # into a section): that --set names it, the latest such.
     below = [(keys, text) for keys, text in sources.items() if keys[: len(path)] == path]
-    if below:
-        named = [text for keys, text in below if str(keys[-1]) in message]
+    named = [text for keys, text in below if re.search(rf"\b{re.escape(str(keys[-1]))}\b", message)]
+    if named or (below and path not in lines):
         source = (named or [text for _, text in below])[-1]
         return Problem(source, None, ".".join(str(p) for p in path), message, allowed)
     # A --set that wrote the key or a section above it replaced what the file had there.
