@@ -140,6 +140,15 @@ def test_a_knob_left_idle_by_a_trials_setting_is_dropped_or_refused():
         search = {"checkpoint": {"auto": auto, "max_overhead": [0.01, 0.05]}}
         with pytest.raises(SpaceError, match="max_overhead means something only when auto"):
             build_space({"checkpoint": {"every": 5}}, TuneConfig(search=search))
+    # The README's [intensity, comm_hook]: at intensity 0 ddp_overlap is its no_overlap
+    # baseline, which has no hook: the trial drops the hook (it was refused, exit 2).
+    base = {"optimizations": {"ddp_overlap": None}}
+    search = {"ddp_overlap": ["intensity", "comm_hook"]}
+    space = build_space(base["optimizations"], TuneConfig(search=search, policy=False))
+    off = apply_params(base, space, {"ddp_overlap.intensity": 0.0, "ddp_overlap.comm_hook": "fp16"})
+    on = apply_params(base, space, {"ddp_overlap.intensity": 0.5, "ddp_overlap.comm_hook": "fp16"})
+    assert off["optimizations"]["ddp_overlap"] == {"intensity": 0.0}
+    assert on["optimizations"]["ddp_overlap"] == {"intensity": 0.5, "comm_hook": "fp16"}
 
 
 def test_a_study_measured_with_another_scenario_is_not_continued(tmp_path):

@@ -117,9 +117,22 @@ class Knob:
     log: bool = False
     intensity: tuple[Any, ...] | None = None
     at_zero: Any = None  # the value at intensity exactly 0, when that is a mode of its own
-    needs: str | None = None  # a bool knob that must be true for this one to mean anything
+    # What must hold for this knob to mean anything: a bool knob that must be true
+    # ("auto"), or a knob that must have one value ("mode=overlap").
+    needs: str | None = None
     help: str = ""
     frameworks: tuple[str, ...] | None = None  # where it means something (None: everywhere)
+
+    def means_something(self, settings: Mapping[str, Any]) -> bool:
+        """Whether ``settings`` give this knob a meaning (see ``needs``)."""
+        if self.needs is None:
+            return True
+        name, is_value, value = self.needs.partition("=")
+        return str(settings[name]) == value if is_value else bool(settings[name])
+
+    def needs_said(self) -> str:
+        name, is_value, value = (self.needs or "").partition("=")
+        return f"{name} is {value}" if is_value else f"{name} is on"
 
     def runs_on(self, framework: str) -> bool:
         return self.frameworks is None or framework in self.frameworks
@@ -259,11 +272,12 @@ class Optimization:
         settings = {k.name: k.at_intensity(intensity) for k in cls.knobs}
         settings.update({key: by_name[key].coerce(value) for key, value in explicit.items()})
         for knob in cls.knobs:
-            if knob.needs and knob.name in explicit and not settings[knob.needs]:
+            changed = settings[knob.name] != knob.default  # its default: harmless
+            if knob.name in explicit and changed and not knob.means_something(settings):
                 raise KnobError(
                     knob.name,
-                    f"{knob.name} means something only when {knob.needs} is on: turn "
-                    f"{knob.needs} on, or leave {knob.name} out",
+                    f"{knob.name} means something only when {knob.needs_said()}: set that, "
+                    f"or leave {knob.name} out",
                 )
         return settings
 

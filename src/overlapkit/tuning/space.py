@@ -232,13 +232,16 @@ def runnable_search(
 
 def _without_idle_knobs(cls: type, entry: dict[str, Any]) -> dict[str, Any]:
     """``entry`` without the knobs whose ``needs`` the trial's setting turned off (the
-    scenario's max_overhead where the intensity searched replaces its every: auto)."""
-    needing = {k.name: k.needs for k in cls.knobs if k.needs and k.name in entry}
+    scenario's max_overhead where the intensity searched replaces its every: auto; a
+    searched comm_hook at intensity 0, where ddp_overlap is its no_overlap baseline)."""
+    needing = {k.name: k for k in cls.knobs if k.needs and k.name in entry}
     if not needing:
         return entry
     rest = {k: v for k, v in entry.items() if k not in needing}
     settings = cls.resolve(rest.pop("intensity", 1.0), rest)
-    return {k: v for k, v in entry.items() if k not in needing or settings[needing[k]]}
+    return {
+        k: v for k, v in entry.items() if k not in needing or needing[k].means_something(settings)
+    }
 
 
 SETTINGS_CHECKED = 64  # searched combinations of one optimization's raw knobs tried at check

@@ -84,6 +84,7 @@ class DDPOverlap(Optimization):
             type=str,
             default="none",
             choices=("none", "fp16", "bf16", "powersgd"),
+            needs="mode=overlap",  # no_overlap's one flat all-reduce has no hook
             help="compress gradients on the wire (bf16 needs nccl)",
             frameworks=("torch",),
         ),
@@ -158,8 +159,6 @@ class DDPOverlap(Optimization):
                 f"ddp_overlap comm_hook bf16 needs the nccl back end; {backend} cannot "
                 "all-reduce bfloat16 (use fp16 or none)"
             )
-        if not self.overlapping and self.settings["comm_hook"] != "none":
-            raise CombinationError("ddp_overlap comm_hook applies to mode overlap only")
 
     def check_plan(self, plan: Plan) -> None:
         if not plan.provided("stages"):
