@@ -211,6 +211,14 @@ def test_two_by_two_mesh_trains_like_one_model_on_the_global_batch(mesh_results,
 
 
 @pytest.mark.slow
+def test_the_flat_all_reduce_of_a_pipeline_runs_once_a_step_not_per_microbatch(mesh_results):
+    # The schedule runs a backward per micro-batch; the gradients are synced once, when
+    # forward_backward returns (4 steps of 4 micro-batches: 4 calls, not 16).
+    for rank_result in mesh_results.values():
+        assert rank_result["1f1b flat"]["summary"]["grad_sync"]["calls"] == 4
+
+
+@pytest.mark.slow
 def test_ddp_inside_a_pipeline_overlaps_only_the_last_microbatch(mesh_results):
     run = mesh_results[0]["1f1b ddp"]
     summary = run["summary"]

@@ -88,10 +88,14 @@ class PlainCalls:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self.in_session_call = False  # Session.forward/backward/optimizer_step running
         self.steps_outside = 0  # optimizer steps taken outside any session step
         self._end_queued_in: int | None = None  # the pass whose end callback is queued
         self._handles: list[Any] = []
+
+    @property
+    def in_session_call(self) -> bool:
+        """Session.forward/backward/forward_backward/optimizer_step is running."""
+        return self.session.state.in_session_call
 
     def install(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self._handles.append(model.register_forward_pre_hook(self._before_forward))

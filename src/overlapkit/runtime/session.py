@@ -175,7 +175,7 @@ class Session(EpochLoop, SavedState):
         if dp.size > 1 and not self.scheduler.provides("grad_sync"):
             broadcast_model(state.local_model, dp.src, dp.group)
             self._grad_sync = FlatAllReduce(
-                state.local_model, dp.size, dp.group, on_backward_end=self.backward_ended
+                state.local_model, dp.size, dp.group, on_backward_end=self._hooked_backward_end
             )
             state.zero_grad_in_place = True
         self._plain_calls.install(state.model, state.optimizer)
@@ -304,12 +304,12 @@ class Session(EpochLoop, SavedState):
     @contextmanager
     def _session_call(self) -> Iterator[None]:
         """The session fires this call's events itself: the script-call hooks stand aside."""
-        calls = self._plain_calls
-        outer, calls.in_session_call = calls.in_session_call, True
+        state = self.state
+        outer, state.in_session_call = state.in_session_call, True
         try:
             yield
         finally:
-            calls.in_session_call = outer
+            state.in_session_call = outer
 
     def forward_backward(
         self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
@@ -363,6 +363,13 @@ class Session(EpochLoop, SavedState):
         the optimizer step syncs what is left."""
         if self.state.sync_wanted:
             self.sync_gradients()
+
+    def _hooked_backward_end(self) -> None:
+        """A backward pass that changed the gradients ended: the script's own (sync
+        now), or one inside a session call, which syncs once when it returns (a
+        pipeline's schedule runs a backward per micro-batch)."""
+        if not self.state.in_session_call:
+            self.backward_ended()
 
     def sync_gradients(self) -> None:
         """Average the gradients across ranks now with the flat all-reduce, if they

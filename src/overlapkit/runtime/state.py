@@ -66,6 +66,7 @@ class State:
     run_dir: Path | None = None
     zero_grad_in_place: bool = False  # gradients are views of a flat buffer: keep them
     script_ddp: Any = None  # the `DDPView` a script that wrapped its model in DDP trains
+    in_session_call: bool = False  # a Session call (forward, backward...) is running
     shard: Shard | None = None  # None: one shard for all ranks, written by rank 0
     data_parallel: DataParallel | None = None  # None: every rank (see `dp`)
     local_model: Any = None  # this rank's part of the model, before data-parallel wrapping

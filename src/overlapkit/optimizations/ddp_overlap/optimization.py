@@ -141,6 +141,7 @@ class DDPOverlap(Optimization):
         self._timer: BucketTimer | None = None
         self._marks = Marks()
         self._flat: FlatAllReduce | None = None
+        self._state: State | None = None  # for the flat all-reduce's end-of-backward hook
         self._unread: deque[SyncTiming] = deque()  # measured syncs, times not read yet
         self._syncs = 0
         self._profiled_steps = 0
@@ -189,10 +190,9 @@ class DDPOverlap(Optimization):
         self._marks = Marks(world.device if world.backend == "nccl" else None)
         dp = state.dp
         if not self.overlapping:
+            self._state = state
             broadcast_model(model, dp.src, dp.group)
-            self._flat = FlatAllReduce(
-                model, dp.size, dp.group, on_backward_end=lambda: self._flat_sync(state, True)
-            )
+            self._flat = FlatAllReduce(model, dp.size, dp.group, on_backward_end=self._hooked_end)
             state.zero_grad_in_place = True
             return model
         if state.data_parallel is not None and not self.settings["find_unused_parameters"]:
@@ -285,6 +285,13 @@ class DDPOverlap(Optimization):
             self._syncs += 1
             if self._timer.calls:
                 self._measure(state, SyncTiming(self._timer.calls, self._marks))
+
+    def _hooked_end(self) -> None:
+        """A backward pass that changed the gradients ended: the script's own, synced
+        now; one inside a session call (a pipeline's schedule runs one per micro-batch)
+        is synced once at AFTER_BACKWARD."""
+        if self._state is not None and not self._state.in_session_call:
+            self._flat_sync(self._state, backward_ended=True)
 
     def on_before_optimizer_step(self, state: State) -> None:
         if self._flat is not None:
