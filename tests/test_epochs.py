@@ -395,3 +395,31 @@ def test_two_ranks_with_ddp_overlap_equal_the_flat_all_reduce(tmp_path):
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["world_size"] == 2 and "grad_sync" not in summary  # DDP synced
     assert json.loads((tmp_path / "flat" / "summary.json").read_text())["grad_sync"]
+
+
+def test_prefetch_keeps_the_scripts_random_draws_across_epochs():
+    """prefetch's workers draw the global RNG as the script's own DataLoader does
+    (persistent workers drew one base seed a run, not one an epoch: from the second
+    epoch on the shuffle and the training's own draws parted from the plain script)."""
+
+    def run(optimizations):
+        torch.manual_seed(0)
+        data = TensorDataset(torch.arange(20.0).unsqueeze(1), torch.zeros(20, dtype=torch.long))
+        loader = DataLoader(data, batch_size=4, shuffle=True)
+        model = nn.Linear(1, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        session = None
+        if optimizations is not None:
+            session = Session(optimizations, progress=False)
+            model, optimizer, loader = session.prepare(model, optimizer, loader)
+        seen = []
+        for _epoch in range(3):
+            for x, y in loader:
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                seen.append((x.squeeze(1).tolist(), torch.rand(1).item()))
+        if session is not None:
+            session.finish()
+        return seen
+
+    assert run([get_optimization("prefetch")(0.6)]) == run(None)

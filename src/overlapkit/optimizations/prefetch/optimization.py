@@ -145,6 +145,11 @@ class Prefetch(Optimization):
             worker_gate = state.policy.worker_gate("loader", Resource.HOST_CPU, on_cpu=on_cpu)
             if worker_gate is not None:
                 loader.dataset = GatedDataset(loader.dataset, worker_gate)
+        if isinstance(loader, ScriptLoader) and "persistent_workers" not in self.explicit:
+            # The script's own DataLoader's choice: persistent workers draw the workers'
+            # base seed once a run, not once an epoch, and the global RNG stream (dropout,
+            # the next epoch's shuffle) would part from the plain script's after epoch 1.
+            s["persistent_workers"] = bool(loader.original.persistent_workers)
         backend = _build_backend(s, loader, device, pin)
         # DataLoader and DALI's external source load on the calling thread without
         # workers: the feeder thread loads ahead then. tf.data has threads of its own.
