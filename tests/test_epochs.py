@@ -423,3 +423,33 @@ def test_prefetch_keeps_the_scripts_random_draws_across_epochs():
         return seen
 
     assert run([get_optimization("prefetch")(0.6)]) == run(None)
+
+
+def test_a_loop_without_an_optimizer_checkpoints_and_resumes(tmp_path):
+    """A script that updates its parameters itself (no torch.optim optimizer, as
+    pytorch/examples' word_language_model does) hung at its second checkpoint: the
+    snapshot waited for an optimizer step that never came, holding its buffers."""
+
+    def run(folder, stop=None):
+        torch.manual_seed(0)
+        x = torch.randn(80, 4)
+        loader = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=4)
+        model = nn.Linear(4, 2)
+        session = Session([Checkpoint(every=4)], run_dir=folder, progress=False)
+        model, _, loader = session.prepare(model, None, loader)
+        session.start()
+        for step, (xb, yb) in enumerate(loader, start=session.state.step):
+            model.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+            if step + 1 == stop:
+                break
+        summary = session.finish()
+        return [p.detach().clone() for p in model.parameters()], summary
+
+    straight, summary = run(tmp_path / "a")
+    assert summary["optimizations"]["checkpoint"]["checkpoints"] >= 5
+    run(tmp_path / "b", stop=10)  # its final checkpoint: step 10
+    resumed, _ = run(tmp_path / "b")
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))

@@ -259,8 +259,15 @@ class Checkpoint(Optimization):
             self.policy_auto.checkpoint_started()
         with state.clock.phase("ckpt_stall"):
             start = self._marks.mark()
-            deferrable = _deferrable_storages(state)
-            self._pending = self._snapshotter.take(state.step, self._capture(state), deferrable)
+            if state.optimizer is None:
+                # The script updates the parameters itself (no optimizer step to wait
+                # for): copy everything now, and persist it at once.
+                snapshot = self._snapshotter.take(state.step, self._capture(state), set())
+                snapshot.wait()
+                self._submit(snapshot)
+            else:
+                deferrable = _deferrable_storages(state)
+                self._pending = self._snapshotter.take(state.step, self._capture(state), deferrable)
             self._stall_records.append([(start, self._marks.mark())])
         self._last_step = state.step
 
