@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from conftest import ROOT, free_port
 from overlapkit import Session, get_optimization
 from overlapkit.data import ScriptLoader
-from overlapkit.optimizations.checkpoint.store import CheckpointError
+from overlapkit.optimizations.checkpoint.store import CheckpointError, Manifest
 from overlapkit.runtime.script import LoopWarning
 
 Checkpoint = get_optimization("checkpoint")
@@ -453,3 +453,65 @@ def test_a_loop_without_an_optimizer_checkpoints_and_resumes(tmp_path):
     run(tmp_path / "b", stop=10)  # its final checkpoint: step 10
     resumed, _ = run(tmp_path / "b")
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
+def test_a_script_accumulating_batches_itself_resumes_exactly(tmp_path):
+    """Each batch is a step: in a script that steps its optimizer every second batch, a
+    checkpoint due between the two would lose the first's gradient. It waits for the
+    next step that follows an optimizer step, and the summary says so."""
+
+    def run(folder, stop=None):
+        torch.manual_seed(0)
+        x = torch.randn(64, 4)
+        loader = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=4, shuffle=True)
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        session = Session([Checkpoint(every=3)], run_dir=folder, progress=False)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        session.start()
+        for batch, (xb, yb) in enumerate(loader, start=session.state.step):
+            (nn.functional.cross_entropy(model(xb), yb) / 2).backward()
+            if batch % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+            if batch + 1 == stop:
+                break
+        summary = session.finish()
+        return [p.detach().clone() for p in model.parameters()], summary
+
+    straight, summary = run(tmp_path / "a")
+    section = summary["optimizations"]["checkpoint"]
+    assert any("came due inside an update" in note for note in section["notes"])
+    assert "16 steps and 8 optimizer steps" in " ".join(summary["notes"])
+    steps = [e["step"] for e in Manifest(tmp_path / "a" / "checkpoints").read()]
+    assert steps and all(step % 2 == 0 for step in steps)  # after an optimizer step
+    run(tmp_path / "b", stop=10)  # its last checkpoint: step 10 (9 came due mid-update)
+    resumed, _ = run(tmp_path / "b")
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
+def test_a_loop_fetching_its_next_batch_before_it_updates_is_told(tmp_path):
+    """nanoGPT's shape: forward, fetch the next batch, backward, step. Every step
+    boundary falls inside an update: no checkpoint could resume exactly, so none is
+    taken before the end, and a LoopWarning says why, pointing at the script's line."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    loader = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=4)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = Session([Checkpoint(every=3, final=False)], run_dir=tmp_path, progress=False)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    batches = iter(loader)
+    inputs, targets = next(batches)
+    with pytest.warns(LoopWarning, match="fetches its next batch before it updates") as said:
+        for _ in range(12):
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+            inputs, targets = next(batches)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert said[0].filename == __file__
+    batches.close()
+    summary = session.finish()
+    assert summary["optimizations"]["checkpoint"]["checkpoints"] == 0
+    assert not Manifest(tmp_path / "checkpoints").read()

@@ -210,6 +210,20 @@ class EpochLoop:
                 "`with session.forward():`, which autocasts"
             )
 
+    def warn_fetch_ahead(self, forward_step: int) -> None:
+        """The script's backward in this step is of an earlier step's forward: it
+        fetches its next batch (the next step) before it updates."""
+        if self._told_fetch_ahead or not self.checkpointing:
+            return
+        self._told_fetch_ahead = True
+        warn(
+            f"loss.backward() in step {self.state.step} is of the forward of step "
+            f"{forward_step}: the loop fetches its next batch before it updates, so no step "
+            "boundary falls after an update, and a checkpoint there could not resume "
+            "exactly; none is taken until one does. Fetch each batch at the top of the "
+            "loop (or use session.steps(n))"
+        )
+
     def warn_loop_unseen(self) -> None:
         saving = " and no checkpoint is taken" if self.checkpointing else ""
         warn(

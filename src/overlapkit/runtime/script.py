@@ -8,6 +8,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -125,6 +126,7 @@ class PlainCalls:
             return
         self.session.check_plain_forward()
         state = self.session.state
+        state.update_pending = state.optimizer is not None
         self.session.scheduler.fire(Event.BEFORE_FORWARD, state)
         state.clock.switch("forward")
 
@@ -136,10 +138,13 @@ class PlainCalls:
         session.scheduler.fire(Event.AFTER_FORWARD, session.state)
         tensor = _first_tensor_with_grad(output)
         if tensor is not None:
-            tensor.register_hook(self._backward_reaches_output)
+            step = session.state.step
+            tensor.register_hook(lambda grad: self._backward_reaches_output(step))
 
-    def _backward_reaches_output(self, grad: torch.Tensor) -> None:
+    def _backward_reaches_output(self, forward_step: int) -> None:
         session = self.session
+        if session.in_step and session.state.step != forward_step:
+            session.warn_fetch_ahead(forward_step)
         if session.in_step and not self.in_session_call:
             session.scheduler.fire(Event.BEFORE_BACKWARD, session.state)
             session.state.clock.switch("backward")
@@ -203,4 +208,10 @@ def note(message: str) -> None:
 
 
 def warn(message: str) -> None:
-    warnings.warn(message, LoopWarning, stacklevel=3)
+    """A `LoopWarning` pointing at the script's line (the first frame outside
+    overlapkit and torch: some come from inside autograd's hooks)."""
+    inside = (str(Path(__file__).parents[1]), str(Path(torch.__file__).parent))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, LoopWarning, stacklevel=level if frame is not None else 2)

@@ -139,6 +139,8 @@ class Session(EpochLoop, SavedState):
         self._gap_since: float | None = None  # between epochs, since
         self._labelled_in_gap = 0.0
         self._steps_this_run = 0
+        self._optimizer_steps = 0  # this run's
+        self._told_fetch_ahead = False
         self._values = PlainValues()
         self._plain_calls = PlainCalls(self)
         self._step_samples = 0
@@ -294,6 +296,7 @@ class Session(EpochLoop, SavedState):
     def forward(self) -> Iterator[None]:
         """Run the forward pass (and loss) inside this block, under autocast if set."""
         self.scheduler.fire(Event.BEFORE_FORWARD, self.state)
+        self.state.update_pending = self.state.optimizer is not None
         clock = self.state.clock
         clock.switch("forward")
         with self.precision.autocast(), self._session_call():
@@ -328,6 +331,7 @@ class Session(EpochLoop, SavedState):
             return loss
         state = self.state
         self.scheduler.fire(Event.BEFORE_FORWARD, state)
+        state.update_pending = state.optimizer is not None
         state.clock.switch("forward")
         with self.precision.autocast(), self._session_call():
             loss = runner.forward_backward(state, inputs, targets, loss_fn)
@@ -405,6 +409,8 @@ class Session(EpochLoop, SavedState):
     def after_optimizer_step(self) -> None:
         """Step the LR schedule given to `prepare`; AFTER_OPTIMIZER_STEP."""
         state = self.state
+        state.update_pending = False
+        self._optimizer_steps += 1
         if state.lr_scheduler is not None:
             state.lr_scheduler.step()
         state.clock.switch("other")
@@ -518,6 +524,12 @@ class Session(EpochLoop, SavedState):
         self.scheduler.fire(Event.FIT_END, self.state)
         self.scheduler.policy.close()
         self._warn_if_no_steps()
+        updates, steps = self._optimizer_steps, self._steps_this_run
+        if self.state.optimizer is not None and 0 < updates != steps:
+            self._note(
+                f"{steps} steps and {updates} optimizer steps: a step is a batch of the "
+                "loader the session returned (step times, checkpoints' every count them)"
+            )
         for record in self._step_log.drain():
             self._record(record)
         self._close_displays()

@@ -67,6 +67,10 @@ class State:
     zero_grad_in_place: bool = False  # gradients are views of a flat buffer: keep them
     script_ddp: Any = None  # the `DDPView` a script that wrapped its model in DDP trains
     in_session_call: bool = False  # a Session call (forward, backward...) is running
+    # A training forward ran since the last optimizer step: a step boundary now falls
+    # inside an update (a script accumulating batches itself, or fetching its next
+    # batch before it updates), and a checkpoint taken there could not resume exactly.
+    update_pending: bool = False
     shard: Shard | None = None  # None: one shard for all ranks, written by rank 0
     data_parallel: DataParallel | None = None  # None: every rank (see `dp`)
     local_model: Any = None  # this rank's part of the model, before data-parallel wrapping

@@ -101,6 +101,8 @@ class Checkpoint(Optimization):
         self._collectives: Collectives | None = None
         self._pending: Snapshot | None = None
         self._last_step = -1
+        self._owed = False  # a checkpoint came due inside an update: take it at the next boundary
+        self._deferred = 0  # checkpoints that came due inside an update
         self._step_started = 0.0
         # Each checkpoint's stalls, as marks (on a GPU: CUDA events, so that a stall is
         # the time the device waited, read later): its snapshot and its wait before the
@@ -253,8 +255,17 @@ class Checkpoint(Optimization):
         now = perf_counter()
         self._observe_previous_step(now)
         self._step_started = now
-        if not self._due(state):
+        due = self._due(state)
+        if not (due or self._owed):
             return
+        if state.update_pending:
+            # The step boundary falls inside an update (the script accumulates batches
+            # itself, or fetched this batch before its update): taken at the first one
+            # that follows an optimizer step instead.
+            self._owed = True
+            self._deferred += due
+            return
+        self._owed = False
         if self.policy_auto is not None:
             self.policy_auto.checkpoint_started()
         with state.clock.phase("ckpt_stall"):
@@ -296,7 +307,19 @@ class Checkpoint(Optimization):
         # follows the steps (an evaluation at the end, the script's own code).
         # A snapshot taken at the start of a step that never ran (a script's epoch end).
         pending = self._pending
-        if self.settings["final"] and (state.step != self._last_step or pending is not None):
+        if self._deferred:
+            self.errors.append(
+                f"{self._deferred} checkpoint(s) came due inside an update (a step boundary "
+                "between a forward and its optimizer step: the script accumulates batches "
+                "itself, or fetches its next batch before it updates) and waited for the "
+                "next boundary after an optimizer step"
+                + ("; none came, so none was taken" if self._owed else "")
+            )
+        inside = state.update_pending  # the loop ended between a forward and its update
+        if inside and self.settings["final"]:
+            self.errors.append("no final checkpoint: the loop ended inside an update")
+        final = self.settings["final"] and not inside
+        if final and (state.step != self._last_step or pending is not None):
             self._drop_pending()  # the state moved on since: the final one replaces it
             snapshot = self._snapshotter.take(state.step, self._capture(state), set())
             snapshot.wait()
