@@ -515,3 +515,23 @@ def test_a_loop_fetching_its_next_batch_before_it_updates_is_told(tmp_path):
     summary = session.finish()
     assert summary["optimizations"]["checkpoint"]["checkpoints"] == 0
     assert not Manifest(tmp_path / "checkpoints").read()
+
+
+def test_the_prepared_model_can_be_saved_whole_and_copied():
+    """torch.save(model) (as word_language_model saves its best model) failed while the
+    session ran: the session's hooks pickled the session. Copies get inert hooks."""
+    import copy
+    import io
+
+    model, optimizer, loader = parts()
+    session = Session(progress=False)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    ema = copy.deepcopy(model)
+    x = torch.randn(2, 6)
+    assert torch.equal(loaded.eval()(x), model.eval()(x)) and ema(x).shape == (2, 3)
+    assert all(hook is not None for hook in loaded._forward_pre_hooks.values())
+    session.finish()

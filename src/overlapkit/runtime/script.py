@@ -99,11 +99,11 @@ class PlainCalls:
         return self.session.state.in_session_call
 
     def install(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self._handles.append(model.register_forward_pre_hook(self._before_forward))
-        self._handles.append(model.register_forward_hook(self._after_forward))
+        self._handles.append(model.register_forward_pre_hook(SessionHook(self._before_forward)))
+        self._handles.append(model.register_forward_hook(SessionHook(self._after_forward)))
         if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(self._before_step))
-            self._handles.append(optimizer.register_step_post_hook(self._after_step))
+            self._handles.append(optimizer.register_step_pre_hook(SessionHook(self._before_step)))
+            self._handles.append(optimizer.register_step_post_hook(SessionHook(self._after_step)))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -187,6 +187,29 @@ class PlainCalls:
         if self.in_session_call or not self.session.in_step:
             return
         self.session.after_optimizer_step()
+
+
+class SessionHook:
+    """A hook of the session on the script's model or optimizer. A copy of the model
+    (``torch.save(model)``, ``copy.deepcopy`` for an EMA copy) gets an inert hook in
+    its place: not the session (which does not pickle), nor events from the copy."""
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+
+    def __call__(self, *args: Any) -> Any:
+        return self.hook(*args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inert_hook, ())
+
+
+def _inert_hook() -> Callable[..., None]:
+    return _inert
+
+
+def _inert(*args: Any) -> None:
+    """What a copied model keeps in place of a session's hook."""
 
 
 def _first_tensor_with_grad(output: Any) -> torch.Tensor | None:
