@@ -233,3 +233,20 @@ def test_backwards_that_miss_the_hooked_output_are_still_synced():
         params, norms = result
         assert norms == ranks[1][way][1], way  # clipping saw the averaged gradients
         assert torch.equal(params, ranks[1][way][0]), way  # and the replicas agree
+
+
+def test_batchnorm_statistics_are_rank_zeros_as_under_ddp():
+    """DDP broadcasts rank 0's buffers before each training forward; the flat all-reduce
+    averaged them, so a port's batch-norm statistics (and its evaluation) parted from
+    the DDP script's (found porting pytorch/examples' imagenet)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    from rank_programs import batchnorm_statistics
+
+    from overlapkit.launch.local import launch_local
+
+    for rank in launch_local(batchnorm_statistics, 2, 4).values():
+        assert torch.equal(rank["port"], rank["ddp"])
+        assert torch.equal(rank["no_overlap"], rank["ddp"])

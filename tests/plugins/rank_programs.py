@@ -243,6 +243,43 @@ def backwards_the_session_cannot_see(steps: int = 4) -> dict[str, Any]:
         torch.distributed.destroy_process_group()
 
 
+def batchnorm_statistics(steps: int = 4) -> dict[str, torch.Tensor]:
+    """In one 2-rank group, a model with batch norm trained by the DDP script and by its
+    port (the session's flat all-reduce; ddp_overlap's no_overlap baseline): each
+    way's running statistics and parameters, as this rank ends with them."""
+    world = init_world("cpu", "gloo")
+    results = {}
+    try:
+        for way in ("ddp", "port", "no_overlap"):
+            seed_everything(0)
+            model: Any = nn.Sequential(
+                nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)
+            )
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            model = nn.parallel.DistributedDataParallel(model)
+            if way != "ddp":
+                chosen = [get_optimization("ddp_overlap")(0.0)] if way == "no_overlap" else []
+                session = Session(chosen, device="cpu")
+                model, optimizer, _ = session.prepare(model, optimizer)
+            torch.manual_seed(world.rank)  # each rank its own batches
+            batches = [
+                (torch.randn(16, 6) * (1 + world.rank), torch.randint(3, (16,)))
+                for _ in range(steps)
+            ]
+            for x, y in session.steps(steps, batches) if way != "ddp" else batches:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            if way != "ddp":
+                session.finish()
+            results[way] = torch.cat(
+                [t.detach().reshape(-1).float() for t in model.module.state_dict().values()]
+            )
+        return results
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def ddp_configs(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """In one 2-rank process group, train once per config (kwargs of `train_mlp`)."""
     world = init_world("cpu", "gloo")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def broadcast_model(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
@@ -24,8 +25,9 @@ def broadcast_model(model: nn.Module, src: int = 0, group: dist.ProcessGroup | N
 
 
 class FlatAllReduce:
-    """Averages gradients (and floating-point buffers, e.g. batch-norm statistics)
-    across ranks with one all-reduce of one flat buffer.
+    """Averages gradients across ranks with one all-reduce of one flat buffer; the
+    module's buffers (batch-norm statistics) are rank ``src``'s, broadcast at each
+    training forward (`broadcast_buffers`), as DDP's are.
 
     The gradients live in that buffer as views, so nothing is copied before or
     after the all-reduce, provided they are zeroed in place rather than set to
@@ -44,12 +46,13 @@ class FlatAllReduce:
         world_size: int,
         group: dist.ProcessGroup | None = None,
         on_backward_end: Callable[[], None] | None = None,
+        src: int = 0,
     ) -> None:
-        self.group = group
+        self.group, self.src = group, src
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.buffers = list(model.buffers())
         self.world_size = world_size
-        tensors = self.params + self.buffers
+        tensors = self.params
         dtype = tensors[0].dtype if tensors else torch.float32
         self.flat = torch.zeros(
             sum(t.numel() for t in tensors), dtype=dtype, device=_device(tensors)
@@ -90,22 +93,30 @@ class FlatAllReduce:
 
     @torch.no_grad()
     def __call__(self) -> None:
-        grad_views, buffer_views = self._views[: len(self.params)], self._views[len(self.params) :]
-        for param, view in zip(self.params, grad_views, strict=True):
+        for param, view in zip(self.params, self._views, strict=True):
             if param.grad is None:
                 view.zero_()
                 param.grad = view
             elif param.grad.data_ptr() != view.data_ptr():
                 view.copy_(param.grad)
                 param.grad = view
-        for buffer, view in zip(self.buffers, buffer_views, strict=True):
-            view.copy_(buffer)
         dist.all_reduce(self.flat, group=self.group)
         self.calls += 1
         self.dirty = False
         self.flat /= self.world_size
-        for buffer, view in zip(self.buffers, buffer_views, strict=True):
-            buffer.copy_(view)
+
+    @torch.no_grad()
+    def broadcast_buffers(self) -> None:
+        """Every rank's buffers become rank ``src``'s (one broadcast per dtype), as DDP
+        does before each training forward."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buffer in self.buffers:
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        for buffers in by_dtype.values():
+            flat = _flatten_dense_tensors(buffers)
+            dist.broadcast(flat, self.src, group=self.group)
+            for buffer, value in zip(buffers, _unflatten_dense_tensors(flat, buffers), strict=True):
+                buffer.copy_(value)
 
 
 class DDPView(nn.Module):

@@ -126,8 +126,8 @@ class PlainCalls:
             return
         self.session.check_plain_forward()
         state = self.session.state
-        state.update_pending = state.optimizer is not None
         self.session.scheduler.fire(Event.BEFORE_FORWARD, state)
+        self.session.training_forward_starts()
         state.clock.switch("forward")
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -177,7 +177,11 @@ class Session(EpochLoop, SavedState):
         if dp.size > 1 and not self.scheduler.provides("grad_sync"):
             broadcast_model(state.local_model, dp.src, dp.group)
             self._grad_sync = FlatAllReduce(
-                state.local_model, dp.size, dp.group, on_backward_end=self._hooked_backward_end
+                state.local_model,
+                dp.size,
+                dp.group,
+                on_backward_end=self._hooked_backward_end,
+                src=dp.src,
             )
             state.zero_grad_in_place = True
         self._plain_calls.install(state.model, state.optimizer)
@@ -296,13 +300,22 @@ class Session(EpochLoop, SavedState):
     def forward(self) -> Iterator[None]:
         """Run the forward pass (and loss) inside this block, under autocast if set."""
         self.scheduler.fire(Event.BEFORE_FORWARD, self.state)
-        self.state.update_pending = self.state.optimizer is not None
+        self.training_forward_starts()
         clock = self.state.clock
         clock.switch("forward")
         with self.precision.autocast(), self._session_call():
             yield
         clock.switch("other")
         self.scheduler.fire(Event.AFTER_FORWARD, self.state)
+
+    def training_forward_starts(self) -> None:
+        """An update begins (see `State.update_pending`); with the flat all-reduce,
+        every rank takes rank 0's buffers (batch-norm statistics), as under DDP."""
+        state = self.state
+        state.update_pending = state.optimizer is not None
+        if self._grad_sync is not None and self._grad_sync.buffers:
+            with state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
+                self._grad_sync.broadcast_buffers()
 
     @contextmanager
     def _session_call(self) -> Iterator[None]:
@@ -331,7 +344,7 @@ class Session(EpochLoop, SavedState):
             return loss
         state = self.state
         self.scheduler.fire(Event.BEFORE_FORWARD, state)
-        state.update_pending = state.optimizer is not None
+        self.training_forward_starts()
         state.clock.switch("forward")
         with self.precision.autocast(), self._session_call():
             loss = runner.forward_backward(state, inputs, targets, loss_fn)

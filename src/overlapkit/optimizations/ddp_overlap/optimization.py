@@ -192,7 +192,9 @@ class DDPOverlap(Optimization):
         if not self.overlapping:
             self._state = state
             broadcast_model(model, dp.src, dp.group)
-            self._flat = FlatAllReduce(model, dp.size, dp.group, on_backward_end=self._hooked_end)
+            self._flat = FlatAllReduce(
+                model, dp.size, dp.group, on_backward_end=self._hooked_end, src=dp.src
+            )
             state.zero_grad_in_place = True
             return model
         if state.data_parallel is not None and not self.settings["find_unused_parameters"]:
@@ -272,6 +274,9 @@ class DDPOverlap(Optimization):
             self._read(self._unread.popleft())
 
     def on_before_forward(self, state: State) -> None:
+        if self._flat is not None and self._flat.buffers:  # rank 0's, as DDP broadcasts them
+            with state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
+                self._flat.broadcast_buffers()
         if self.ddp is not None and state.accumulate > 1:
             # Skip the all-reduce on all but the last micro-batch of a step.
             self.ddp.require_backward_grad_sync = state.is_sync_step
