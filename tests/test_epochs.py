@@ -535,3 +535,31 @@ def test_the_prepared_model_can_be_saved_whole_and_copied():
     assert torch.equal(loaded.eval()(x), model.eval()(x)) and ema(x).shape == (2, 3)
     assert all(hook is not None for hook in loaded._forward_pre_hooks.values())
     session.finish()
+
+
+def test_a_resumed_run_keeps_the_earlier_steps_in_steps_jsonl(tmp_path):
+    """steps.jsonl held only the last process's steps after a resume."""
+
+    def run(stop=None):
+        model, optimizer, loader = parts()
+        session = Session([Checkpoint(every=2)], run_dir=tmp_path, progress=False)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        start = session.start()
+        for _epoch in range(start.epoch, 2):
+            for x, y in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                if session.state.step + 1 == stop:
+                    break
+            if session.state.step == stop:
+                break
+        return session.finish()
+
+    run(stop=3)
+    summary = run()
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()
+    ]
+    assert steps == list(range(10))  # 2 epochs of 5 batches, each step once
+    assert summary["optimizations"]["checkpoint"]["resumed_from_step"] == 3

@@ -15,9 +15,24 @@ def write_run_files(
     records: list[dict[str, Any]],
     summary: dict[str, Any],
     trace_events: list[dict[str, Any]] | None = None,
+    resumed_at: int | None = None,
 ) -> None:
+    """``steps.jsonl`` and ``summary.json`` (and ``trace.json``). A run resumed at step
+    ``resumed_at`` keeps the earlier runs' records of the steps before it in
+    ``steps.jsonl``; the summary is this run's."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    earlier = []
+    if resumed_at is not None and (run_dir / "steps.jsonl").is_file():
+        for line in (run_dir / "steps.jsonl").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed run
+            if isinstance(record, dict) and record.get("step", resumed_at) < resumed_at:
+                earlier.append(line)
     with open(run_dir / "steps.jsonl", "w") as f:
+        for line in earlier:
+            f.write(line + "\n")
         for record in records:
             f.write(json.dumps(record) + "\n")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -593,7 +593,9 @@ class Session(EpochLoop, SavedState):
             trace = (
                 [e for _, events, *_ in gathered for e in (events or [])] if self._trace else None
             )
-            write_run_files(run_dir, records, summary, trace)
+            start = self._start
+            resumed_at = start.step if start is not None and start.resumed_from else None
+            write_run_files(run_dir, records, summary, trace, resumed_at)
         if self._print_summary:
             print_summary(summary)
         self._plain_calls.remove()

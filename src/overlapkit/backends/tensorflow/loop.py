@@ -311,7 +311,7 @@ class TfLoop:
                 "runs": self.eval_results,
             }
         if self.run_dir is not None and world.is_main:
-            write_run_files(self.run_dir, records, summary)
+            write_run_files(self.run_dir, records, summary, resumed_at=start or None)
         if show and world.is_main:
             print_summary(summary)
         return summary
