@@ -563,3 +563,26 @@ def test_a_resumed_run_keeps_the_earlier_steps_in_steps_jsonl(tmp_path):
     ]
     assert steps == list(range(10))  # 2 epochs of 5 batches, each step once
     assert summary["optimizations"]["checkpoint"]["resumed_from_step"] == 3
+
+
+def test_running_a_finished_run_again_keeps_its_results(tmp_path, capfd):
+    """The same script run again over a finished run resumes at its last step and
+    trains nothing: its summary of no steps replaced the run's results."""
+
+    def run():
+        model, optimizer, loader = parts()
+        session = Session([Checkpoint(every=2)], run_dir=tmp_path, progress=False)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        start = session.start()
+        for _epoch in range(start.epoch, 2):
+            for x, y in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+        return session.finish()
+
+    first = run()
+    files = {name: (tmp_path / name).read_text() for name in ("summary.json", "steps.jsonl")}
+    run()
+    assert {name: (tmp_path / name).read_text() for name in files} == files
+    assert first["steps"] == 10 and "trained no step" in capfd.readouterr().err

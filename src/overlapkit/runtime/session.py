@@ -589,12 +589,25 @@ class Session(EpochLoop, SavedState):
                 "runs": self.state.eval_results,
             }
         run_dir = self.state.run_dir
+        start = self._start
+        resumed_at = start.step if start is not None and start.resumed_from else None
+        if (
+            run_dir is not None
+            and resumed_at is not None
+            and not self._steps_this_run
+            and (run_dir / "summary.json").is_file()
+        ):
+            # Run again over a finished run: its results stay (a summary of no steps
+            # would replace them).
+            self._note(
+                f"resumed at step {resumed_at} and trained no step: {run_dir}'s "
+                "summary.json and steps.jsonl are the earlier run's, kept"
+            )
+            run_dir = None
         if run_dir is not None and self.world.is_main:
             trace = (
                 [e for _, events, *_ in gathered for e in (events or [])] if self._trace else None
             )
-            start = self._start
-            resumed_at = start.step if start is not None and start.resumed_from else None
             write_run_files(run_dir, records, summary, trace, resumed_at)
         if self._print_summary:
             print_summary(summary)
