@@ -586,3 +586,25 @@ def test_running_a_finished_run_again_keeps_its_results(tmp_path, capfd):
     run()
     assert {name: (tmp_path / name).read_text() for name in files} == files
     assert first["steps"] == 10 and "trained no step" in capfd.readouterr().err
+
+
+def test_resuming_with_another_batch_size_is_refused_not_silent(tmp_path):
+    """The loader's position in a checkpoint is in batches: resumed with another batch
+    size it named other samples, and the run went on without a word."""
+
+    def run(batch, stop=None):
+        model, optimizer, loader = parts(batch=batch)
+        session = Session([Checkpoint(every=2)], run_dir=tmp_path, progress=False)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        session.start()
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if session.state.step + 1 == stop:
+                break
+        return session.finish()
+
+    run(8, stop=3)
+    with pytest.raises(ValueError, match="saved by a DataLoader of batch size 8; this one has 4"):
+        run(4)

@@ -265,9 +265,18 @@ class ScriptLoader:
             "position": self.position,
             "epoch_starts": [[e, int(f), *s] for e, (s, f) in sorted(self._starts.items())],
             "sampler_epoch": int(getattr(self.sampler, "epoch", 0)),
+            "batch_size": self.original.batch_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("batch_size", self.original.batch_size)
+        if saved != self.original.batch_size:
+            raise ValueError(
+                f"the checkpoint was saved by a DataLoader of batch size {saved}; this one has "
+                f"{self.original.batch_size}: its position (epoch {state['epoch']}, batch "
+                f"{state['position']}) would be other samples. Resume with batch size {saved}, "
+                "or start afresh in another run folder"
+            )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._starts = {
