@@ -537,27 +537,29 @@ def test_the_prepared_model_can_be_saved_whole_and_copied():
     session.finish()
 
 
+def two_checkpointed_epochs(run_dir, stop=None, batch=8):
+    """The epoch loop of a ported script, 2 epochs (5 batches of 8 each), checkpoints
+    every 2 steps in ``run_dir``; ``stop``: leave it after that many steps."""
+    model, optimizer, loader = parts(batch=batch)
+    session = Session([Checkpoint(every=2)], run_dir=run_dir, progress=False)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    start = session.start()
+    for _epoch in range(start.epoch, 2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if session.state.step + 1 == stop:
+                break
+        if session.state.step == stop:
+            break
+    return session.finish()
+
+
 def test_a_resumed_run_keeps_the_earlier_steps_in_steps_jsonl(tmp_path):
     """steps.jsonl held only the last process's steps after a resume."""
-
-    def run(stop=None):
-        model, optimizer, loader = parts()
-        session = Session([Checkpoint(every=2)], run_dir=tmp_path, progress=False)
-        model, optimizer, loader = session.prepare(model, optimizer, loader)
-        start = session.start()
-        for _epoch in range(start.epoch, 2):
-            for x, y in loader:
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-                if session.state.step + 1 == stop:
-                    break
-            if session.state.step == stop:
-                break
-        return session.finish()
-
-    run(stop=3)
-    summary = run()
+    two_checkpointed_epochs(tmp_path, stop=3)
+    summary = two_checkpointed_epochs(tmp_path)
     steps = [
         json.loads(line)["step"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()
     ]
@@ -568,22 +570,9 @@ def test_a_resumed_run_keeps_the_earlier_steps_in_steps_jsonl(tmp_path):
 def test_running_a_finished_run_again_keeps_its_results(tmp_path, capfd):
     """The same script run again over a finished run resumes at its last step and
     trains nothing: its summary of no steps replaced the run's results."""
-
-    def run():
-        model, optimizer, loader = parts()
-        session = Session([Checkpoint(every=2)], run_dir=tmp_path, progress=False)
-        model, optimizer, loader = session.prepare(model, optimizer, loader)
-        start = session.start()
-        for _epoch in range(start.epoch, 2):
-            for x, y in loader:
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-        return session.finish()
-
-    first = run()
+    first = two_checkpointed_epochs(tmp_path)
     files = {name: (tmp_path / name).read_text() for name in ("summary.json", "steps.jsonl")}
-    run()
+    two_checkpointed_epochs(tmp_path)
     assert {name: (tmp_path / name).read_text() for name in files} == files
     assert first["steps"] == 10 and "trained no step" in capfd.readouterr().err
 
@@ -591,20 +580,6 @@ def test_running_a_finished_run_again_keeps_its_results(tmp_path, capfd):
 def test_resuming_with_another_batch_size_is_refused_not_silent(tmp_path):
     """The loader's position in a checkpoint is in batches: resumed with another batch
     size it named other samples, and the run went on without a word."""
-
-    def run(batch, stop=None):
-        model, optimizer, loader = parts(batch=batch)
-        session = Session([Checkpoint(every=2)], run_dir=tmp_path, progress=False)
-        model, optimizer, loader = session.prepare(model, optimizer, loader)
-        session.start()
-        for x, y in loader:
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            if session.state.step + 1 == stop:
-                break
-        return session.finish()
-
-    run(8, stop=3)
+    two_checkpointed_epochs(tmp_path, stop=3)
     with pytest.raises(ValueError, match="saved by a DataLoader of batch size 8; this one has 4"):
-        run(4)
+        two_checkpointed_epochs(tmp_path, batch=4)
