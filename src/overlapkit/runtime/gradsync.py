@@ -24,6 +24,28 @@ def broadcast_model(model: nn.Module, src: int = 0, group: dist.ProcessGroup | N
             dist.broadcast(tensor.data, src, group=group)
 
 
+class BackwardEnd:
+    """Calls ``callback`` once the backward pass now running ends, before its
+    ``backward()`` returns, however many times `arm` is called during the pass (as
+    DDP's reducer queues its end-of-backward work). A pass that raised never calls
+    it; the next pass arms afresh (passes are told apart by autograd's task id).
+    On a GPU the callback runs on the autograd thread that finishes the pass."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+        self._armed_in: int | None = None
+
+    def arm(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._armed_in:
+            self._armed_in = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+
+    def _ended(self) -> None:
+        self._armed_in = None
+        self._callback()
+
+
 class FlatAllReduce:
     """Averages gradients across ranks with one all-reduce of one flat buffer; the
     module's buffers (batch-norm statistics) are rank ``src``'s, broadcast at each
@@ -44,8 +66,8 @@ class FlatAllReduce:
         self,
         model: nn.Module,
         world_size: int,
-        group: dist.ProcessGroup | None = None,
-        on_backward_end: Callable[[], None] | None = None,
+        group: dist.ProcessGroup | None,
+        on_backward_end: Callable[[], None],
         src: int = 0,
     ) -> None:
         self.group, self.src = group, src
@@ -68,23 +90,12 @@ class FlatAllReduce:
             for param, view in zip(self.params, self._views, strict=False):
                 param.grad = view  # gradients accumulate straight into the flat buffer
         self.dirty = False  # gradients accumulated since the last all-reduce
-        self._on_backward_end = on_backward_end
-        self._queued_in: int | None = None  # the backward pass whose end is awaited
+        self._end = BackwardEnd(on_backward_end)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
 
     def _accumulated(self, param: torch.Tensor) -> None:
         self.dirty = True
-        if self._on_backward_end is None:
-            return
-        task = torch._C._current_graph_task_id()  # a new id each pass (one that raised too)
-        if task != self._queued_in:
-            self._queued_in = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-
-    def _backward_ended(self) -> None:
-        self._queued_in = None
-        if self._on_backward_end is not None:
-            self._on_backward_end()
+        self._end.arm()
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

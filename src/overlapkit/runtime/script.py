@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .events import Event
+from .gradsync import BackwardEnd
 
 if TYPE_CHECKING:
     from .session import Session
@@ -90,7 +91,7 @@ class PlainCalls:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.steps_outside = 0  # optimizer steps taken outside any session step
-        self._end_queued_in: int | None = None  # the pass whose end callback is queued
+        self._backward_end = BackwardEnd(self._backward_ends)
         self._handles: list[Any] = []
 
     @property
@@ -148,19 +149,14 @@ class PlainCalls:
         if session.in_step and not self.in_session_call:
             session.scheduler.fire(Event.BEFORE_BACKWARD, session.state)
             session.state.clock.switch("backward")
-            task = torch._C._current_graph_task_id()  # once per pass, whatever the outputs
-            if task != self._end_queued_in:
-                self._end_queued_in = task
-                # Runs once the pass is done, before backward() returns (on a GPU on the
-                # autograd thread that finishes it, as DDP's end-of-backward work does):
-                # the handlers of AFTER_BACKWARD keep no per-thread state.
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+            # Once per pass, whatever the outputs; on a GPU on an autograd thread: the
+            # handlers of AFTER_BACKWARD keep no per-thread state.
+            self._backward_end.arm()
 
     def _backward_ends(self) -> None:
         """The script's ``loss.backward()`` is done: its gradients are averaged
         across ranks before it returns, so clipping them sees them synced (the flat
         all-reduce's own hooks also sync when the output was not reached)."""
-        self._end_queued_in = None
         session = self.session
         if session.state.clock.current == "backward":
             session.state.clock.switch("other")
