@@ -503,3 +503,18 @@ def test_a_set_that_breaks_a_section_is_named_not_the_files_line(tiny_scenario):
     assert "Value error" not in err and "{'policy'" not in err, err
     code, _, err = cli("check", scenario, "--set", "train.steps.x=1")
     assert code == 2 and "--set train.steps.x=1: train.steps:" in err, err
+
+
+def test_an_internal_error_whose_text_holds_brackets_is_printed_not_a_traceback(
+    tiny_scenario, monkeypatch
+):
+    """Seen in CI: a rank's gloo error ("... [/__w/.../pair.cc:553] Connection closed by
+    peer") was printed as rich markup, which raised MarkupError: a traceback."""
+    import overlapkit.cli
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("[/__w/pytorch/gloo/transport/tcp/pair.cc:553] Connection closed")
+
+    monkeypatch.setattr(overlapkit.cli, "load_scenario", broken)
+    code, _, err = cli("check", tiny_scenario())
+    assert code == 1 and "internal error" in err and "pair.cc:553] Connection closed" in err

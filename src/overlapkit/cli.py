@@ -338,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         if not error.filename or error.errno not in PATH_ERRORS:
             errors.print(
-                _internal_error(error, where.get("folder")), highlight=False, soft_wrap=True
+                _internal_error(error, where.get("folder")),
+                highlight=False,
+                markup=False,  # an error's text may hold brackets (gloo's "[/path.cc:553]")
+                soft_wrap=True,
             )
             return 1
         # A folder or file it was told to use and cannot (a file in its way, no permission).
@@ -352,7 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     except Exception as error:  # a bug: one line here, the traceback in a file
-        errors.print(_internal_error(error, where.get("folder")), highlight=False, soft_wrap=True)
+        errors.print(
+            _internal_error(error, where.get("folder")),
+            highlight=False,
+            markup=False,  # an error's text may hold brackets (gloo's "[/path.cc:553]")
+            soft_wrap=True,
+        )
         return 1
 
 
