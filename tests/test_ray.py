@@ -81,14 +81,15 @@ def sqlite(folder: Path) -> str:
     return f"sqlite:///{folder / 'study.db'}"
 
 
-def wait_for(condition, seconds: float, what: str):
+def wait_for(condition, seconds: float, what: str, log: Path | None = None):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(0.5)
-    pytest.fail(f"waited {seconds:g} s for {what}")
+    said = f"; the driver's log ends:\n{log.read_text()[-3000:]}" if log else ""
+    pytest.fail(f"waited {seconds:g} s for {what}{said}")
 
 
 def most_at_once(trials) -> int:
@@ -159,7 +160,7 @@ def test_a_machine_lost_mid_trial_fails_that_trial_and_the_study_completes(
             lives = [f / "run" / "live-steps.jsonl" for f in folders]
             return any(p.exists() and p.stat().st_size > 0 for p in lives)
 
-        wait_for(training, 240, "the first trial to train")
+        wait_for(training, 240, "the first trial to train", log)
         victim = cluster.workers.pop()
         cluster.cluster.remove_node(victim, allow_graceful=False)
         # What an autoscaler does: a new machine in its place, for the setting's retry.
@@ -201,12 +202,11 @@ def test_a_driver_killed_and_started_again_resumes_the_study(cluster, tiny_scena
     out = tmp_path / "tune"
     command = ["tune", str(path), "--ray", cluster.address, "--max-concurrent", "1"]
     command += ["--out", str(out)]
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "overlapkit", *command],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log = tmp_path / "tune.log"
+    with log.open("wb") as sink:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "overlapkit", *command], cwd=ROOT, stdout=sink, stderr=sink
+        )
     try:
 
         def one_done_one_running():
@@ -218,7 +218,7 @@ def test_a_driver_killed_and_started_again_resumes_the_study(cluster, tiny_scena
             running = [t for t in trials if t.state == TrialState.RUNNING and "pid" in t.user_attrs]
             return states.count(TrialState.COMPLETE) >= 1 and running
 
-        wait_for(one_done_one_running, 300, "one trial done and the next one running")
+        wait_for(one_done_one_running, 240, "one trial done and the next one running", log)
     finally:
         driver.send_signal(signal.SIGKILL)  # the driver alone: Ray cleans up after it
         driver.wait()

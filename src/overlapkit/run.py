@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .folders import claim, stamped
-from .launch.interrupt import RunInterrupted, stop_on_signals
+from .launch.interrupt import RunInterrupted, await_signal, stop_on_signals
 from .launch.local import NodePlace, launch_local, under_torchrun
 from .runtime import CombinationError, Session
 from .runtime.distributed import close_world, init_world
@@ -42,6 +42,7 @@ def rank_main(
     """One rank's whole run; the same under overlapkit's launcher and torchrun.
     SIGINT/SIGTERM end it with `RunInterrupted`, saying the step it reached."""
     session: Session | None = None
+    ranks = 1
     with stop_on_signals() as received:
         try:
             if scenario.framework == "tensorflow":  # the one place the framework is chosen
@@ -57,6 +58,7 @@ def rank_main(
                 timeout_s=scenario.world.timeout_s,
                 environment=partial(needed_environment, optimizations),
             )
+            ranks = world.world_size
             try:
                 said = deterministic_algorithms(world.device) if cfg.deterministic else None
                 seed_everything(cfg.seed)  # the same initial model on every rank
@@ -86,12 +88,18 @@ def rank_main(
                 if world.world_size > 1 and dist.is_initialized() and not world.adopted:
                     dist.destroy_process_group()  # after a failure: no barrier, a peer may be gone
                     gc.collect()  # free gloo's last work now, not in the interpreter's exit
-        except BaseException:
-            # An error a signal caused (a peer that left mid-collective) is the signal's.
+        except BaseException as error:
+            # An error a signal caused (a peer that left mid-collective) is the signal's;
+            # the launcher signals this rank a moment after the peer left.
+            if received.first is None and ranks > 1 and isinstance(error, Exception):
+                await_signal(received, PEER_SIGNAL_WAIT_S)
             if received.first is None:
                 raise
             step, checkpoint = session.stopped() if session is not None else (None, None)
             raise RunInterrupted(received.first, step, checkpoint) from None
+
+
+PEER_SIGNAL_WAIT_S = 3.0  # launchers poll their ranks every 0.1 s (torchrun, ours)
 
 
 def deterministic_algorithms(device: torch.device) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -63,6 +64,18 @@ class Received:
     @property
     def first(self) -> int | None:
         return self.signals[0] if self.signals else None
+
+
+def await_signal(received: Received, seconds: float) -> None:
+    """Wait up to ``seconds`` for a stop signal. A rank whose peer was interrupted sees
+    its collective fail ("connection closed by peer") a moment before its launcher,
+    which saw the peer leave, signals it too: that error is the signal's."""
+    deadline = time.monotonic() + seconds
+    try:
+        while received.first is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except RunInterrupted:
+        pass  # recorded in ``received``
 
 
 @contextmanager
