@@ -130,15 +130,19 @@ def train(
     if resume_from is not None:
         session.load(resume_from)
     evaluate_every = cfg.eval.every if eval_loader is not None else 0
-    for inputs, targets in session.steps(cfg.total_steps):
-        session.forward_backward(inputs, targets, F.cross_entropy)
-        session.optimizer_step()
-        if not session.state.is_sync_step:
-            continue
-        session.end_step()
-        if evaluate_every and session.state.step % evaluate_every == 0:
+    try:
+        for inputs, targets in session.steps(cfg.total_steps):
+            session.forward_backward(inputs, targets, F.cross_entropy)
+            session.optimizer_step()
+            if not session.state.is_sync_step:
+                continue
+            session.end_step()
+            if evaluate_every and session.state.step % evaluate_every == 0:
+                session.evaluate(eval_loader)
+        last = session.state.eval_results[-1]["step"] if session.state.eval_results else None
+        if eval_loader is not None and cfg.eval.at_end and last != session.state.step:
             session.evaluate(eval_loader)
-    last = session.state.eval_results[-1]["step"] if session.state.eval_results else None
-    if eval_loader is not None and cfg.eval.at_end and last != session.state.step:
-        session.evaluate(eval_loader)
+    except BaseException:
+        session.stopped()  # the progress bar and the step logs closed, not left to the GC
+        raise
     return session.finish()

@@ -45,11 +45,12 @@ LIVE_STEPS = "live-steps.jsonl"
 
 class LiveSteps:
     """Rank 0's steps appended to ``live-steps.jsonl`` as they finish, so that a
-    watcher (the tuner's pruner) can follow a run that is still going."""
+    watcher (the tuner's pruner) can follow a run that is still going. The file is
+    opened for each line (microseconds a step): a run that fails leaves no file open."""
 
     def __init__(self, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(run_dir / LIVE_STEPS, "a")  # noqa: SIM115 - open for the whole run
+        self._path = run_dir / LIVE_STEPS
 
     def write(self, record: dict[str, Any], samples_per_s: float) -> None:
         line = {
@@ -58,11 +59,11 @@ class LiveSteps:
             "step_time_s": record["step_time_s"],
             "samples_per_s": samples_per_s,  # all data-parallel replicas together
         }
-        self._file.write(json.dumps(line) + "\n")
-        self._file.flush()
+        with open(self._path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
-        self._file.close()
+        pass  # nothing is kept open
 
     @staticmethod
     def read_new(path: Path, offset: int) -> tuple[str, int]:

@@ -228,7 +228,11 @@ class Session(EpochLoop, SavedState):
             if self._in_step:  # a break in the script's loop: the step it finished
                 self.end_step()
             raise
-        # An exception (an interrupt too) leaves the step open: it did not happen.
+        except BaseException:
+            # The session failed (a checkpoint on a full disk, an interrupt): the step
+            # stays open (it did not happen); the progress bar and step logs close.
+            self._close_displays()
+            raise
 
     def _next_batch(self, loader: Any, iterator: Iterator[Any] | None) -> tuple[Any, Iterator[Any]]:
         for _attempt in range(2):
