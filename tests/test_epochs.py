@@ -5,6 +5,8 @@ resumed exactly, plain values, session.paused(), save/load in one format."""
 import json
 import sys
 import time
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -515,6 +517,42 @@ def test_a_loop_fetching_its_next_batch_before_it_updates_is_told(tmp_path):
     summary = session.finish()
     assert summary["optimizations"]["checkpoint"]["checkpoints"] == 0
     assert not Manifest(tmp_path / "checkpoints").read()
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_a_scripts_own_grad_scaler_is_checkpointed_or_said_not_to_be(tmp_path, registered):
+    """A script with its own GradScaler: registered, its scale is saved and restored;
+    not registered, a LoopWarning at the script's ``scaler.step`` and a note say the
+    resume cannot be exact (the scale would restart from its initial value)."""
+    model, optimizer, loader = parts()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    session = Session([Checkpoint(every=2)], run_dir=tmp_path, progress=False)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    session.start(**({"scaler": scaler} if registered else {}))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LoopWarning)
+        for x, y in loader:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # the line the warning points at
+            scaler.update()
+            optimizer.zero_grad()
+    summary = session.finish()
+    told = [w for w in said if "GradScaler is not checkpointed" in str(w.message)]
+    notes = [n for n in summary.get("notes", []) if "GradScaler" in n]
+    if registered:
+        assert not told and not notes
+        resumed = Session([Checkpoint(every=2)], run_dir=tmp_path, progress=False)
+        again = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+        resumed.prepare(*parts()[:2])
+        assert resumed.start(scaler=again).resumed_from is not None
+        assert again.get_scale() == scaler.get_scale() != 2.0**8
+    else:
+        assert len(told) == 1 and told[0].filename == __file__
+        line = Path(__file__).read_text().splitlines()[told[0].lineno - 1]
+        assert "scaler.step(optimizer)" in line
+        assert notes and "session.start(scaler=scaler)" in notes[0]
 
 
 def test_the_prepared_model_can_be_saved_whole_and_copied():

@@ -224,6 +224,20 @@ class EpochLoop:
             "loop (or use session.steps(n))"
         )
 
+    def check_script_scaler(self, scaler: Any) -> None:
+        """The script steps through its own GradScaler: unless it was registered, its
+        loss scale and growth tracker are not in the checkpoints."""
+        if scaler is None or not self.checkpointing or not scaler.is_enabled():
+            return
+        if any(obj is scaler for obj in self._stateful.values()):
+            return
+        message = (
+            "the script's GradScaler is not checkpointed: a resumed run starts from its "
+            "initial loss scale, not the saved one. Register it: session.start(scaler=scaler)"
+        )
+        self.notes.append(f"cannot resume exactly: {message}")
+        warn(message)
+
     def warn_loop_unseen(self) -> None:
         saving = " and no checkpoint is taken" if self.checkpointing else ""
         warn(

@@ -91,6 +91,7 @@ class PlainCalls:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.steps_outside = 0  # optimizer steps taken outside any session step
+        self._looked_for_scaler = False
         self._backward_end = BackwardEnd(self._backward_ends)
         self._handles: list[Any] = []
 
@@ -174,6 +175,9 @@ class PlainCalls:
                 session.warn_loop_unseen()
             return
         session.check_plain_step()
+        if not self._looked_for_scaler:  # once: the first step it did not skip
+            self._looked_for_scaler = True
+            session.check_script_scaler(_calling_scaler())
         if session.state.clock.current == "backward":
             session.state.clock.switch("other")
             session.scheduler.fire(Event.AFTER_BACKWARD, session.state)
@@ -183,6 +187,20 @@ class PlainCalls:
         if self.in_session_call or not self.session.in_step:
             return
         self.session.after_optimizer_step()
+
+
+def _calling_scaler() -> torch.amp.GradScaler | None:
+    """The script's GradScaler whose ``scaler.step(optimizer)`` called this optimizer
+    step, if one did (its frame is a few levels up: torch's step wrappers between)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.amp.GradScaler):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 class SessionHook:
