@@ -209,6 +209,16 @@ def test_a_ported_ddp_script_keeps_module_and_no_sync():
         assert rank["port"]["model"] == "DDPView"
         assert torch.allclose(rank["port"]["params"], rank["ddp"]["params"], atol=1e-6)
         assert rank["port"]["calls"] == 4  # the micro-batches under no_sync() waited
+        # A plain model accumulating under session.no_sync(): the same, once a step.
+        for way, calls in (("plain", 4), ("plain_synced", 8)):
+            assert rank[way]["model"] == "Sequential"
+            assert torch.allclose(rank[way]["params"], rank["ddp"]["params"], atol=1e-6)
+            assert rank[way]["calls"] == calls, way
+        # Under ddp_overlap's own DDP, session.no_sync() is that DDP's no_sync().
+        assert rank["plain_overlap"]["session_model"] == "DistributedDataParallel"
+        assert rank["overlap_flags"] == [False] * 4
+        overlap = rank["plain_overlap"]["params"]
+        assert torch.allclose(overlap, rank["ddp"]["params"], atol=1e-6)
 
 
 def test_backwards_that_miss_the_hooked_output_are_still_synced():

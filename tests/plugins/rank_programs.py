@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -150,38 +151,54 @@ def clipped_training(ways: list[str], steps: int = 5) -> dict[str, dict[str, Any
 def ddp_script_accumulating(steps: int = 4) -> dict[str, dict[str, Any]]:
     """In one 2-rank group, a DDP script that accumulates two micro-batches per step
     under ``model.no_sync()``, clips, and reads ``model.module``: as written (``ddp``)
-    and ported (``port``: the same lines after `Session.prepare`). Returns each one's
-    final parameters, the type of the model it trained and, for the port, the flat
-    all-reduce's calls."""
+    and ported (``port``: the same lines after `Session.prepare`); and a script with a
+    plain model accumulating under ``session.no_sync()`` (``plain``) and without it
+    (``plain_synced``). Returns each one's final parameters, the type of the model it
+    trained and, for the ports, the flat all-reduce's calls."""
     world = init_world("cpu", "gloo")
     results: dict[str, dict[str, Any]] = {}
     try:
-        for way in ("ddp", "port"):
+        for way in ("ddp", "port", "plain", "plain_synced", "plain_overlap"):
             seed_everything(0)
-            model = nn.parallel.DistributedDataParallel(mlp())
+            plain = way.startswith("plain")
+            model = mlp() if plain else nn.parallel.DistributedDataParallel(mlp())
             dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=0)
             loader: Any = ResumableLoader(
                 dataset, 8, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
             )
             optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-            session = Session([], device="cpu") if way == "port" else None
+            overlap = [get_optimization("ddp_overlap")(1.0)] if way == "plain_overlap" else []
+            session = Session(overlap, device="cpu") if way != "ddp" else None
             if session is not None:
                 model, optimizer, loader = session.prepare(model, optimizer, loader)
             batches = iter(loader)
             for _ in range(steps):
                 optimizer.zero_grad()
-                with model.no_sync():
+                if way in ("plain", "plain_overlap"):
+                    waiting = session.no_sync()
+                elif way == "plain_synced":
+                    waiting = contextlib.nullcontext()
+                else:
+                    waiting = model.no_sync()
+                with waiting:
+                    if way == "plain_overlap":  # DDP's own flag, inside the block
+                        flag = session.state.model.require_backward_grad_sync
+                        results.setdefault("overlap_flags", []).append(flag)
                     inputs, targets = next(batches)
                     nn.functional.cross_entropy(model(inputs), targets).backward()
                 inputs, targets = next(batches)
                 nn.functional.cross_entropy(model(inputs), targets).backward()
-                nn.utils.clip_grad_norm_(model.module.parameters(), 0.05)
+                inner = model if plain else model.module
+                nn.utils.clip_grad_norm_(inner.parameters(), 0.05)
                 optimizer.step()
             results[way] = {"model": type(model).__name__}
             if session is not None:
                 batches.close()
-                results[way]["calls"] = session.finish()["grad_sync"]["calls"]
-            params = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+                results[way]["calls"] = session.finish().get("grad_sync", {}).get("calls")
+            if session is not None:
+                results[way]["session_model"] = type(session.state.model).__name__
+            inner = model if plain else model.module
+            params = torch.cat([p.detach().reshape(-1) for p in inner.parameters()])
             results[way]["params"] = params
         return results
     finally:

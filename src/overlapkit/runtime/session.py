@@ -317,9 +317,28 @@ class Session(EpochLoop, SavedState):
         every rank takes rank 0's buffers (batch-norm statistics), as under DDP."""
         state = self.state
         state.update_pending = state.optimizer is not None
+        state.sync_on_backward = not state.in_no_sync  # read at the forward, as DDP's flag
         if self._grad_sync is not None and self._grad_sync.buffers:
             with state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
                 self._grad_sync.broadcast_buffers()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``model.no_sync()`` for whatever model the session trains (a script
+        accumulating micro-batches with a plain model): the backward of a forward run
+        inside is not synced when it ends; a later backward's sync, or the optimizer
+        step, takes its gradients along."""
+        model = self.state.model
+        if isinstance(model, DistributedDataParallel):  # ddp_overlap's own DDP
+            with model.no_sync():
+                yield
+            return
+        state = self.state
+        outer, state.in_no_sync = state.in_no_sync, True
+        try:
+            yield
+        finally:
+            state.in_no_sync = outer
 
     @contextmanager
     def _session_call(self) -> Iterator[None]:

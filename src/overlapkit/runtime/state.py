@@ -66,6 +66,8 @@ class State:
     run_dir: Path | None = None
     zero_grad_in_place: bool = False  # gradients are views of a flat buffer: keep them
     script_ddp: Any = None  # the `DDPView` a script that wrapped its model in DDP trains
+    in_no_sync: bool = False  # inside the script's `Session.no_sync()` block
+    sync_on_backward: bool = True  # as the last training forward found `in_no_sync`
     in_session_call: bool = False  # a Session call (forward, backward...) is running
     # A training forward ran since the last optimizer step: a step boundary now falls
     # inside an update (a script accumulating batches itself, or fetching its next
@@ -101,9 +103,11 @@ class State:
     @property
     def sync_wanted(self) -> bool:
         """Gradients are to be synced when this backward ends: the last micro-batch of
-        a step, and not under the script's own ``model.no_sync()``."""
+        a step, and not under the script's ``model.no_sync()`` or ``session.no_sync()``."""
         view = self.script_ddp
-        return self.is_sync_step and (view is None or view.sync_on_backward)
+        return (
+            self.is_sync_step and self.sync_on_backward and (view is None or view.sync_on_backward)
+        )
 
     @property
     def is_sync_step(self) -> bool:
