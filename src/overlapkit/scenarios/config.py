@@ -218,6 +218,11 @@ class Scenario(Config):
     def device_type(self) -> str:
         return resolve_device(self.world.device)
 
+    @property
+    def setup(self) -> tuple[int, str, str]:
+        """(ranks, device type, back end): what decides which knob values can run."""
+        return self.world.ranks, self.device_type, self.backend
+
     def check_setup(self, world_size: int | None = None, gpus_here: bool = True) -> None:
         """Let every optimization check this set-up before any process starts
         (``world_size`` when something else, like torchrun, decides it), and on GPUs

@@ -88,7 +88,7 @@ def _tune(scenario: Scenario) -> list[tuple[str, str]]:
     search, narrowed = runnable_search(
         scenario.tune.search,
         optimizations,
-        (scenario.world.ranks, scenario.device_type, scenario.backend),
+        scenario.setup,
     )
     tune = scenario.tune.model_copy(update={"search": search})
     if not optimizations:  # as `tune` does: every built-in one that applies

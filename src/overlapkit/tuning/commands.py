@@ -53,7 +53,7 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     settings["search"], left_out = runnable_search(
         scenario.tune.search,
         scenario.optimizations,
-        (scenario.world.ranks, scenario.device_type, scenario.backend),
+        scenario.setup,
     )
     for note in left_out:
         Console(stderr=True).print(f"tune: {note}", highlight=False, soft_wrap=True)
