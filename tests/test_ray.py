@@ -162,6 +162,7 @@ def test_a_machine_lost_mid_trial_fails_that_trial_and_the_study_completes(
 
         wait_for(training, 240, "the first trial to train", log)
         victim = cluster.workers.pop()
+        gone = victim.node_id
         cluster.cluster.remove_node(victim, allow_graceful=False)
         # What an autoscaler does: a new machine in its place, for the setting's retry.
         cluster.workers.append(cluster.cluster.add_node(**NODE))
@@ -184,6 +185,13 @@ def test_a_machine_lost_mid_trial_fails_that_trial_and_the_study_completes(
 
     ray.init(address=cluster.address, log_to_driver=False)
     try:
+        # The cluster counts the lost machine out (its health checks fail for seconds
+        # after it died): until then the next test's trials could be placed on it.
+        wait_for(
+            lambda: not [n for n in ray.nodes() if n["NodeID"] == gone and n["Alive"]],
+            120,
+            "the cluster to count the lost machine out",
+        )
         wait_for(
             lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"],
             60,
