@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .state import temporarily
+
 
 def broadcast_model(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
     """Start every rank (of ``group``) from global rank ``src``'s parameters and buffers."""
@@ -160,11 +162,8 @@ class DDPView(nn.Module):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
-        try:
+        with temporarily(self, "require_backward_grad_sync", False):
             yield
-        finally:
-            self.require_backward_grad_sync = before
 
 
 def _device(tensors: list[torch.Tensor]) -> torch.device:

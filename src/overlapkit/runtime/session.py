@@ -58,7 +58,7 @@ from .report import LiveSteps, print_summary, write_run_files
 from .saved_state import SavedState
 from .scheduler import Scheduler
 from .script import PlainCalls, PlainValues, Start, StepLoader, note
-from .state import State
+from .state import State, temporarily
 from .steplog import PendingStep, StepLog
 from .tensorboard import TensorBoardSteps
 from .timing import AsyncScalar
@@ -333,22 +333,14 @@ class Session(EpochLoop, SavedState):
             with model.no_sync():
                 yield
             return
-        state = self.state
-        outer, state.in_no_sync = state.in_no_sync, True
-        try:
+        with temporarily(self.state, "in_no_sync", True):
             yield
-        finally:
-            state.in_no_sync = outer
 
     @contextmanager
     def _session_call(self) -> Iterator[None]:
         """The session fires this call's events itself: the script-call hooks stand aside."""
-        state = self.state
-        outer, state.in_session_call = state.in_session_call, True
-        try:
+        with temporarily(self.state, "in_session_call", True):
             yield
-        finally:
-            state.in_session_call = outer
 
     def forward_backward(
         self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]

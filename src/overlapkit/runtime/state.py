@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,17 @@ from typing import Any
 from .arbitration import ArbitrationPolicy
 from .distributed import World
 from .metrics import PhaseClock
+
+
+@contextmanager
+def temporarily(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """``obj.<name>`` is ``value`` inside the block and what it was after it."""
+    before = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, before)
 
 
 @dataclass(frozen=True)
