@@ -94,6 +94,20 @@ def test_steps_cycle_epochs_of_a_plain_loader_and_record_warmup():
     assert node["ranks"] == [0] and node["cpu_cores"] >= 1 and node["torch"] == torch.__version__
 
 
+def test_a_session_keeps_the_thread_count_the_script_chose():
+    """A script that set one thread computes as it did: a session raising it to the
+    machine's share changed its results in the last bits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        session = Session([], device="cpu")
+        assert torch.get_num_threads() == 1
+        session.finish()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_fp16_needs_a_gpu_and_bf16_autocasts_on_cpu():
     with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
         Session(device="cpu", precision="fp16")

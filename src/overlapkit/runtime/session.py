@@ -98,9 +98,13 @@ class Session(EpochLoop, SavedState):
         check_session_arguments(optimizations, policy, device, precision, warmup_steps, accumulate)
         # A process group this session starts, it also closes (in `finish`).
         self._owns_world = world is None and not torch.distributed.is_initialized()
+        threads = torch.get_num_threads()
         self.world = world or init_world(
             device, environment=partial(needed_environment, optimizations)
         )
+        # Never more threads than the script chose (torch.set_num_threads, torchrun's
+        # OMP_NUM_THREADS): a port computes as the script did, bit for bit.
+        torch.set_num_threads(min(threads, torch.get_num_threads()))
         self.notes: list[str] = []
         optimizations = self._drop_single_process_noops(optimizations)
         self.scheduler = Scheduler(optimizations, policy)
