@@ -20,8 +20,9 @@ def make_parts(seed=0):
     return model, optimizer, loader
 
 
-def train(session, model, optimizer, loader, total):
-    model, optimizer, loader = session.prepare(model, optimizer, loader)
+def train(session, model, optimizer, loader, total, prepare=True):
+    if prepare:
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
     losses = []
     for inputs, targets in session.steps(total):
         with session.forward():
@@ -47,10 +48,10 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     seed_everything(123)  # the restored RNG state must win over whatever came before
     second = Session()
     model, optimizer, loader = make_parts(seed=0)
-    second.prepare(model, optimizer, loader)
+    model, optimizer, prepared = second.prepare(model, optimizer, loader)
     second.load(tmp_path / "ckpt")
     assert second.state.step == 7 and loader.state_dict() == {"epoch": 1, "position": 2}
-    after = train(second, model, optimizer, loader, total=12)
+    after = train(second, model, optimizer, prepared, total=12, prepare=False)
 
     assert before + after == straight
     for a, b in zip(model.parameters(), straight_model.parameters(), strict=True):
@@ -170,6 +171,16 @@ def test_session_calls_out_of_order_say_what_to_call():
         session.prepare(model, torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), loader)
     with pytest.raises(ValueError, match="steps\\(\\) takes a whole number of steps"):
         next(iter(Session(device="cpu").steps(-3)))
+    # A GAN's two models and optimizers: one is prepared, the others registered.
+    other, other_optimizer = nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), 0.1)
+    with pytest.raises(TypeError, match="takes one model and its optimizer.*got tuple"):
+        Session(device="cpu").prepare((model, other), optimizer, loader)
+    with pytest.raises(TypeError, match="takes one model and its optimizer.*got list"):
+        Session(device="cpu").prepare(model, [optimizer, other_optimizer], loader)
+    session = Session(device="cpu")
+    session.prepare(model, optimizer, loader)
+    with pytest.raises(RuntimeError, match="already called.*session.start\\(netD=netD"):
+        session.prepare(other, other_optimizer)
 
 
 def test_a_generator_used_up_after_one_epoch_is_said_not_trained_on_silently():

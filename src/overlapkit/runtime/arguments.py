@@ -9,6 +9,7 @@ from typing import Any, get_args
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .arbitration import ArbitrationPolicy
 from .optimization import Optimization
@@ -69,6 +70,25 @@ def _at_least(value: Any, least: int) -> bool:
         return operator.index(value) >= least
     except TypeError:
         return False
+
+
+ONE_MODEL = (
+    "prepare() takes one model and its optimizer: the one whose optimizer.step() ends "
+    "each step. Register the others for checkpointing instead, e.g. "
+    "session.start(netD=netD, optimizerD=optimizerD)"
+)
+
+
+def check_prepare_arguments(model: Any, optimizer: Any, prepared: bool) -> None:
+    """One model and one optimizer per session, prepared once."""
+    if prepared:
+        raise RuntimeError(f"prepare() was already called: {ONE_MODEL}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{ONE_MODEL}; got {type(model).__name__} for the model")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{ONE_MODEL}; got {type(optimizer).__name__} for the optimizer")
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    check_optimizer_of(inner, optimizer)
 
 
 def check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

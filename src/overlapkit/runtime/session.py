@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .arbitration import ArbitrationPolicy
-from .arguments import check_optimizer_of, check_session_arguments, check_total_steps
+from .arguments import check_prepare_arguments, check_session_arguments, check_total_steps
 from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
 from .epochs import USED_UP, EpochLoop
@@ -167,9 +167,9 @@ class Session(EpochLoop, SavedState):
         returned runs one epoch of steps when iterated (`epoch`); ``lr_scheduler`` is
         stepped after every optimizer step (register one stepped per epoch with
         `register_for_checkpointing` or `start` instead)."""
+        check_prepare_arguments(model, optimizer, prepared=self._raw_model is not None)
         came_in_ddp = isinstance(model, DistributedDataParallel)
         model = self._unwrapped(model)
-        check_optimizer_of(model, optimizer)
         loader = self._resumable(loader)
         model = model.to(self.world.device)
         state = self.state
