@@ -555,6 +555,62 @@ def test_a_scripts_own_grad_scaler_is_checkpointed_or_said_not_to_be(tmp_path, r
         assert notes and "session.start(scaler=scaler)" in notes[0]
 
 
+def gan(run_dir, register_g=True, stop_after=None):
+    """DCGAN's loop: a discriminator step (real, then a detached fake), then a
+    generator step through the discriminator. The discriminator is prepared; the
+    generator and its optimizer are registered (or, ``register_g=False``, only the
+    generator). Two epochs of 6 steps; a checkpoint every 3 steps, none at the end."""
+    torch.manual_seed(0)
+    real = DataLoader(TensorDataset(torch.randn(24, 4) + 2), batch_size=4, shuffle=True)
+    net_d = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    net_g = nn.Linear(3, 4)
+    opt_d = torch.optim.Adam(net_d.parameters(), lr=0.01)
+    opt_g = torch.optim.Adam(net_g.parameters(), lr=0.01)
+    bce = nn.BCEWithLogitsLoss()
+    session = Session([Checkpoint(every=3, final=False)], run_dir=run_dir, progress=False)
+    net_d, opt_d, real = session.prepare(net_d, opt_d, real)
+    start = session.start(net_g=net_g, **({"opt_g": opt_g} if register_g else {}))
+    steps = 0
+    for _epoch in range(start.epoch, 2):
+        for (batch,) in real:
+            net_d.zero_grad()
+            bce(net_d(batch), torch.ones(4, 1)).backward()
+            fake = net_g(torch.randn(4, 3))
+            bce(net_d(fake.detach()), torch.zeros(4, 1)).backward()
+            opt_d.step()
+            net_g.zero_grad()
+            bce(net_d(fake), torch.ones(4, 1)).backward()
+            opt_g.step()
+            steps += 1
+            if steps == stop_after:
+                break
+        if steps == stop_after:
+            break
+    summary = session.finish()
+    params = torch.cat([p.detach().reshape(-1) for p in [*net_d.parameters(), *net_g.parameters()]])
+    return start, summary, params
+
+
+def test_a_gan_with_its_second_optimizer_registered_resumes_exactly(tmp_path):
+    """The generator's step runs the prepared discriminator after its optimizer step:
+    the registered generator optimizer's step ends that update, so checkpoints are
+    taken (none were: every boundary looked like one inside an update) and a resume
+    equals the uninterrupted run."""
+    _, _, straight = gan(tmp_path / "straight")
+    _, summary, _ = gan(tmp_path / "run", stop_after=8)
+    assert summary["optimizations"]["checkpoint"]["checkpoints"] == 2  # steps 3 and 6
+    start, _, resumed = gan(tmp_path / "run")
+    assert start.step == 6 and start.resumed_from is not None
+    assert torch.equal(resumed, straight)
+
+
+def test_a_gan_whose_second_optimizer_is_not_registered_is_told(tmp_path):
+    with pytest.warns(LoopWarning, match="no checkpoint taken by step 6.*session.start") as said:
+        _, summary, _ = gan(tmp_path, register_g=False)
+    assert said[0].filename == __file__
+    assert summary["optimizations"]["checkpoint"]["checkpoints"] == 0
+
+
 def test_the_prepared_model_can_be_saved_whole_and_copied():
     """torch.save(model) (as word_language_model saves its best model) failed while the
     session ran: the session's hooks pickled the session. Copies get inert hooks."""

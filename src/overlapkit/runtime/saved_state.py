@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng
 from .script import Start, note
@@ -26,6 +28,8 @@ class SavedState:
             )
         if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
             self._stateful[name] = obj
+            if isinstance(obj, torch.optim.Optimizer):  # a second model's (a GAN's)
+                self._plain_calls.watch_update(obj)
         elif isinstance(obj, dict):
             self._stateful[name] = _DictState(obj)
         elif callable(obj):

@@ -107,6 +107,15 @@ class PlainCalls:
             self._handles.append(optimizer.register_step_pre_hook(SessionHook(self._before_step)))
             self._handles.append(optimizer.register_step_post_hook(SessionHook(self._after_step)))
 
+    def watch_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """A registered optimizer (a second model's): its step also ends an update, so
+        a GAN's step boundary after its generator's step is one a checkpoint resumes at."""
+        self._handles.append(optimizer.register_step_post_hook(SessionHook(self._update_done)))
+
+    def _update_done(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.session.in_step:
+            self.session.state.update_pending = False
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

@@ -18,6 +18,7 @@ from typing import Any
 from ...folders import stamped, unused
 from ...runtime import Demand, Knob, Optimization, Resource, State, register_optimization
 from ...runtime.distributed import all_gather_objects
+from ...runtime.script import warn
 from ...runtime.timing import Marks
 from .coordination import Collectives, Domains, probe_domains
 from .persister import Persister, split_state
@@ -29,6 +30,16 @@ from .store import MANIFEST, CheckpointError, Manifest, step_dir
 # In auto mode the ranks agree on when to checkpoint by a vote cast this many
 # steps ahead, so that the training thread never waits for it.
 VOTE_AHEAD = 2
+
+
+STARVED = (
+    "no checkpoint taken by step %d: every step boundary since one came due fell "
+    "inside an update (a training forward of the prepared model, and no optimizer "
+    "step after it), where a checkpoint could not resume exactly. A second model's "
+    "optimizer stepping after the prepared one's (a GAN's generator step runs the "
+    "prepared discriminator)? Register it: session.start(optimizerG=optimizerG). "
+    "The same holds for a loop that fetches its next batch before it updates"
+)
 
 
 @register_optimization
@@ -103,6 +114,7 @@ class Checkpoint(Optimization):
         self._last_step = -1
         self._owed = False  # a checkpoint came due inside an update: take it at the next boundary
         self._deferred = 0  # checkpoints that came due inside an update
+        self._told_starved = False
         self._step_started = 0.0
         # Each checkpoint's stalls, as marks (on a GPU: CUDA events, so that a stall is
         # the time the device waited, read later): its snapshot and its wait before the
@@ -262,6 +274,9 @@ class Checkpoint(Optimization):
             # The step boundary falls inside an update (the script accumulates batches
             # itself, or fetched this batch before its update): taken at the first one
             # that follows an optimizer step instead.
+            if due and self._owed and not self._told_starved:
+                self._told_starved = True  # a whole interval passed without one
+                warn(STARVED % state.step)
             self._owed = True
             self._deferred += due
             return
@@ -311,7 +326,8 @@ class Checkpoint(Optimization):
             self.errors.append(
                 f"{self._deferred} checkpoint(s) came due inside an update (a step boundary "
                 "between a forward and its optimizer step: the script accumulates batches "
-                "itself, or fetches its next batch before it updates) and waited for the "
+                "itself, fetches its next batch before it updates, or steps a second "
+                "optimizer it did not register) and waited for the "
                 "next boundary after an optimizer step"
                 + ("; none came, so none was taken" if self._owed else "")
             )
