@@ -555,6 +555,27 @@ def test_a_scripts_own_grad_scaler_is_checkpointed_or_said_not_to_be(tmp_path, r
         assert notes and "session.start(scaler=scaler)" in notes[0]
 
 
+def test_a_schedule_both_the_session_and_the_script_step_is_stepped_once():
+    """A port that passed its per-iteration schedule to prepare() and kept its own
+    scheduler.step(): the updates use the script's learning rates (0.1, 0.05, ...;
+    stepped twice they halved twice per update), and a LoopWarning says why."""
+    model, optimizer, loader = parts()  # 5 batches
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    session = Session([], progress=False)
+    model, optimizer, loader = session.prepare(model, optimizer, loader, lr_scheduler=schedule)
+    used = []  # the rate each update uses (a hook after the session's own)
+    optimizer.register_step_pre_hook(lambda opt, *_: used.append(opt.param_groups[0]["lr"]))
+    with pytest.warns(LoopWarning, match="steps the LR schedule it gave to session.prepare"):
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            schedule.step()
+    session.finish()
+    assert used == pytest.approx([0.1 * 0.5**k for k in range(5)])
+    assert schedule.last_epoch == 5
+
+
 def gan(run_dir, register_g=True, stop_after=None):
     """DCGAN's loop: a discriminator step (real, then a detached fake), then a
     generator step through the discriminator. The discriminator is prepared; the

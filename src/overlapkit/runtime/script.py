@@ -4,6 +4,7 @@ loader whose iteration is the steps, and the step events of the script's own
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -196,6 +197,49 @@ class PlainCalls:
         if self.in_session_call or not self.session.in_step:
             return
         self.session.after_optimizer_step()
+
+
+class PreparedSchedule:
+    """Steps the LR schedule given to `Session.prepare` after each optimizer step. A
+    port that kept the script's own ``scheduler.step()`` would step it twice per
+    update: before the next optimizer step the session's steps are undone (the
+    schedule and the learning rates as before its last one), the script's kept, a
+    `LoopWarning` says so, and from then on the script steps it alone."""
+
+    def __init__(self, schedule: Any, optimizer: torch.optim.Optimizer) -> None:
+        self.schedule, self.optimizer = schedule, optimizer
+        self.by_session = True
+        self._before: tuple[dict[str, Any], list[Any]] | None = None
+        self._stepped_to = 0
+
+    def step(self) -> None:
+        if not self.by_session:
+            return
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self._before = (copy.deepcopy(self.schedule.state_dict()), lrs)
+        self.schedule.step()
+        self._stepped_to = self.schedule.last_epoch
+
+    def check(self) -> None:
+        """Before an optimizer step: did the script step the schedule since ours?"""
+        if self._before is None or not self.by_session:
+            return
+        extra = self.schedule.last_epoch - self._stepped_to
+        if extra <= 0:
+            return
+        saved, lrs = self._before
+        self.schedule.load_state_dict(saved)
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        for _ in range(extra):
+            self.schedule.step()
+        self.by_session = False
+        warn(
+            "the script steps the LR schedule it gave to session.prepare(), which steps it "
+            "after every optimizer step too: the session's steps were undone and the "
+            "script's own scheduler.step() steps it from now on (pass it to prepare() or "
+            "step it in the script, not both)"
+        )
 
 
 def _calling_scaler() -> torch.amp.GradScaler | None:

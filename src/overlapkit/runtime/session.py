@@ -57,7 +57,7 @@ from .progress import ProgressBar
 from .report import LiveSteps, print_summary, write_run_files
 from .saved_state import SavedState
 from .scheduler import Scheduler
-from .script import PlainCalls, PlainValues, Start, StepLoader, note
+from .script import PlainCalls, PlainValues, PreparedSchedule, Start, StepLoader, note
 from .state import State, temporarily
 from .steplog import PendingStep, StepLog
 from .tensorboard import TensorBoardSteps
@@ -147,6 +147,7 @@ class Session(EpochLoop, SavedState):
         self._told_fetch_ahead = False
         self._values = PlainValues()
         self._plain_calls = PlainCalls(self)
+        self._schedule: PreparedSchedule | None = None
         self._step_samples = 0
         self._micro_losses: list[torch.Tensor] = []
 
@@ -175,6 +176,8 @@ class Session(EpochLoop, SavedState):
         state = self.state
         state.model, state.optimizer, state.loader = model, optimizer, loader
         state.lr_scheduler = lr_scheduler
+        if lr_scheduler is not None and optimizer is not None:
+            self._schedule = PreparedSchedule(lr_scheduler, optimizer)
         self.scheduler.wrap(state)
         self._raw_model = state.local_model  # this rank's part of the model, unwrapped
         dp = state.dp
@@ -434,6 +437,8 @@ class Session(EpochLoop, SavedState):
         """Sync gradients if the end of backward did not (a backward the session did
         not see); BEFORE_OPTIMIZER_STEP."""
         state = self.state
+        if self._schedule is not None:
+            self._schedule.check()
         self.sync_gradients()
         self.scheduler.fire(Event.BEFORE_OPTIMIZER_STEP, state)
         state.clock.switch("optimizer")
@@ -443,8 +448,8 @@ class Session(EpochLoop, SavedState):
         state = self.state
         state.update_pending = False
         self._optimizer_steps += 1
-        if state.lr_scheduler is not None:
-            state.lr_scheduler.step()
+        if self._schedule is not None:
+            self._schedule.step()
         state.clock.switch("other")
         self.scheduler.fire(Event.AFTER_OPTIMIZER_STEP, state)
 
