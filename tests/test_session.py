@@ -271,9 +271,10 @@ def test_backwards_that_miss_the_hooked_output_are_still_synced():
 
 
 def test_batchnorm_statistics_are_rank_zeros_as_under_ddp():
-    """DDP broadcasts rank 0's buffers before each training forward; the flat all-reduce
-    averaged them, so a port's batch-norm statistics (and its evaluation) parted from
-    the DDP script's (found porting pytorch/examples' imagenet)."""
+    """DDP broadcasts rank 0's buffers before a forward that follows a training one
+    (an evaluation's too); the flat all-reduce averaged them, so a port's batch-norm
+    statistics (and its evaluation) parted from the DDP script's (found porting
+    pytorch/examples' imagenet, and a loop validating every few steps)."""
     import sys
     from pathlib import Path
 
@@ -282,6 +283,12 @@ def test_batchnorm_statistics_are_rank_zeros_as_under_ddp():
 
     from overlapkit.launch.local import launch_local
 
-    for rank in launch_local(batchnorm_statistics, 2, 4).values():
+    ranks = launch_local(batchnorm_statistics, 2, 4)
+    for rank in ranks.values():
         assert torch.equal(rank["port"], rank["ddp"])
         assert torch.equal(rank["no_overlap"], rank["ddp"])
+        # An evaluation after training uses rank 0's statistics on every rank, as under
+        # DDP (the port's rank 1 evaluated with its own: validation losses differed).
+        for way in ("port", "no_overlap"):
+            assert torch.equal(rank[f"{way}/eval"], rank["ddp/eval"]), way
+    assert torch.equal(ranks[0]["ddp/eval"], ranks[1]["ddp/eval"])

@@ -287,6 +287,12 @@ def batchnorm_statistics(steps: int = 4) -> dict[str, torch.Tensor]:
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(model(x), y).backward()
                 optimizer.step()
+            # The script's evaluation: under DDP its first forward takes rank 0's buffers.
+            model.eval()
+            with torch.no_grad():
+                torch.manual_seed(7)
+                results[f"{way}/eval"] = model(torch.randn(8, 6))
+            model.train()
             if way != "ddp":
                 session.finish()
             results[way] = torch.cat(

@@ -50,8 +50,9 @@ class BackwardEnd:
 
 class FlatAllReduce:
     """Averages gradients across ranks with one all-reduce of one flat buffer; the
-    module's buffers (batch-norm statistics) are rank ``src``'s, broadcast at each
-    training forward (`broadcast_buffers`), as DDP's are.
+    module's buffers (batch-norm statistics) are rank ``src``'s, broadcast before a
+    forward that follows a synced training forward (`buffers_before_forward`), as
+    DDP's are: an evaluation after training sees rank 0's statistics on every rank.
 
     The gradients live in that buffer as views, so nothing is copied before or
     after the all-reduce, provided they are zeroed in place rather than set to
@@ -75,6 +76,7 @@ class FlatAllReduce:
         self.group, self.src = group, src
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = list(model.buffers())
+        self.buffers_due = True  # DDP's require_forward_param_sync: broadcast them first
         self.world_size = world_size
         tensors = self.params
         dtype = tensors[0].dtype if tensors else torch.float32
@@ -117,6 +119,14 @@ class FlatAllReduce:
         self.calls += 1
         self.dirty = False
         self.flat /= self.world_size
+
+    def buffers_before_forward(self, then_due: bool) -> None:
+        """DDP's rule, before each forward: take rank ``src``'s buffers if the forward
+        before was a training one whose backward syncs (the first one too); this
+        forward's own kind (``then_due``) decides for the next."""
+        if self.buffers and self.buffers_due:
+            self.broadcast_buffers()
+        self.buffers_due = then_due
 
     @torch.no_grad()
     def broadcast_buffers(self) -> None:

@@ -135,11 +135,14 @@ class PlainCalls:
     # ----------------------------------------------------------- forward
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if not self._plain(module):
+            session = self.session
+            if not self.in_session_call and session.state.clock.current != "backward":
+                session.other_forward_starts()  # an evaluation: rank 0's buffers
             return
         self.session.check_plain_forward()
         state = self.session.state
-        self.session.scheduler.fire(Event.BEFORE_FORWARD, state)
         self.session.training_forward_starts()
+        self.session.scheduler.fire(Event.BEFORE_FORWARD, state)
         state.clock.switch("forward")
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -310,8 +310,8 @@ class Session(EpochLoop, SavedState):
     @contextmanager
     def forward(self) -> Iterator[None]:
         """Run the forward pass (and loss) inside this block, under autocast if set."""
-        self.scheduler.fire(Event.BEFORE_FORWARD, self.state)
         self.training_forward_starts()
+        self.scheduler.fire(Event.BEFORE_FORWARD, self.state)
         clock = self.state.clock
         clock.switch("forward")
         with self.precision.autocast(), self._session_call():
@@ -327,7 +327,15 @@ class Session(EpochLoop, SavedState):
         state.sync_on_backward = not state.in_no_sync  # read at the forward, as DDP's flag
         if self._grad_sync is not None and self._grad_sync.buffers:
             with state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
-                self._grad_sync.broadcast_buffers()
+                self._grad_sync.buffers_before_forward(then_due=state.sync_wanted)
+
+    def other_forward_starts(self) -> None:
+        """A forward that is not a training step's (evaluation, under no_grad, outside
+        the steps): as under DDP, it takes rank 0's buffers first when a training
+        forward ran since they were last taken."""
+        flat = self._grad_sync or getattr(self.scheduler.provider("grad_sync"), "flat", None)
+        if flat is not None and flat.buffers:
+            flat.buffers_before_forward(then_due=torch.is_grad_enabled() and self.state.sync_wanted)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -365,8 +373,8 @@ class Session(EpochLoop, SavedState):
             self.backward(loss)
             return loss
         state = self.state
-        self.scheduler.fire(Event.BEFORE_FORWARD, state)
         self.training_forward_starts()
+        self.scheduler.fire(Event.BEFORE_FORWARD, state)
         state.clock.switch("forward")
         with self.precision.autocast(), self._session_call():
             loss = runner.forward_backward(state, inputs, targets, loss_fn)

@@ -273,10 +273,16 @@ class DDPOverlap(Optimization):
         while self._unread and self._unread[0].ready():
             self._read(self._unread.popleft())
 
+    @property
+    def flat(self) -> FlatAllReduce | None:
+        """The no_overlap baseline's all-reduce (None under DDP): evaluation forwards
+        take rank 0's buffers through it too."""
+        return self._flat
+
     def on_before_forward(self, state: State) -> None:
         if self._flat is not None and self._flat.buffers:  # rank 0's, as DDP broadcasts them
             with state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
-                self._flat.broadcast_buffers()
+                self._flat.buffers_before_forward(then_due=state.sync_wanted)
         if self.ddp is not None and state.accumulate > 1:
             # Skip the all-reduce on all but the last micro-batch of a step.
             self.ddp.require_backward_grad_sync = state.is_sync_step
