@@ -99,3 +99,41 @@ def test_deterministic_runs_repeat_their_losses_exactly(tiny_scenario, tmp_path)
         assert not any("deterministic" in note for note in summary.get("notes", []))
         runs.append(step_losses(tmp_path / name))
     assert runs[0] == runs[1] and len(runs[0]) == 8  # warm-up steps included
+
+
+def test_a_folder_that_is_not_a_run_is_not_written_into(tiny_scenario, tmp_path):
+    """``--out .`` from the user's project folder wrote the resolved scenario over
+    their own (comments gone), and a folder of other files got a run's files mixed in."""
+    from conftest import run_cli
+
+    scenario = tiny_scenario()  # tmp_path/scenario.yaml, the user's own
+    text = scenario.read_text()
+    over = run_cli("run", scenario, "--out", tmp_path)
+    assert over.returncode == 2 and "over " in over.stderr and "itself" in over.stderr
+    assert scenario.read_text() == text
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    mixed = run_cli("run", scenario, "--out", mine)
+    assert mixed.returncode == 2 and "holds notes.txt, and no earlier run" in mixed.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert "Traceback" not in over.stderr + mixed.stderr
+
+
+def test_resume_continues_the_newest_run_with_checkpoints(tiny_scenario, tmp_path):
+    """A run of the same name without checkpoints, made since, is not the one resumed
+    (--resume picked it, then told the user to start over there with --fresh)."""
+    from conftest import TINY_SCENARIO, run_cli
+
+    checkpointed = tiny_scenario(
+        TINY_SCENARIO + "optimizations: {checkpoint: {every: 2}}\n", "c.yaml"
+    )
+    plain = tiny_scenario(name="t.yaml")
+    quick = ["--set", "train.steps=2", "--quiet"]
+    assert run_cli("run", checkpointed, *quick, cwd=tmp_path).returncode == 0
+    assert run_cli("run", plain, *quick, cwd=tmp_path).returncode == 0
+    runs = sorted((tmp_path / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    resumed = run_cli("run", checkpointed, "--resume", "--set", "train.steps=4", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"run folder {runs[0].relative_to(tmp_path)}" in resumed.stderr
+    assert "resum" in resumed.stderr

@@ -550,17 +550,19 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
                 f"--resume: {scenario.name}'s checkpoint has resume: false (it starts over "
                 "every time); drop that to resume"
             )
-        earlier = _earlier_runs(scenario.name)
+        earlier = [run for run in _earlier_runs(scenario.name) if (run / "checkpoints").is_dir()]
         if not earlier:
             raise UsageError(
-                f"--resume: no earlier run of {scenario.name} under runs/ "
-                "(a folder runs/NAME-* holding scenario.yaml); name one with --out"
+                f"--resume: no earlier run of {scenario.name} under runs/ has checkpoints "
+                "(a folder runs/NAME-* holding scenario.yaml and checkpoints/); name one "
+                "with --out"
             )
         check_earlier_run(earlier[0], scenario, fresh=False)
         return earlier[0]
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out}: is a file; the run folder must be a folder")
     if args.out is not None:
+        _check_not_foreign(args.out, args.scenario)
         check_earlier_run(args.out, scenario, fresh=args.fresh)
     if args.out is None and not args.fresh:
         earlier = [run for run in _earlier_runs(scenario.name) if (run / "checkpoints").is_dir()]
@@ -572,6 +574,26 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
                 soft_wrap=True,
             )
     return args.out
+
+
+def _check_not_foreign(out: Path, scenario_file: Path) -> None:
+    """A run writes scenario.yaml, summary.json, steps.jsonl... into its folder: never
+    over the scenario file being run, nor among files that are not an earlier run's."""
+    if (out / "scenario.yaml").resolve() == scenario_file.resolve():
+        raise UsageError(
+            f"--out {out}: the run would write its resolved scenario.yaml over "
+            f"{scenario_file} itself: name another folder"
+        )
+    if not out.is_dir() or scenario_in(out) is not None:
+        return
+    found = sorted(p.name for p in out.iterdir())
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise UsageError(
+            f"--out {out}: holds {shown}, and no earlier run (no scenario.yaml of one): a "
+            "run there would mix its files with them or write over them; name a new or "
+            "empty folder"
+        )
 
 
 def _earlier_runs(name: str, root: Path = Path("runs")) -> list[Path]:
