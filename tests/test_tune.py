@@ -165,6 +165,30 @@ def test_a_study_measured_with_another_scenario_is_not_continued(tmp_path):
         open_study(TuneJob(wider, TuneConfig(trials=2), tmp_path, storage, "tiny"))
 
 
+def test_a_tune_folder_copied_elsewhere_reads_its_own_study(tmp_path):
+    """tune.json named its study.db by absolute path: a copy of the folder reported
+    the original's study, and once the original was gone, none."""
+    import shutil
+
+    from overlapkit.tuning.commands import load_target
+
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    original, copy = tmp_path / "a", tmp_path / "b"
+    job = TuneJob(base, TuneConfig(trials=2), original, default_storage(original), "tiny")
+    job.save()
+    open_study(job).set_user_attr("which", "a")
+    assert json.loads((original / "tune.json").read_text())["storage"] is None
+    shutil.copytree(original, copy)
+    optuna.load_study(study_name="tiny", storage=default_storage(copy)).set_user_attr("which", "b")
+    assert load_target(str(copy))[0].user_attrs["which"] == "b"
+    shutil.rmtree(original)
+    assert load_target(str(copy))[0].user_attrs["which"] == "b"
+    # Another storage, named on purpose, stays named by its URL.
+    elsewhere = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    TuneJob(base, TuneConfig(trials=2), tmp_path / "c", elsewhere, "tiny").save()
+    assert json.loads((tmp_path / "c" / "tune.json").read_text())["storage"] == elsewhere
+
+
 def test_a_tune_folder_holding_another_study_is_left_alone(tmp_path, tiny_scenario):
     base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
     folder = tmp_path / "tune"

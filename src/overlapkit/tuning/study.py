@@ -101,8 +101,10 @@ class TuneJob:
 
     def save(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
+        own = self.storage_url == default_storage(self.folder)
         document = {
-            "storage": self.storage_url,
+            # null: the folder's own study.db, wherever the folder is copied or moved
+            "storage": None if own else self.storage_url,
             "study": self.study_name,
             "scenario": self.base,
             "tune": self.tune.model_dump(mode="json"),
@@ -116,13 +118,29 @@ class TuneJob:
             document["scenario"],
             TuneConfig(**document["tune"]),
             folder,
-            document["storage"],
+            _own_storage(document["storage"], folder),
             document["study"],
         )
 
 
 def default_storage(folder: Path) -> str:
     return f"sqlite:///{folder.resolve() / 'study.db'}"
+
+
+def _own_storage(url: str | None, folder: Path) -> str:
+    """The storage a tune file names: its folder's own study.db when none (or, in a
+    file written before that was recorded so, a study.db of the folder it was copied
+    from while this one holds its own)."""
+    if url is None:
+        return default_storage(folder)
+    if (
+        url.startswith("sqlite:///")
+        and url.endswith("/study.db")
+        and url != default_storage(folder)
+    ):
+        if (folder / "study.db").is_file():
+            return default_storage(folder)
+    return url
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
