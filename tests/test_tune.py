@@ -165,6 +165,24 @@ def test_a_study_measured_with_another_scenario_is_not_continued(tmp_path):
         open_study(TuneJob(wider, TuneConfig(trials=2), tmp_path, storage, "tiny"))
 
 
+def test_a_search_of_what_the_set_up_cannot_run_is_refused_by_check_and_tune(
+    tiny_scenario, tmp_path
+):
+    """pipeline on one rank: check listed it as left out and searched it anyway; every
+    trial failed and the report still named a best setting and where overlap stops."""
+    scenario = tiny_scenario()
+    for command, search in (("check", "pipeline: [intensity]"), ("tune", "ddp_overlap: null")):
+        extra = ["--out", tmp_path / "tune"] if command == "tune" else []
+        result = cli_here(command, scenario, "--set", f"tune.search={{{search}}}", *extra)
+        assert result.returncode == 2, result.stderr
+        assert "tune.search names what this set-up cannot tune" in result.stderr
+    assert (
+        "pipeline needs at least 2 ranks"
+        in cli_here("check", scenario, "--set", "tune.search={pipeline: [intensity]}").stderr
+    )
+    assert not (tmp_path / "tune").exists()
+
+
 def test_a_tune_folder_copied_elsewhere_reads_its_own_study(tmp_path):
     """tune.json named its study.db by absolute path: a copy of the folder reported
     the original's study, and once the original was gone, none."""

@@ -464,6 +464,8 @@ def _command(
     if args.command == "check":
         scenario.data.check()
         scenario.check_setup()
+        if problem := scenario.search_problem():
+            raise UsageError(problem)
         console.print(_describe_scenario(scenario))
         return 0
     return _run_command(scenario, args, errors, where)

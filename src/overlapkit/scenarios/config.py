@@ -209,6 +209,20 @@ class Scenario(Config):
                 chosen.append(name)
         return chosen, left_out
 
+    def search_problem(self) -> str | None:
+        """Why ``tune.search`` cannot be tuned here: it names optimizations this set-up
+        cannot run, or in which it does nothing (every trial would fail, or measure
+        noise). None when it can."""
+        if not self.tune.search:
+            return None
+        _, left_out = self.applicable_optimizations()
+        said = "; ".join(f"{n}: {left_out[n]}" for n in self.tune.search if n in left_out)
+        return (
+            f"tune.search names what this set-up cannot tune ({said}): leave it out"
+            if said
+            else None
+        )
+
     @property
     def backend(self) -> str:
         """The process-group back end the run will use (``auto`` resolved)."""

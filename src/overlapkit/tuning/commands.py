@@ -44,6 +44,8 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
                 f"world.nodes: {scenario.world.nodes}: trials over several machines need --ray"
             )
         scenario.check_setup()
+    if problem := scenario.search_problem():
+        raise TuneError(problem)
     if not scenario.optimizations and scenario.tune.search is None:
         _choose_optimizations(scenario)
     if scenario.log.tensorboard is not None:  # the trials run in folders of their own
