@@ -347,6 +347,7 @@ def test_data_that_cannot_feed_the_model_is_refused_before_any_rank_starts(tiny_
     for overrides, said in (
         (["data.num_samples=4"], "data.num_samples is 4, fewer than one step's batch (8"),
         (["data.shape=[1,16,16]"], "has 1 channel(s); model resnet18 reads 3"),
+        (["data.shape=[3,0,0]"], "every side must be at least 1"),
         ([folder], f"model.num_classes is 4 but {images} has 3 class folders"),
         ([folder, f"data.root={tmp_path / 'afile'}"], "is a file, not an image folder"),
     ):

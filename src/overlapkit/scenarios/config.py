@@ -105,6 +105,11 @@ class Scenario(Config):
                 f"model.num_classes is {model.num_classes} but data {data.name} has {classes} classes",
             )
         shape = getattr(data, "shape", None)
+        if shape is not None and min(shape) < 1:
+            raise located(
+                "data.shape",
+                f"data.shape {list(shape)}: every side must be at least 1 ([3, H, W])",
+            )
         if model.input_kind == "images" and shape is not None and shape[0] != 3:
             raise located(
                 "data.shape",
