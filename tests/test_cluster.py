@@ -212,3 +212,37 @@ def test_a_config_that_is_not_one_is_said_in_a_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert said in err and "Errno" not in err and "Traceback" not in err, err
         assert len(err.strip().splitlines()) <= 3, err
+
+
+def test_typos_in_node_types_are_problems_not_internal_errors(tmp_path, capsys):
+    """Each of these ended in an internal error (AttributeError, ValueError,
+    NotImplementedError) from a config a typo away from the shipped one."""
+
+    def edited(change):
+        config = gcp()
+        change(config)
+        path = tmp_path / "typo.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    nodes = lambda c: c["available_node_types"]  # noqa: E731
+    accelerator = lambda c: nodes(c)["v100x4"]["node_config"]["guestAccelerators"][0]  # noqa: E731
+    for change, said in (
+        (lambda c: c["provider"].update(type="gpc"), "provider.type: Ray knows no such provider"),
+        (lambda c: nodes(c)["v100x4"].update(resources=4), "v100x4.resources: must be a mapping"),
+        (
+            lambda c: nodes(c)["v100x4"]["node_config"].update(
+                guestAccelerators="nvidia-tesla-v100"
+            ),
+            "v100x4.node_config.guestAccelerators: must be a list",
+        ),
+        (lambda c: nodes(c)["v100x4"].update(node_config="n1-standard-32"), "v100x4.node_config"),
+        (
+            lambda c: accelerator(c).update(acceleratorCount="four"),
+            "acceleratorCount: must be a whole",
+        ),
+        (lambda c: nodes(c).update(v100x1=None), "v100x1"),
+    ):
+        assert main(["cluster", "check", str(edited(change))]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "internal error" not in err and "Traceback" not in err, err

@@ -96,7 +96,9 @@ def ray_prepared(config: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]
     except jsonschema.ValidationError as error:
         where = ".".join(str(part) for part in error.absolute_path) or "(top level)"
         return config, [Problem(where, f"Ray's schema: {error.message}")]
-    except (ValueError, KeyError, TypeError) as error:
+    except NotImplementedError as error:  # Ray's word for a provider type it does not know
+        return config, [Problem("provider.type", f"Ray knows no such provider: {error}")]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         return config, [Problem("(ray)", f"Ray rejects the config: {error}")]
     return prepared, []
 
@@ -111,7 +113,12 @@ def overlapkit_problems(config: dict[str, Any], ray_version: str | None) -> list
     return problems
 
 
-def _node_problems(where: str, node: dict[str, Any], provider: str | None) -> list[Problem]:
+def _node_problems(where: str, node: Any, provider: str | None) -> list[Problem]:
+    if not isinstance(node, dict):
+        return [Problem(where, f"must be a mapping (resources, node_config...), got {node!r}")]
+    shapes = _shape_problems(where, node)
+    if shapes:
+        return shapes
     problems = []
     resources = node.get("resources") or {}
     for key, value in resources.items():
@@ -150,6 +157,30 @@ def _node_problems(where: str, node: dict[str, Any], provider: str | None) -> li
             )
         )
     return problems
+
+
+def _shape_problems(where: str, node: dict[str, Any]) -> list[Problem]:
+    """The parts of a node type the rules below read, each of the type they need."""
+    resources = node.get("resources") or {}
+    if not isinstance(resources, dict):
+        return [
+            Problem(f"{where}.resources", f"must be a mapping (CPU: 8, GPU: 4), got {resources!r}")
+        ]
+    node_config = node.get("node_config") or {}
+    if not isinstance(node_config, dict):
+        return [Problem(f"{where}.node_config", f"must be a mapping, got {node_config!r}")]
+    accelerators = node_config.get("guestAccelerators") or []
+    key = f"{where}.node_config.guestAccelerators"
+    if not isinstance(accelerators, list) or not all(isinstance(a, dict) for a in accelerators):
+        example = "[{acceleratorType: nvidia-tesla-v100, acceleratorCount: 4}]"
+        return [Problem(key, f"must be a list like {example}, got {accelerators!r}")]
+    for k, accelerator in enumerate(accelerators):
+        count = accelerator.get("acceleratorCount", 0)
+        if isinstance(count, bool) or not isinstance(count, int):
+            return [
+                Problem(f"{key}.{k}.acceleratorCount", f"must be a whole number, got {count!r}")
+            ]
+    return []
 
 
 def _scheduling(node_config: dict[str, Any]) -> dict[str, Any]:
