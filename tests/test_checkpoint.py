@@ -271,6 +271,28 @@ def test_a_full_disk_is_reported_and_earlier_checkpoints_survive(tmp_path, on_er
         subprocess.run(["umount", "--lazy", str(disk)], capture_output=True)  # even if still busy
 
 
+def test_a_damaged_manifest_is_said_and_its_checkpoints_are_kept(tmp_path, tiny_scenario):
+    """A cut manifest read as none: the run started over, said there was nothing to
+    resume, and its next checkpoint's clean-up deleted the step folders."""
+    train(tmp_path, 7, every=3, final=False)  # steps 3 and 6
+    manifest = tmp_path / "checkpoints" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:50])
+    folders = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert folders == ["step-00000003", "step-00000006"]
+    with pytest.raises(CheckpointError, match="manifest.json is damaged.*none is deleted"):
+        train(tmp_path, 12, every=3)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == folders
+    result = run_cli("run", tiny_scenario(), "--out", tmp_path / "run", "--quiet",
+                     "--set", "optimizations.checkpoint={every: 2}")  # fmt: skip
+    assert result.returncode == 0
+    cut = tmp_path / "run" / "checkpoints" / "manifest.json"
+    cut.write_text(cut.read_text()[:50])
+    again = run_cli("run", tiny_scenario(), "--out", tmp_path / "run",
+                    "--set", "optimizations.checkpoint={every: 2}", "--set", "train.steps=9")  # fmt: skip
+    assert again.returncode != 0 and "manifest.json is damaged" in again.stderr
+    assert "Traceback" not in again.stderr and "internal error" not in again.stderr
+
+
 def test_an_unwritable_checkpoint_folder_is_a_clear_error(tmp_path, tiny_scenario):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

@@ -75,11 +75,25 @@ class Manifest:
         return self.root / MANIFEST
 
     def read(self) -> list[dict[str, Any]]:
-        """The complete checkpoints, oldest first ([] when there is no readable manifest)."""
+        """The complete checkpoints, oldest first ([] when there is no manifest). A
+        damaged one (it is replaced atomically, so something else cut or edited it) is
+        a `CheckpointError`: read as empty, a resume would start over and the next
+        checkpoint's clean-up would delete the step folders it no longer listed."""
         try:
-            return json.loads(self.path.read_text())["checkpoints"]
-        except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, KeyError):
+            text = self.path.read_text()
+        except (FileNotFoundError, NotADirectoryError):
             return []
+        try:
+            entries = json.loads(text)["checkpoints"]
+            if not isinstance(entries, list) or not all("step" in e for e in entries):
+                raise TypeError("no list of checkpoints")
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(
+                f"{self.path} is damaged ({type(error).__name__}: {error}): the checkpoints "
+                "beside it cannot be verified, so none is resumed and none is deleted. "
+                "Restore the file, or start over (overlapkit run --fresh keeps them aside)"
+            ) from None
+        return entries
 
     def add(self, entry: dict[str, Any], keep: int) -> list[dict[str, Any]]:
         """Durably add ``entry``; then delete all but the newest ``keep`` checkpoints."""
