@@ -228,6 +228,10 @@ def test_bf16_on_gloo_and_one_rank_fail_clearly():
     ddp_cls(comm_hook="bf16").check(2, "cuda", "nccl")
     with pytest.raises(CombinationError, match="needs at least 2 ranks, the run has 1"):
         ddp_cls().check(1, "cpu", "gloo")
+    # tf.distribute's NCCL on CPUs: it ran its ring instead and the summary said nccl.
+    with pytest.raises(CombinationError, match="implementation nccl needs GPUs; on cpu"):
+        ddp_cls(implementation="nccl").check(2, "cpu", "gloo")
+    ddp_cls(implementation="nccl").check(2, "cuda", "nccl")
 
 
 def test_intensity_maps_onto_bucket_size_and_zero_is_the_baseline():

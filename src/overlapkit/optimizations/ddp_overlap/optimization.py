@@ -160,6 +160,11 @@ class DDPOverlap(Optimization):
                 f"ddp_overlap comm_hook bf16 needs the nccl back end; {backend} cannot "
                 "all-reduce bfloat16 (use fp16 or none)"
             )
+        if self.settings["implementation"] == "nccl" and device != "cuda":
+            raise CombinationError(
+                f"ddp_overlap implementation nccl needs GPUs; on {device} tf.distribute "
+                "would use its ring instead, unsaid (use ring or auto)"
+            )
 
     def check_plan(self, plan: Plan) -> None:
         if not plan.provided("stages"):
