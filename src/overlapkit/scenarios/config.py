@@ -284,6 +284,11 @@ class Scenario(Config):
             )
         counted = getattr(self.data, "classes_on_disk", None)
         classes = counted() if counted is not None else None
+        if classes is not None and classes < 2:
+            raise CombinationError(
+                f"{self.data.root} has {classes} class folder(s): a classifier needs at least "
+                "2 (one folder of images per class)"
+            )
         if classes is not None and classes != self.model.num_classes:
             raise CombinationError(
                 f"model.num_classes is {self.model.num_classes} but {self.data.root} has "

@@ -16,7 +16,15 @@ from time import perf_counter
 from typing import Any
 
 from ...folders import stamped, unused
-from ...runtime import Demand, Knob, Optimization, Resource, State, register_optimization
+from ...runtime import (
+    Demand,
+    Knob,
+    KnobError,
+    Optimization,
+    Resource,
+    State,
+    register_optimization,
+)
 from ...runtime.distributed import all_gather_objects
 from ...runtime.script import warn
 from ...runtime.timing import Marks
@@ -30,6 +38,14 @@ from .store import MANIFEST, CheckpointError, Manifest, step_dir
 # In auto mode the ranks agree on when to checkpoint by a vote cast this many
 # steps ahead, so that the training thread never waits for it.
 VOTE_AHEAD = 2
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 STARVED = (
@@ -94,9 +110,12 @@ class Checkpoint(Optimization):
     @classmethod
     def resolve(cls, intensity: float, explicit: dict[str, Any]) -> dict[str, Any]:
         explicit = dict(explicit)
-        if explicit.get("every") == "auto":  # the YAML spelling of auto mode
+        every = explicit.get("every")
+        if isinstance(every, str) and every.strip().lower() == "auto":  # YAML's auto mode
             del explicit["every"]
             explicit["auto"] = True
+        elif isinstance(every, str) and not _is_number(every):
+            raise KnobError("every", f"every must be a number of steps or auto, got {every!r}")
         return super().resolve(intensity, explicit)
 
     def __init__(self, intensity: float = 1.0, **explicit: Any) -> None:
