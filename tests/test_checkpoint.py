@@ -293,6 +293,22 @@ def test_a_damaged_manifest_is_said_and_its_checkpoints_are_kept(tmp_path, tiny_
     assert "Traceback" not in again.stderr and "internal error" not in again.stderr
 
 
+def test_the_cli_says_a_corrupt_checkpoint_was_skipped_in_one_line(tmp_path, tiny_scenario):
+    """It printed Python's warning dump: a file path, a line number and a source line."""
+    out = tmp_path / "run"
+    every = ["--set", "optimizations.checkpoint={every: 2, final: false}", "--quiet"]
+    assert run_cli("run", tiny_scenario(), "--out", out, *every).returncode == 0
+    newest = max((out / "checkpoints").glob("step-*")) / "shared.ckpt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    again = run_cli("run", tiny_scenario(), "--out", out, *every, "--set", "train.steps=9")
+    assert again.returncode == 0, again.stderr[-2000:]
+    lines = [line for line in again.stderr.splitlines() if "skipping the checkpoint" in line]
+    assert len(lines) == 1 and lines[0].startswith("overlapkit: warning: skipping"), again.stderr
+    assert "CheckpointCorruptWarning" not in again.stderr and "restore.py" not in again.stderr
+
+
 def test_an_unwritable_checkpoint_folder_is_a_clear_error(tmp_path, tiny_scenario):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

@@ -37,6 +37,7 @@ from .runtime import POLICIES, CombinationError
 from .runtime.gpus import GPUSetupError
 from .scenarios import Scenario, ScenarioError, load_scenario
 from .tuning import TuneError
+from .warnings_line import one_line_warnings
 
 DATA_NAMES = ("synthetic-images", "synthetic-tokens", "cifar10", "imagefolder", "imdb")
 INTENSITY_POINTS = (0.25, 0.5, 0.75, 1.0)
@@ -291,6 +292,7 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    one_line_warnings()
     args = _parser().parse_args(argv)
     console = Console()
     if not console.is_terminal:

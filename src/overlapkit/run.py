@@ -22,6 +22,7 @@ from .runtime.loop import train
 from .runtime.optimization import needed_environment
 from .runtime.rng import seed_everything
 from .scenarios import Scenario, dump_scenario
+from .warnings_line import one_line_warnings
 
 
 def default_run_dir(scenario: Scenario, root: Path = Path("runs")) -> Path:
@@ -41,6 +42,7 @@ def rank_main(
 ) -> dict[str, Any]:
     """One rank's whole run; the same under overlapkit's launcher and torchrun.
     SIGINT/SIGTERM end it with `RunInterrupted`, saying the step it reached."""
+    one_line_warnings()  # a rank started by spawn or torchrun shows them as the CLI does
     session: Session | None = None
     ranks = 1
     with stop_on_signals() as received:
