@@ -127,6 +127,18 @@ def test_with_one_measurement_per_setting_nothing_is_confirmed(tmp_path):
     assert "noise unknown" in markdown
 
 
+def test_a_study_cut_short_is_reported_as_unfinished(tmp_path):
+    analysis = study_of(PLANTED, repeats=2)
+    document, _ = report(analysis, tmp_path)
+    assert not [w for w in document["warnings"] if "unfinished" in w]
+    analysis.study.enqueue_trial({"ddp_overlap.intensity": 0.5, "prefetch.intensity": 1.0})
+    document, markdown = report(analysis, tmp_path)
+    assert any(
+        "the study is unfinished: 1 trial(s) running or queued" in w for w in document["warnings"]
+    )
+    assert "unfinished" in markdown
+
+
 def curve_points(levels_values: list[tuple[object, list[float]]]) -> list[dict]:
     return [
         {

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from optuna.trial import TrialState
 from rich.console import Console
 from rich.table import Table
 
@@ -118,6 +119,15 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
 
 def _warnings(analysis: Analysis, comparison: list[dict[str, Any]]) -> list[str]:
     out = []
+    unfinished = analysis.study.get_trials(
+        deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)
+    )
+    if unfinished:
+        out.append(
+            f"the study is unfinished: {len(unfinished)} trial(s) running or queued (a tune "
+            "still going, or one that was stopped: run tune again to finish it); what "
+            "follows is of the trials done so far"
+        )
     if analysis.repeats < 3:
         out.append(
             f"tune.repeats is {analysis.repeats}: "
