@@ -85,3 +85,22 @@ def test_an_out_that_cannot_be_a_folder_names_out(two_runs, tmp_path):
         assert result.returncode == 2 and said in result.stderr, result.stderr
         assert "internal error" not in result.stderr
     assert taken.read_text() == "mine"
+
+
+def test_a_summary_without_phases_shows_them_as_not_measured(two_runs, tmp_path):
+    """Every phase of such a run read 0.00 ms: measured as nothing, not unmeasured."""
+    import shutil
+
+    plain, checkpointed = two_runs
+    bare = tmp_path / "bare"
+    shutil.copytree(plain, bare)
+    summary = json.loads((bare / "summary.json").read_text())
+    del summary["phases_s"]
+    (bare / "summary.json").write_text(json.dumps(summary))
+    result = cli_here("compare", checkpointed, bare, "--out", tmp_path / "c", "--json")
+    assert result.returncode == 0, result.stderr
+    first, second = json.loads(result.stdout)["runs"]
+    assert first["phases_ms"]["ckpt_stall"] > 0 and first["phases_ms"]["forward"] > 0
+    assert set(second["phases_ms"].values()) == {None}
+    table = cli_here("compare", checkpointed, bare, "--out", tmp_path / "d").stdout
+    assert "n/a" in table.split("ckpt_stall ms")[1].splitlines()[0]

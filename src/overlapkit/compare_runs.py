@@ -90,7 +90,12 @@ def compare_document(folders: list[Path]) -> dict[str, Any]:
                 "samples_per_s": summary["samples_per_s"],
                 "vs_first": summary["samples_per_s"] / first if first else None,
                 "step_ms_p50": summary["step_time_s"]["p50"] * 1e3,
-                "phases_ms": {p: summary.get("phases_s", {}).get(p, 0.0) * 1e3 for p in phases},
+                # No phases at all: not measured (n/a), not zero; a phase one run lacks
+                # is one it never spent time in.
+                "phases_ms": {
+                    p: summary["phases_s"].get(p, 0.0) * 1e3 if "phases_s" in summary else None
+                    for p in phases
+                },
                 "phases_source": summary.get("phases_source"),
                 "pop": {key: summary.get("pop", {}).get(key) for key in POP},
                 "optimizations": {
@@ -142,7 +147,7 @@ def comparison_table(document: dict[str, Any]) -> Table:
     row("vs the first", [f"{r['vs_first']:.2f}x" if r["vs_first"] else "-" for r in runs])
     row("step ms (p50)", [f"{r['step_ms_p50']:.1f}" for r in runs])
     for phase in document["phases"]:
-        row(f"  {phase} ms", [f"{r['phases_ms'][phase]:.2f}" for r in runs])
+        row(f"  {phase} ms", [_ms(r["phases_ms"][phase]) for r in runs])
     for key, label in POP.items():
         row(label, [_fraction(r["pop"][key]) for r in runs])
     names = list(dict.fromkeys(n for r in runs for n in r["optimizations"]))
@@ -163,6 +168,10 @@ def comparison_table(document: dict[str, Any]) -> Table:
     return table
 
 
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def phases_plot(document: dict[str, Any], path: Path) -> Path:
     runs, phases = document["runs"], document["phases"]
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(runs), 4.2))
@@ -170,7 +179,7 @@ def phases_plot(document: dict[str, Any], path: Path) -> Path:
     bottom = [0.0] * len(runs)
     colors = plt.get_cmap("tab10")
     for i, phase in enumerate(phases):
-        values = [r["phases_ms"][phase] for r in runs]
+        values = [r["phases_ms"][phase] or 0.0 for r in runs]
         if not any(values):
             continue
         ax.bar(labels, values, bottom=bottom, label=phase, color=colors(i % 10))
