@@ -349,6 +349,7 @@ def test_data_that_cannot_feed_the_model_is_refused_before_any_rank_starts(tiny_
         (["data.num_samples=4"], "data.num_samples is 4, fewer than one step's batch (8"),
         ([folder, f"data.root={alone}"], "has 1 class folder(s): a classifier needs at least 2"),
         (["optimizations.checkpoint.every=often"], "every must be a number of steps or auto"),
+        (["train.optimizer.name=sgd:x"], "name=sgd:x: train.optimizer.name"),  # no emoji
         (["data.shape=[1,16,16]"], "has 1 channel(s); model resnet18 reads 3"),
         (["data.shape=[3,0,0]"], "every side must be at least 1"),
         ([folder], f"model.num_classes is 4 but {images} has 3 class folders"),

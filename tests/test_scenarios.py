@@ -111,6 +111,9 @@ def test_override_errors_name_the_override(tiny_scenario):
         in message
     )
     assert "expected KEY=VALUE" in errors_of(tiny_scenario(), ["train.steps"])
+    # A list or mapping left open: said as YAML, not as "Input should be a valid tuple".
+    message = errors_of(tiny_scenario(), ["data.shape=[3,32,32"])
+    assert "--set data.shape=[3,32,32: [3,32,32 is not valid YAML (expected" in message
 
 
 def test_structural_problems(tmp_path):

@@ -294,10 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     one_line_warnings()
     args = _parser().parse_args(argv)
-    console = Console()
+    # emoji=False: a user's text ("sgd:x:") is never turned into an emoji.
+    console = Console(emoji=False)
     if not console.is_terminal:
-        console = Console(width=160)  # tables piped to a file need not wrap at 80 columns
-    errors = Console(stderr=True)
+        console = Console(width=160, emoji=False)  # piped to a file: no wrap at 80 columns
+    errors = Console(stderr=True, emoji=False)
     where: dict[str, Path] = {}  # the run or tune folder, once known (for an internal error)
     try:
         return _command(args, console, errors, where)

@@ -100,7 +100,16 @@ def apply_override(data: dict[str, Any], override: str) -> Path_:
         raise ScenarioError([Problem(f"--set {override}", None, "", "empty key")])
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+    except yaml.YAMLError as error:
+        if raw.strip()[:1] in "[{":  # meant as a list or mapping: say why it is not one
+            said = getattr(error, "problem", None) or "not valid YAML"
+            raise ScenarioError(
+                [
+                    Problem(
+                        f"--set {override}", None, "", f"{raw.strip()} is not valid YAML ({said})"
+                    )
+                ]
+            ) from None
         value = raw
     target = data
     for key in keys[:-1]:
