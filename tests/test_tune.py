@@ -372,6 +372,10 @@ def test_a_trials_scenario_applies_the_setting():
         ("{search: {checkpoint: [dir]}}", "declares no range or choices"),
         ("{search: {nope: [intensity]}}", "tune.search.nope"),
         ("{search: {checkpoint: {every: {low: 5, high: 2}}}}", "the range of every is empty"),
+        (
+            "{search: {checkpoint: {every: {low: 2, high: 2}}}}",
+            "the range of every holds one value (2)",
+        ),
         ("{search: {checkpoint: {every: []}}}", "the list of every values to search is empty"),
         ("{search: {}}", "tune.search names no optimization"),
     ],
@@ -608,6 +612,9 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     assert json.loads(again.stdout)["comparison"] == document["comparison"]
     by_url = cli_here("report", f"sqlite:///{out / 'study.db'}", "--out", tmp_path / "r2")
     assert by_url.returncode == 0 and (tmp_path / "r2" / "report.md").exists()
+    (tmp_path / "a-file").write_text("")
+    on_file = cli_here("report", out, "--out", tmp_path / "a-file")
+    assert on_file.returncode == 2 and "is a file; the report goes into a folder" in on_file.stderr
     # The same trials priced at a 1000 h MTBF: the baseline keeps almost everything.
     priced = cli_here("report", out, "--json", "--mtbf-hours", "1000", "--out", tmp_path / "r3")
     assert priced.returncode == 0, priced.stderr

@@ -210,6 +210,8 @@ def report_command(args: argparse.Namespace, console: Console) -> int:
         raise TuneError("name a study: a tune folder or a storage URL (or --compare A B ...)")
     study, folder = load_target(args.study, args.study_name)
     folder = args.out or folder
+    if folder.exists() and not folder.is_dir():
+        raise TuneError(f"--out {folder}: is a file; the report goes into a folder")
     base = study.user_attrs["scenario"]
     return _write(study_analysis(study, args), base, folder, args.json, console)
 

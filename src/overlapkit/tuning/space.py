@@ -341,7 +341,13 @@ def _dimension(
 
 
 def _numeric(owner: str, knob: Any, low: float, high: float, log: bool, path: str) -> Dimension:
-    if low >= high:
+    if low == high:
+        raise SpaceError(
+            path,
+            f"the range of {knob.name} holds one value ({low}): search two or more, or set "
+            f"{knob.name}: {low} among the optimization's knobs instead",
+        )
+    if low > high:
         raise SpaceError(path, f"the range of {knob.name} is empty: {low} to {high}")
     if log and low <= 0:
         raise SpaceError(path, f"a log range of {knob.name} must start above 0")
