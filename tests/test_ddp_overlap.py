@@ -258,11 +258,12 @@ def test_bf16_is_rejected_before_any_rank_starts(tiny_scenario):
 
 @pytest.mark.slow
 def test_cli_run_prints_the_allreduce_profile(tiny_scenario, tmp_path):
+    out = tmp_path / "run"
     result = run_cli(
         "run",
         tiny_scenario(),
         "--out",
-        tmp_path,
+        out,
         "--set",
         "world.nprocs=2",
         "--set",
@@ -270,7 +271,7 @@ def test_cli_run_prints_the_allreduce_profile(tiny_scenario, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "all-reduce calls by message size" in result.stdout
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
     section = summary["optimizations"]["ddp_overlap"]
     # 2 warm-up steps, then 6 measured: the first synchronised step is a warm-up one.
     assert section["allreduce_profile"]["profiled_steps"] == 6

@@ -104,7 +104,7 @@ def test_a_rank_killed_by_a_signal_is_named_not_its_peer(tiny_scenario, tmp_path
         "run",
         tiny_scenario(),
         "--out",
-        tmp_path,
+        tmp_path / "run",
         "--set",
         "world.nprocs=2",
         "--set",
