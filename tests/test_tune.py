@@ -207,6 +207,23 @@ def test_a_tune_folder_copied_elsewhere_reads_its_own_study(tmp_path):
     assert json.loads((tmp_path / "c" / "tune.json").read_text())["storage"] == elsewhere
 
 
+def test_run_and_tune_folders_are_not_mixed(tmp_path, tiny_scenario):
+    """tune --out a run's folder put study.db and trials/ among the run's files, and
+    run --out a tune folder wrote a run's files into it."""
+    scenario = tiny_scenario()
+    run = tmp_path / "run"
+    assert run_cli("run", scenario, "--out", run, "--quiet").returncode == 0
+    before = sorted(p.name for p in run.iterdir())
+    tune = cli_here("tune", scenario, "--out", run)
+    assert tune.returncode == 2 and "holds a run (scenario.yaml), not a tune" in tune.stderr
+    assert sorted(p.name for p in run.iterdir()) == before
+    folder = tmp_path / "tune"
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    TuneJob(base, TuneConfig(), folder, default_storage(folder), "tiny").save()
+    into = cli_here("run", scenario, "--out", folder)
+    assert into.returncode == 2 and "holds tune.json, and no earlier run" in into.stderr
+
+
 def test_a_tune_folder_holding_another_study_is_left_alone(tmp_path, tiny_scenario):
     base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
     folder = tmp_path / "tune"

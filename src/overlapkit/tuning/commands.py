@@ -74,6 +74,11 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     folder = args.out or Path("runs") / f"{scenario.name}-tune"
     if folder.exists() and not folder.is_dir():
         raise TuneError(f"--out {folder}: is a file; the tune folder must be a folder")
+    if (folder / "scenario.yaml").is_file() and not (folder / TUNE_FILE).exists():
+        raise TuneError(
+            f"--out {folder}: holds a run (scenario.yaml), not a tune: its trials and "
+            "report would be mixed with that run's files; name another folder"
+        )
     if config.storage:
         open_checked(config.storage, "--storage" if args.storage else "tune.storage")
     job = TuneJob(
