@@ -264,7 +264,7 @@ def batchnorm_statistics(steps: int = 4) -> dict[str, torch.Tensor]:
     """In one 2-rank group, a model with batch norm trained by the DDP script and by its
     port (the session's flat all-reduce; ddp_overlap's no_overlap baseline): each
     way's running statistics and parameters, as this rank ends with them."""
-    world = init_world("cpu", "gloo")
+    world = init_world("cpu", "gloo", timeout_s=60)
     results = {}
     try:
         for way in ("ddp", "port", "no_overlap"):
@@ -287,14 +287,17 @@ def batchnorm_statistics(steps: int = 4) -> dict[str, torch.Tensor]:
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(model(x), y).backward()
                 optimizer.step()
-            # The script's evaluation: under DDP its first forward takes rank 0's buffers.
             model.eval()
+            with torch.no_grad():
+                if world.rank == 0:  # rank 0 alone (a sample, a summary): no collective
+                    model.module(torch.randn(2, 6))
+            if way != "ddp":
+                session.finish()  # its gather would pair with a collective in that forward
+            # The script's evaluation: under DDP its first forward takes rank 0's buffers.
             with torch.no_grad():
                 torch.manual_seed(7)
                 results[f"{way}/eval"] = model(torch.randn(8, 6))
             model.train()
-            if way != "ddp":
-                session.finish()
             results[way] = torch.cat(
                 [t.detach().reshape(-1).float() for t in model.module.state_dict().values()]
             )

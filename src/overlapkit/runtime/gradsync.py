@@ -50,9 +50,11 @@ class BackwardEnd:
 
 class FlatAllReduce:
     """Averages gradients across ranks with one all-reduce of one flat buffer; the
-    module's buffers (batch-norm statistics) are rank ``src``'s, broadcast before a
-    forward that follows a synced training forward (`buffers_before_forward`), as
-    DDP's are: an evaluation after training sees rank 0's statistics on every rank.
+    module's buffers (batch-norm statistics) become rank ``src``'s with the sync at
+    the end of a synced backward (``__call__(buffers=True)``). DDP broadcasts them
+    before the next forward instead; the values are the same (nothing changes them
+    in between), and here no forward is a collective: an evaluation on rank 0 alone
+    cannot hang its peers, and every rank evaluates with rank 0's statistics.
 
     The gradients live in that buffer as views, so nothing is copied before or
     after the all-reduce, provided they are zeroed in place rather than set to
@@ -76,7 +78,6 @@ class FlatAllReduce:
         self.group, self.src = group, src
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = list(model.buffers())
-        self.buffers_due = True  # DDP's require_forward_param_sync: broadcast them first
         self.world_size = world_size
         tensors = self.params
         dtype = tensors[0].dtype if tensors else torch.float32
@@ -107,7 +108,11 @@ class FlatAllReduce:
         self._hooks.clear()
 
     @torch.no_grad()
-    def __call__(self) -> None:
+    def __call__(self, buffers: bool = False) -> None:
+        """All-reduce the gradients; ``buffers``: and take rank ``src``'s buffers (at
+        the end of a synced backward: DDP would before the next forward)."""
+        if buffers and self.buffers:
+            self.broadcast_buffers()
         for param, view in zip(self.params, self._views, strict=True):
             if param.grad is None:
                 view.zero_()
@@ -120,18 +125,9 @@ class FlatAllReduce:
         self.dirty = False
         self.flat /= self.world_size
 
-    def buffers_before_forward(self, then_due: bool) -> None:
-        """DDP's rule, before each forward: take rank ``src``'s buffers if the forward
-        before was a training one whose backward syncs (the first one too); this
-        forward's own kind (``then_due``) decides for the next."""
-        if self.buffers and self.buffers_due:
-            self.broadcast_buffers()
-        self.buffers_due = then_due
-
     @torch.no_grad()
     def broadcast_buffers(self) -> None:
-        """Every rank's buffers become rank ``src``'s (one broadcast per dtype), as DDP
-        does before each training forward."""
+        """Every rank's buffers become rank ``src``'s (one broadcast per dtype)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for buffer in self.buffers:
             by_dtype.setdefault(buffer.dtype, []).append(buffer)

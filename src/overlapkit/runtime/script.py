@@ -135,9 +135,6 @@ class PlainCalls:
     # ----------------------------------------------------------- forward
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if not self._plain(module):
-            session = self.session
-            if not self.in_session_call and session.state.clock.current != "backward":
-                session.other_forward_starts()  # an evaluation: rank 0's buffers
             return
         self.session.check_plain_forward()
         state = self.session.state

@@ -325,17 +325,6 @@ class Session(EpochLoop, SavedState):
         state = self.state
         state.update_pending = state.optimizer is not None
         state.sync_on_backward = not state.in_no_sync  # read at the forward, as DDP's flag
-        if self._grad_sync is not None and self._grad_sync.buffers:
-            with state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
-                self._grad_sync.buffers_before_forward(then_due=state.sync_wanted)
-
-    def other_forward_starts(self) -> None:
-        """A forward that is not a training step's (evaluation, under no_grad, outside
-        the steps): as under DDP, it takes rank 0's buffers first when a training
-        forward ran since they were last taken."""
-        flat = self._grad_sync or getattr(self.scheduler.provider("grad_sync"), "flat", None)
-        if flat is not None and flat.buffers:
-            flat.buffers_before_forward(then_due=torch.is_grad_enabled() and self.state.sync_wanted)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -409,7 +398,7 @@ class Session(EpochLoop, SavedState):
         micro-batch before a step's last, nor under the script's ``model.no_sync()``:
         the optimizer step syncs what is left."""
         if self.state.sync_wanted:
-            self.sync_gradients()
+            self.sync_gradients(buffers=True)
 
     def _hooked_backward_end(self) -> None:
         """A backward pass that changed the gradients ended: the script's own (sync
@@ -418,14 +407,15 @@ class Session(EpochLoop, SavedState):
         if not self.state.in_session_call:
             self.backward_ended()
 
-    def sync_gradients(self) -> None:
+    def sync_gradients(self, buffers: bool = False) -> None:
         """Average the gradients across ranks now with the flat all-reduce, if they
-        changed since it last ran and no optimization syncs them (else nothing)."""
+        changed since it last ran and no optimization syncs them (else nothing);
+        ``buffers``: at a synced backward's end, rank 0's buffers too (as DDP)."""
         if self._grad_sync is None or not self._grad_sync.dirty:
             return
         state = self.state
         with state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
-            self._grad_sync()
+            self._grad_sync(buffers=buffers)
 
     def optimizer_step(self) -> None:
         """Sync gradients if nothing else does, step optimizer and LR schedule, zero

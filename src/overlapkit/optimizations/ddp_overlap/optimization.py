@@ -278,16 +278,7 @@ class DDPOverlap(Optimization):
         while self._unread and self._unread[0].ready():
             self._read(self._unread.popleft())
 
-    @property
-    def flat(self) -> FlatAllReduce | None:
-        """The no_overlap baseline's all-reduce (None under DDP): evaluation forwards
-        take rank 0's buffers through it too."""
-        return self._flat
-
     def on_before_forward(self, state: State) -> None:
-        if self._flat is not None and self._flat.buffers:  # rank 0's, as DDP broadcasts them
-            with state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
-                self._flat.buffers_before_forward(then_due=state.sync_wanted)
         if self.ddp is not None and state.accumulate > 1:
             # Skip the all-reduce on all but the last micro-batch of a step.
             self.ddp.require_backward_grad_sync = state.is_sync_step
@@ -331,7 +322,7 @@ class DDPOverlap(Optimization):
             state.clock.phase("comm_exposed"),
             state.policy.critical(*COMM_WAIT),
         ):
-            flat()
+            flat(buffers=backward_ended)  # rank 0's buffers with a synced backward, as DDP
         call.completed = self._marks.mark()
         self._measure(state, SyncTiming([call], self._marks), exposed_in_clock=True)
 
