@@ -523,3 +523,18 @@ def test_an_internal_error_whose_text_holds_brackets_is_printed_not_a_traceback(
     monkeypatch.setattr(overlapkit.cli, "load_scenario", broken)
     code, _, err = cli("check", tiny_scenario())
     assert code == 1 and "internal error" in err and "pair.cc:553] Connection closed" in err
+
+
+def test_one_line_warnings_leave_recording_and_other_warnings_alone():
+    """The CLI's one-line form replaced warnings.showwarning, which turned off
+    catch_warnings(record=True) (pytest.warns) for the rest of the process."""
+    import warnings
+
+    from overlapkit.runtime.script import LoopWarning
+    from overlapkit.warnings_line import one_line_warnings
+
+    one_line_warnings()
+    with pytest.warns(LoopWarning, match="recorded"):
+        warnings.warn("recorded", LoopWarning)
+    assert warnings.formatwarning("x", LoopWarning, "f.py", 1) == "overlapkit: warning: x\n"
+    assert "f.py:1: UserWarning: y" in warnings.formatwarning("y", UserWarning, "f.py", 1)

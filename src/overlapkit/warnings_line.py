@@ -3,22 +3,21 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
 
 def one_line_warnings() -> None:
-    """In this process, show warnings of overlapkit's classes as one line each."""
-    shown = warnings.showwarning
-    if getattr(shown, "one_line", False):
+    """In this process, format warnings of overlapkit's classes as one line each. Only
+    the formatting changes: ``catch_warnings(record=True)`` and filters work as ever."""
+    formatted = warnings.formatwarning
+    if getattr(formatted, "one_line", False):
         return
 
-    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
-        if category.__module__.startswith("overlapkit."):
-            print(f"overlapkit: warning: {message}", file=sys.stderr, flush=True)
-        else:
-            shown(message, category, *args, **kwargs)
+    def format_one(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> str:
+        if category.__module__.split(".")[0] == "overlapkit":
+            return f"overlapkit: warning: {message}\n"
+        return formatted(message, category, *args, **kwargs)
 
-    show.one_line = True  # type: ignore[attr-defined]
-    warnings.showwarning = show
+    format_one.one_line = True  # type: ignore[attr-defined]
+    warnings.formatwarning = format_one
