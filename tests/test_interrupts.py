@@ -218,3 +218,16 @@ def test_a_tune_worker_that_ctrl_c_stopped_mid_bookkeeping_exits_quietly(monkeyp
             runner._worker_process()
     finally:
         signal.signal(signal.SIGINT, kept)
+
+
+def test_only_a_collective_a_peer_left_waits_for_the_launchers_signal():
+    """A rank's own error is reported at once (every failing multi-rank run waited 3 s,
+    and a second rank's error could be taken for a stop); a peer gone is waited on."""
+    from overlapkit.launch.interrupt import peer_left
+
+    gloo = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:17805"
+    assert peer_left(RuntimeError(gloo))
+    assert peer_left(RuntimeError("Connection reset by peer"))
+    assert not peer_left(RuntimeError("toy failure on rank 1 at step 3"))
+    assert not peer_left(OSError("No space left on device"))
+    assert not peer_left(KeyboardInterrupt())

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .folders import claim, stamped
-from .launch.interrupt import RunInterrupted, await_signal, stop_on_signals
+from .launch.interrupt import RunInterrupted, await_signal, peer_left, stop_on_signals
 from .launch.local import NodePlace, launch_local, under_torchrun
 from .runtime import CombinationError, Session
 from .runtime.distributed import close_world, init_world
@@ -93,7 +93,7 @@ def rank_main(
         except BaseException as error:
             # An error a signal caused (a peer that left mid-collective) is the signal's;
             # the launcher signals this rank a moment after the peer left.
-            if received.first is None and ranks > 1 and isinstance(error, Exception):
+            if received.first is None and ranks > 1 and peer_left(error):
                 await_signal(received, PEER_SIGNAL_WAIT_S)
             if received.first is None:
                 raise

@@ -66,6 +66,18 @@ class Received:
         return self.signals[0] if self.signals else None
 
 
+# What gloo and NCCL say when a peer's process is gone (its connection closed).
+PEER_GONE = ("closed by peer", "reset by peer", "broken pipe", "remote process exited")
+
+
+def peer_left(error: BaseException) -> bool:
+    """A collective failed because a peer left (not this rank's own error)."""
+    if not isinstance(error, RuntimeError):  # torch.distributed's errors are RuntimeErrors
+        return False
+    text = str(error).lower()
+    return any(words in text for words in PEER_GONE)
+
+
 def await_signal(received: Received, seconds: float) -> None:
     """Wait up to ``seconds`` for a stop signal. A rank whose peer was interrupted sees
     its collective fail ("connection closed by peer") a moment before its launcher,
