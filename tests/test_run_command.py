@@ -118,6 +118,15 @@ def test_a_folder_that_is_not_a_run_is_not_written_into(tiny_scenario, tmp_path)
     assert mixed.returncode == 2 and "holds notes.txt, and no earlier run" in mixed.stderr
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
     assert "Traceback" not in over.stderr + mixed.stderr
+    # Accepted: a folder of dotfiles only; a run folder run again from its own resolved
+    # scenario; a machine's folder of checkpoints only (another machine holds the rest).
+    (tmp_path / "dots").mkdir()
+    (tmp_path / "dots" / ".gitkeep").write_text("")
+    assert run_cli("run", scenario, "--out", tmp_path / "dots", "--quiet").returncode == 0
+    again = tmp_path / "dots" / "scenario.yaml"
+    assert run_cli("run", again, "--out", tmp_path / "dots", "--quiet", "--fresh").returncode == 0
+    (tmp_path / "machine1" / "checkpoints").mkdir(parents=True)
+    assert run_cli("run", scenario, "--out", tmp_path / "machine1", "--quiet").returncode == 0
 
 
 def test_resume_continues_the_newest_run_with_checkpoints(tiny_scenario, tmp_path):

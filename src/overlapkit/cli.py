@@ -583,15 +583,20 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
 
 def _check_not_foreign(out: Path, scenario_file: Path) -> None:
     """A run writes scenario.yaml, summary.json, steps.jsonl... into its folder: never
-    over the scenario file being run, nor among files that are not an earlier run's."""
+    over the scenario file being run, nor among files that are not an earlier run's.
+    (Under torchrun rank 0 decides: another machine's folder holds no scenario.yaml.)"""
+    if not out.is_dir() or int(os.environ.get("RANK", "0")) != 0:
+        return
+    if any((out / name).exists() for name in ("checkpoints", "summary.json", "steps.jsonl")):
+        return  # an earlier run's folder (its scenario.yaml is the resolved one)
     if (out / "scenario.yaml").resolve() == scenario_file.resolve():
         raise UsageError(
             f"--out {out}: the run would write its resolved scenario.yaml over "
             f"{scenario_file} itself: name another folder"
         )
-    if not out.is_dir() or scenario_in(out) is not None:
+    if scenario_in(out) is not None:
         return
-    found = sorted(p.name for p in out.iterdir())
+    found = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
     if found:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
         raise UsageError(
