@@ -576,6 +576,44 @@ def test_a_schedule_both_the_session_and_the_script_step_is_stepped_once():
     assert schedule.last_epoch == 5
 
 
+def test_a_per_epoch_schedule_stepped_by_both_keeps_the_scripts_steps_only():
+    """All the session's steps are undone, not only its last (the epoch's 5 per-update
+    steps left the rate at 0.5**5 after the undo); a schedule that is not torch's (only
+    step()) is stepped by the session as before, not refused."""
+    model, optimizer, loader = parts()  # 5 batches an epoch
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    session = Session([], progress=False)
+    model, optimizer, loader = session.prepare(model, optimizer, loader, lr_scheduler=schedule)
+    used = []
+    optimizer.register_step_pre_hook(lambda opt, *_: used.append(opt.param_groups[0]["lr"]))
+    with pytest.warns(LoopWarning, match="the session's 5 step"):
+        for _epoch in range(2):
+            for x, y in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            schedule.step()  # the script's, once an epoch
+    session.finish()
+    assert used[5:] == pytest.approx([0.05] * 5) and schedule.last_epoch == 2
+
+    class Warmup:  # a script's own: step() and nothing else
+        steps = 0
+
+        def step(self):
+            self.steps += 1
+
+    model, optimizer, loader = parts()
+    session = Session([], progress=False)
+    warmup = Warmup()
+    model, optimizer, loader = session.prepare(model, optimizer, loader, lr_scheduler=warmup)
+    for x, y in loader:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    session.finish()
+    assert warmup.steps == 5
+
+
 def gan(run_dir, register_g=True, stop_after=None):
     """DCGAN's loop: a discriminator step (real, then a detached fake), then a
     generator step through the discriminator. The discriminator is prepared; the

@@ -202,43 +202,51 @@ class PlainCalls:
 class PreparedSchedule:
     """Steps the LR schedule given to `Session.prepare` after each optimizer step. A
     port that kept the script's own ``scheduler.step()`` would step it twice per
-    update: before the next optimizer step the session's steps are undone (the
-    schedule and the learning rates as before its last one), the script's kept, a
-    `LoopWarning` says so, and from then on the script steps it alone."""
+    update: before the next optimizer step every step the session took is undone
+    (the schedule and the learning rates as before its first), the script's are
+    replayed, a `LoopWarning` says so, and from then on the script steps it alone.
+    A schedule that is not torch's `LRScheduler` (no ``last_epoch``) is only stepped."""
 
     def __init__(self, schedule: Any, optimizer: torch.optim.Optimizer) -> None:
         self.schedule, self.optimizer = schedule, optimizer
         self.by_session = True
-        self._before: tuple[dict[str, Any], list[Any]] | None = None
-        self._stepped_to = 0
+        self._watched = isinstance(schedule, torch.optim.lr_scheduler.LRScheduler)
+        self._start: tuple[dict[str, Any], list[Any], int] | None = None
+        self._session_steps = 0
 
     def step(self) -> None:
         if not self.by_session:
             return
-        lrs = [group["lr"] for group in self.optimizer.param_groups]
-        self._before = (copy.deepcopy(self.schedule.state_dict()), lrs)
+        if self._watched and self._start is None:
+            try:  # once: where the schedule was before the session's first step
+                saved = copy.deepcopy(self.schedule.state_dict())
+            except Exception:  # noqa: BLE001 - state that cannot be copied: not watched
+                self._watched = False
+            else:
+                lrs = [group["lr"] for group in self.optimizer.param_groups]
+                self._start = (saved, lrs, self.schedule.last_epoch)
         self.schedule.step()
-        self._stepped_to = self.schedule.last_epoch
+        self._session_steps += 1
 
     def check(self) -> None:
-        """Before an optimizer step: did the script step the schedule since ours?"""
-        if self._before is None or not self.by_session:
+        """Before an optimizer step: did the script step the schedule too?"""
+        if self._start is None or not self.by_session:
             return
-        extra = self.schedule.last_epoch - self._stepped_to
-        if extra <= 0:
+        saved, lrs, first = self._start
+        script_steps = self.schedule.last_epoch - first - self._session_steps
+        if script_steps <= 0:
             return
-        saved, lrs = self._before
         self.schedule.load_state_dict(saved)
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
-        for _ in range(extra):
+        for _ in range(script_steps):
             self.schedule.step()
         self.by_session = False
         warn(
-            "the script steps the LR schedule it gave to session.prepare(), which steps it "
-            "after every optimizer step too: the session's steps were undone and the "
-            "script's own scheduler.step() steps it from now on (pass it to prepare() or "
-            "step it in the script, not both)"
+            f"the script steps the LR schedule it gave to session.prepare(), which steps it "
+            f"after every optimizer step too: the session's {self._session_steps} step(s) "
+            "were undone and the script's own scheduler.step() steps it from now on (pass "
+            "it to prepare() or step it in the script, not both)"
         )
 
 
