@@ -663,8 +663,29 @@ def test_a_gan_with_its_second_optimizer_registered_resumes_exactly(tmp_path):
     assert torch.equal(resumed, straight)
 
 
+def test_a_loop_accumulating_three_batches_is_not_told_its_checkpoints_starve(tmp_path):
+    """Its boundaries clear at each update: checkpoints are taken there, and no
+    warning says otherwise (one did with every: 1 and 3 batches an update)."""
+    model, optimizer, loader = parts()  # 5 batches an epoch
+    session = Session([Checkpoint(every=1, final=False)], run_dir=tmp_path, progress=False)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LoopWarning)
+        for _epoch in range(3):
+            for i, (x, y) in enumerate(loader):
+                nn.functional.cross_entropy(model(x), y).backward()
+                if i % 3 == 2:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    summary = session.finish()
+    assert not [str(w.message) for w in said if issubclass(w.category, LoopWarning)]
+    assert summary["optimizations"]["checkpoint"]["checkpoints"] > 0
+
+
 def test_a_gan_whose_second_optimizer_is_not_registered_is_told(tmp_path):
-    with pytest.warns(LoopWarning, match="no checkpoint taken by step 6.*session.start") as said:
+    with pytest.warns(
+        LoopWarning, match="checkpoint due by step 3 not taken.*session.start"
+    ) as said:
         _, summary, _ = gan(tmp_path, register_g=False)
     assert said[0].filename == __file__
     assert summary["optimizations"]["checkpoint"]["checkpoints"] == 0

@@ -213,6 +213,7 @@ class EpochLoop:
     def warn_fetch_ahead(self, forward_step: int) -> None:
         """The script's backward in this step is of an earlier step's forward: it
         fetches its next batch (the next step) before it updates."""
+        self.state.fetches_ahead = True
         if self._told_fetch_ahead or not self.checkpointing:
             return
         self._told_fetch_ahead = True

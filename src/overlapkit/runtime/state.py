@@ -85,6 +85,7 @@ class State:
     # inside an update (a script accumulating batches itself, or fetching its next
     # batch before it updates), and a checkpoint taken there could not resume exactly.
     update_pending: bool = False
+    fetches_ahead: bool = False  # the script's backward is of the step before's forward
     shard: Shard | None = None  # None: one shard for all ranks, written by rank 0
     data_parallel: DataParallel | None = None  # None: every rank (see `dp`)
     local_model: Any = None  # this rank's part of the model, before data-parallel wrapping

@@ -49,12 +49,12 @@ def _is_number(text: str) -> bool:
 
 
 STARVED = (
-    "no checkpoint taken by step %d: every step boundary since one came due fell "
-    "inside an update (a training forward of the prepared model, and no optimizer "
-    "step after it), where a checkpoint could not resume exactly. A second model's "
-    "optimizer stepping after the prepared one's (a GAN's generator step runs the "
-    "prepared discriminator)? Register it: session.start(optimizerG=optimizerG). "
-    "The same holds for a loop that fetches its next batch before it updates"
+    "checkpoint due by step %d not taken: in the step before, a training forward of "
+    "the prepared model ran after its optimizer step and nothing stepped after it, so "
+    "the boundary falls inside an update, where a checkpoint could not resume exactly "
+    "(none is taken until one does not). A second model's optimizer stepping after the "
+    "prepared one's (a GAN's generator step runs the prepared discriminator)? Register "
+    "it: session.start(optimizerG=optimizerG)"
 )
 
 
@@ -134,6 +134,7 @@ class Checkpoint(Optimization):
         self._owed = False  # a checkpoint came due inside an update: take it at the next boundary
         self._deferred = 0  # checkpoints that came due inside an update
         self._told_starved = False
+        self._updated = False  # an optimizer step since the step began
         self._step_started = 0.0
         # Each checkpoint's stalls, as marks (on a GPU: CUDA events, so that a stall is
         # the time the device waited, read later): its snapshot and its wait before the
@@ -286,6 +287,7 @@ class Checkpoint(Optimization):
         now = perf_counter()
         self._observe_previous_step(now)
         self._step_started = now
+        updated, self._updated = self._updated, False
         due = self._due(state)
         if not (due or self._owed):
             return
@@ -293,8 +295,10 @@ class Checkpoint(Optimization):
             # The step boundary falls inside an update (the script accumulates batches
             # itself, or fetched this batch before its update): taken at the first one
             # that follows an optimizer step instead.
-            if due and self._owed and not self._told_starved:
-                self._told_starved = True  # a whole interval passed without one
+            if updated and not self._told_starved and not state.fetches_ahead:
+                # An update ended in the step before, and a training forward followed it:
+                # not a loop accumulating batches (its boundaries clear at each update).
+                self._told_starved = True
                 warn(STARVED % state.step)
             self._owed = True
             self._deferred += due
@@ -317,6 +321,7 @@ class Checkpoint(Optimization):
         self._last_step = state.step
 
     def on_before_optimizer_step(self, state: State) -> None:
+        self._updated = True
         if self._pending is None:
             return
         # The only moment the saved state changes: the snapshot must be complete (on a
