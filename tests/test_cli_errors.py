@@ -535,6 +535,6 @@ def test_one_line_warnings_leave_recording_and_other_warnings_alone():
 
     one_line_warnings()
     with pytest.warns(LoopWarning, match="recorded"):
-        warnings.warn("recorded", LoopWarning)
+        warnings.warn("recorded", LoopWarning, stacklevel=2)
     assert warnings.formatwarning("x", LoopWarning, "f.py", 1) == "overlapkit: warning: x\n"
     assert "f.py:1: UserWarning: y" in warnings.formatwarning("y", UserWarning, "f.py", 1)

@@ -519,7 +519,20 @@ def test_a_loop_fetching_its_next_batch_before_it_updates_is_told(tmp_path):
     assert not Manifest(tmp_path / "checkpoints").read()
 
 
-@pytest.mark.parametrize("registered", [False, True])
+class NativeScaler:
+    """timm's wrapper: the script registers it, not the GradScaler it holds."""
+
+    def __init__(self, scaler):
+        self._scaler = scaler
+
+    def state_dict(self):
+        return self._scaler.state_dict()
+
+    def load_state_dict(self, state):
+        self._scaler.load_state_dict(state)
+
+
+@pytest.mark.parametrize("registered", [False, True, "wrapped"])
 def test_a_scripts_own_grad_scaler_is_checkpointed_or_said_not_to_be(tmp_path, registered):
     """A script with its own GradScaler: registered, its scale is saved and restored;
     not registered, a LoopWarning at the script's ``scaler.step`` and a note say the
@@ -528,7 +541,8 @@ def test_a_scripts_own_grad_scaler_is_checkpointed_or_said_not_to_be(tmp_path, r
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
     session = Session([Checkpoint(every=2)], run_dir=tmp_path, progress=False)
     model, optimizer, loader = session.prepare(model, optimizer, loader)
-    session.start(**({"scaler": scaler} if registered else {}))
+    wrapped = NativeScaler(scaler) if registered == "wrapped" else scaler
+    session.start(**({"scaler": wrapped} if registered else {}))
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always", LoopWarning)
         for x, y in loader:
