@@ -913,3 +913,37 @@ def test_a_trial_line_fits_80_columns_and_keeps_the_whole_setting():
     assert _lines(short, 80) == (
         "trial   -1    900.0 samples/s  goodput    890.0  search  prefetch 1"
     )  # one line where it fits
+
+
+def _open_at_once(url, barrier, results):
+    from overlapkit.tuning.study import open_storage
+
+    barrier.wait()
+    try:
+        open_storage(url)
+        results.put("ok")
+    except Exception as error:  # noqa: BLE001 - the test counts them
+        results.put(f"{type(error).__name__}: {str(error)[:200]}")
+
+
+def test_processes_opening_a_new_storage_at_once_all_open_it(tmp_path):
+    """A tune driver and something reading its new study.db at the same moment (a
+    dashboard, a test's poll, workers on other machines) raced to create its tables:
+    the loser ended in IntegrityError ('UNIQUE constraint failed: alembic_version'),
+    seen in CI as a driver's internal error."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    outcomes = []
+    for round_ in range(6):
+        url = f"sqlite:///{tmp_path / f'study{round_}.db'}"
+        barrier, results = context.Barrier(4), context.Queue()
+        processes = [
+            context.Process(target=_open_at_once, args=(url, barrier, results)) for _ in range(4)
+        ]
+        for process in processes:
+            process.start()
+        outcomes += [results.get(timeout=120) for _ in processes]
+        for process in processes:
+            process.join(timeout=60)
+    assert set(outcomes) == {"ok"}, outcomes

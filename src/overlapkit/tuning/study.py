@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 
 from ..optimizations import get_optimization
@@ -152,17 +153,33 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
 
         return JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(
-            url,
-            engine_kwargs=engine_kwargs,
-            heartbeat_interval=15,
-            grace_period=60,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-                max_retry=1
-            ),
-        )
+    for attempt in range(SCHEMA_ATTEMPTS):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(
+                    url,
+                    engine_kwargs=engine_kwargs,
+                    heartbeat_interval=15,
+                    grace_period=60,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                        max_retry=1
+                    ),
+                )
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError) as error:
+            # Two processes creating a new storage's tables at once (a driver and a
+            # dashboard, workers on several machines): the second one's insert of the
+            # schema version collides. The tables are there now: open it again.
+            racing = isinstance(error, sqlalchemy.exc.IntegrityError) or "already exists" in str(
+                error
+            )
+            if not racing or attempt == SCHEMA_ATTEMPTS - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+SCHEMA_ATTEMPTS = 5
 
 
 def open_study(job: TuneJob, queued: bool = False) -> optuna.Study:
