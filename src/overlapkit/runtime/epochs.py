@@ -213,10 +213,9 @@ class EpochLoop:
     def warn_fetch_ahead(self, forward_step: int) -> None:
         """The script's backward in this step is of an earlier step's forward: it
         fetches its next batch (the next step) before it updates."""
-        self.state.fetches_ahead = True
-        if self._told_fetch_ahead or not self.checkpointing:
+        told, self.state.fetches_ahead = self.state.fetches_ahead, True
+        if told or not self.checkpointing:
             return
-        self._told_fetch_ahead = True
         warn(
             f"loss.backward() in step {self.state.step} is of the forward of step "
             f"{forward_step}: the loop fetches its next batch before it updates, so no step "
@@ -230,7 +229,7 @@ class EpochLoop:
         loss scale and growth tracker are not in the checkpoints."""
         if scaler is None or not self.checkpointing or not scaler.is_enabled():
             return
-        held = [obj for obj in self._stateful.values()]  # timm's NativeScaler holds one
+        held = list(self._stateful.values())  # timm's NativeScaler holds the scaler
         held += [value for obj in held for value in getattr(obj, "__dict__", {}).values()]
         if any(obj is scaler for obj in held):
             return

@@ -152,7 +152,7 @@ class Knob:
             return value
         if self.type in (int, float):
             if isinstance(value, str):
-                value = _number_in(value)  # YAML 1.1 reads 3e-2 (no dot) as a string
+                value = number_in(value)  # YAML 1.1 reads 3e-2 (no dot) as a string
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise KnobError(
                     self.name, f"{self.name} must be a number, got {type(value).__name__} {value!r}"
@@ -418,7 +418,7 @@ def register_optimization(cls: type[Optimization]) -> type[Optimization]:
     return cls
 
 
-def _number_in(text: str) -> Any:
+def number_in(text: str) -> Any:
     """The finite number ``text`` spells, else ``text`` as it is."""
     try:
         number = float(text)

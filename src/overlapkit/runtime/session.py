@@ -144,7 +144,6 @@ class Session(EpochLoop, SavedState):
         self._labelled_in_gap = 0.0
         self._steps_this_run = 0
         self._optimizer_steps = 0  # this run's
-        self._told_fetch_ahead = False
         self._values = PlainValues()
         self._plain_calls = PlainCalls(self)
         self._schedule: PreparedSchedule | None = None
@@ -320,8 +319,8 @@ class Session(EpochLoop, SavedState):
         self.scheduler.fire(Event.AFTER_FORWARD, self.state)
 
     def training_forward_starts(self) -> None:
-        """An update begins (see `State.update_pending`); with the flat all-reduce,
-        every rank takes rank 0's buffers (batch-norm statistics), as under DDP."""
+        """An update begins (see `State.update_pending`); whether its backward syncs
+        is read now, as DDP reads its flag at the forward (`State.sync_wanted`)."""
         state = self.state
         state.update_pending = state.optimizer is not None
         state.sync_on_backward = not state.in_no_sync  # read at the forward, as DDP's flag

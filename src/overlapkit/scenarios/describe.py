@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.optimization import settings_on
+from ..runtime.optimization import number_in, settings_on
 from ..runtime.policies import POLICIES
 from ..tuning.space import SpaceError, build_space, runnable_search
 from .config import Scenario
@@ -37,7 +37,11 @@ def describe(scenario: Scenario) -> list[tuple[str, list[tuple[str, str]]]]:
         for knob, value in settings_on(optimization, scenario.framework).items():
             set_here = knob in optimization.explicit
             given = optimization.explicit.get(knob)
-            if isinstance(given, str) and not isinstance(value, str) and not _number(given):
+            if (
+                isinstance(given, str)
+                and not isinstance(value, str)
+                and isinstance(number_in(given), str)
+            ):
                 value = given  # a word the knob stands for (every: auto), not its number
             rows.append((knob, _text(value) + ("  (set)" if set_here else "")))
         sections.append((f"optimizations.{optimization.name}", rows))
@@ -106,14 +110,6 @@ def _tune(scenario: Scenario) -> list[tuple[str, str]]:
         rows.append((f"space: {dimension.name}", ", ".join(map(_text, dimension.values()))))
     rows.append(("space: grid size", str(space.grid_size())))
     return rows
-
-
-def _number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _flat(data: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:

@@ -26,6 +26,7 @@ from ...runtime import (
     register_optimization,
 )
 from ...runtime.distributed import all_gather_objects
+from ...runtime.optimization import number_in
 from ...runtime.script import warn
 from ...runtime.timing import Marks
 from .coordination import Collectives, Domains, probe_domains
@@ -38,14 +39,6 @@ from .store import MANIFEST, CheckpointError, Manifest, step_dir
 # In auto mode the ranks agree on when to checkpoint by a vote cast this many
 # steps ahead, so that the training thread never waits for it.
 VOTE_AHEAD = 2
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 STARVED = (
@@ -114,7 +107,7 @@ class Checkpoint(Optimization):
         if isinstance(every, str) and every.strip().lower() == "auto":  # YAML's auto mode
             del explicit["every"]
             explicit["auto"] = True
-        elif isinstance(every, str) and not _is_number(every):
+        elif isinstance(every, str) and isinstance(number_in(every), str):
             raise KnobError("every", f"every must be a number of steps or auto, got {every!r}")
         return super().resolve(intensity, explicit)
 
