@@ -132,15 +132,9 @@ def _own_storage(url: str | None, folder: Path) -> str:
     """The storage a tune file names: its folder's own study.db when none (or, in a
     file written before that was recorded so, a study.db of the folder it was copied
     from while this one holds its own)."""
-    if url is None:
+    copied = url is not None and url.startswith("sqlite:///") and url.endswith("/study.db")
+    if url is None or (copied and (folder / "study.db").is_file()):
         return default_storage(folder)
-    if (
-        url.startswith("sqlite:///")
-        and url.endswith("/study.db")
-        and url != default_storage(folder)
-    ):
-        if (folder / "study.db").is_file():
-            return default_storage(folder)
     return url
 
 
