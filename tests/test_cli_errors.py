@@ -292,6 +292,27 @@ def test_check_refuses_what_would_fail_inside_a_rank(tiny_scenario):
     assert code == 2 and f"{cores + 1} CPU ranks" in err and f"{cores} cores" in err, err
 
 
+def test_too_many_ranks_for_the_cores_is_blamed_on_the_ranks_not_the_data(tiny_scenario):
+    code, _, err = cli("check", tiny_scenario(), "--set", "world.nprocs=100000")
+    assert code == 2 and "100000 CPU ranks" in err and "num_samples" not in err, err
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_any_rank_starts(tiny_scenario, tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    scenario = tiny_scenario()
+    code, _, err = cli("check", scenario, "--set", f"optimizations.checkpoint.dir={taken}/sub")
+    assert code == 2 and f"{taken} is a file" in err, err
+    # A relative one is found once the run folder is known, before any rank starts.
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "taken").write_text("mine")
+    (out / "scenario.yaml").write_text(scenario.read_text())  # an earlier run's folder
+    code, _, err = cli("run", scenario, "--out", out, "--set", "optimizations.checkpoint.dir=taken")
+    assert code == 2 and "is a file; name a folder" in err, err
+    assert taken.read_text() == "mine" and (out / "taken").read_text() == "mine"
+
+
 def test_an_internal_error_is_one_line_and_its_traceback_goes_to_a_file(tiny_scenario, monkeypatch):
     import overlapkit.cli as cli_module
 

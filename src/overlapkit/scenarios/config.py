@@ -264,9 +264,9 @@ class Scenario(Config):
         if self.world.device == "cpu" or (self.device_type == "cpu" and gpus_here):
             check_cpu_setup(self.train.precision, self.backend)
         self._check_plan(self.build_optimizations(), world_size or self.world.ranks)
-        self._check_data(world_size or self.world.ranks)
         if self.device_type == "cpu" and gpus_here:  # what the plan is, then whether it fits
             check_cpu_ranks(local_ranks)
+        self._check_data(world_size or self.world.ranks)
 
     def _check_data(self, world_size: int) -> None:
         """What the data on disk or in the config shows that would stop the run in its

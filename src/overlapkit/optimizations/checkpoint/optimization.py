@@ -17,6 +17,7 @@ from typing import Any
 
 from ...folders import stamped, unused
 from ...runtime import (
+    CombinationError,
     Demand,
     Knob,
     KnobError,
@@ -179,7 +180,14 @@ class Checkpoint(Optimization):
         )
         self._last_step = state.step
 
+    def check(self, world_size: int, device: str, backend: str) -> None:
+        super().check(world_size, device, backend)
+        configured = Path(self.settings["dir"]).expanduser()
+        if configured.is_absolute():  # a relative one waits for the run folder
+            _check_folder(configured)
+
     def check_run_folder(self, run_dir: Path, world_size: int) -> None:
+        _check_folder(self._root_in(run_dir))
         if self.settings["resume"]:
             check_rank_count(self._root_in(run_dir), world_size)
 
@@ -482,3 +490,12 @@ def _deferrable_storages(state: State) -> set[int] | None:
                 if hasattr(value, "untyped_storage"):
                     storages.add(value.untyped_storage().data_ptr())
     return storages
+
+
+def _check_folder(root: Path) -> None:
+    """Raise when ``root`` cannot be a folder: it, or a folder it would sit in, is a file."""
+    for place in (root, *root.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise CombinationError(f"checkpoint.dir {root}: {place} is a file; name a folder")
+            return
