@@ -8,15 +8,19 @@ baseline that ``ddp_overlap`` is measured against.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .optimization import COMM_WAIT
 from .state import temporarily
+
+if TYPE_CHECKING:
+    from .state import State
 
 
 def broadcast_model(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
@@ -136,6 +140,53 @@ class FlatAllReduce:
             dist.broadcast(flat, self.src, group=self.group)
             for buffer, value in zip(buffers, _unflatten_dense_tensors(flat, buffers), strict=True):
                 buffer.copy_(value)
+
+
+class GradientSync:
+    """The flat all-reduce as a run drives it, the same for the session's own sync and
+    ``ddp_overlap``'s no-overlap baseline: every rank starts from rank ``src``'s model;
+    a backward pass that changed the gradients syncs them when it ends (the script's
+    own at once, one inside a session call when the call returns: `backward_ended`),
+    unless the step accumulates micro-batches or the script said ``no_sync``; the
+    optimizer step syncs whatever is left (`sync`). ``around``: a context entered
+    around each all-reduce (``ddp_overlap`` times it)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        state: State,
+        around: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> None:
+        dp = state.dp
+        broadcast_model(model, dp.src, dp.group)
+        self.state, self._around = state, around
+        self.flat = FlatAllReduce(model, dp.size, dp.group, self._hooked_end, src=dp.src)
+        state.zero_grad_in_place = True
+
+    def _hooked_end(self) -> None:
+        """A backward pass that changed the gradients ended: the script's own (sync
+        now), or one inside a session call, which syncs once when it returns (a
+        pipeline's schedule runs a backward per micro-batch)."""
+        if not self.state.in_session_call:
+            self.backward_ended()
+
+    def backward_ended(self) -> None:
+        """A backward ended: sync, with rank ``src``'s buffers (as DDP), if wanted."""
+        if self.state.sync_wanted:
+            self.sync(buffers=True)
+
+    def sync(self, buffers: bool = False) -> None:
+        """All-reduce the gradients if they changed since the last sync (as exposed
+        communication, critical for the arbitration policy)."""
+        if not self.flat.dirty:
+            return
+        state = self.state
+        with self._around(), state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
+            self.flat(buffers=buffers)
+
+    def remove_hooks(self) -> None:
+        """The model outlives the run: no all-reduce after it."""
+        self.flat.remove_hooks()
 
 
 class DDPView(nn.Module):

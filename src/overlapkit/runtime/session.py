@@ -48,10 +48,10 @@ from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
 from .epochs import USED_UP, EpochLoop
 from .events import Event
-from .gradsync import DDPView, FlatAllReduce, broadcast_model
+from .gradsync import DDPView, GradientSync
 from .hardware import describe_node, nodes_of
 from .metrics import PhaseClock, summarize
-from .optimization import COMM_WAIT, Optimization, needed_environment
+from .optimization import Optimization, needed_environment
 from .precision import Precision, PrecisionName
 from .progress import ProgressBar
 from .report import LiveSteps, print_summary, write_run_files
@@ -133,7 +133,7 @@ class Session(EpochLoop, SavedState):
         self._logs: list[LiveSteps | TensorBoardSteps] = []  # rank 0's step logs
         self._stateful: dict[str, Any] = {}
         self._raw_model: nn.Module | None = None
-        self._grad_sync: FlatAllReduce | None = None
+        self._grad_sync: GradientSync | None = None
         self._epoch = 0
         self._started = False
         self._start: Start | None = None
@@ -179,17 +179,8 @@ class Session(EpochLoop, SavedState):
             self._schedule = PreparedSchedule(lr_scheduler, optimizer)
         self.scheduler.wrap(state)
         self._raw_model = state.local_model  # this rank's part of the model, unwrapped
-        dp = state.dp
-        if dp.size > 1 and not self.scheduler.provides("grad_sync"):
-            broadcast_model(state.local_model, dp.src, dp.group)
-            self._grad_sync = FlatAllReduce(
-                state.local_model,
-                dp.size,
-                dp.group,
-                on_backward_end=self._hooked_backward_end,
-                src=dp.src,
-            )
-            state.zero_grad_in_place = True
+        if state.dp.size > 1 and not self.scheduler.provides("grad_sync"):
+            self._grad_sync = GradientSync(state.local_model, state)
         self._plain_calls.install(state.model, state.optimizer)
         loader = StepLoader(self, state.loader) if state.loader is not None else None
         if came_in_ddp and not isinstance(state.model, DistributedDataParallel):
@@ -396,25 +387,8 @@ class Session(EpochLoop, SavedState):
         flat all-reduce's hooks) and after the session's own backward. Not on a
         micro-batch before a step's last, nor under the script's ``model.no_sync()``:
         the optimizer step syncs what is left."""
-        if self.state.sync_wanted:
-            self.sync_gradients(buffers=True)
-
-    def _hooked_backward_end(self) -> None:
-        """A backward pass that changed the gradients ended: the script's own (sync
-        now), or one inside a session call, which syncs once when it returns (a
-        pipeline's schedule runs a backward per micro-batch)."""
-        if not self.state.in_session_call:
-            self.backward_ended()
-
-    def sync_gradients(self, buffers: bool = False) -> None:
-        """Average the gradients across ranks now with the flat all-reduce, if they
-        changed since it last ran and no optimization syncs them (else nothing);
-        ``buffers``: at a synced backward's end, rank 0's buffers too (as DDP)."""
-        if self._grad_sync is None or not self._grad_sync.dirty:
-            return
-        state = self.state
-        with state.clock.phase("comm_exposed"), state.policy.critical(*COMM_WAIT):
-            self._grad_sync(buffers=buffers)
+        if self._grad_sync is not None:
+            self._grad_sync.backward_ended()
 
     def optimizer_step(self) -> None:
         """Sync gradients if nothing else does, step optimizer and LR schedule, zero
@@ -436,7 +410,8 @@ class Session(EpochLoop, SavedState):
         state = self.state
         if self._schedule is not None:
             self._schedule.check()
-        self.sync_gradients()
+        if self._grad_sync is not None:
+            self._grad_sync.sync()  # what no backward's end synced
         self.scheduler.fire(Event.BEFORE_OPTIMIZER_STEP, state)
         state.clock.switch("optimizer")
 
@@ -594,8 +569,8 @@ class Session(EpochLoop, SavedState):
         if self._grad_sync is not None:
             summary["grad_sync"] = {
                 "mode": "flat_allreduce",
-                "bytes": self._grad_sync.bytes_per_call,
-                "calls": self._grad_sync.calls,
+                "bytes": self._grad_sync.flat.bytes_per_call,
+                "calls": self._grad_sync.flat.calls,
             }
         if self.state.run_dir is not None:
             summary["run_dir"] = str(self.state.run_dir)

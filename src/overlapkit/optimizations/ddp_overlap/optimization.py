@@ -12,13 +12,14 @@ from __future__ import annotations
 import inspect
 import os
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ...runtime import (
-    COMM_WAIT,
     CombinationError,
     Knob,
     Optimization,
@@ -28,7 +29,7 @@ from ...runtime import (
     WrapStage,
     register_optimization,
 )
-from ...runtime.gradsync import FlatAllReduce, broadcast_model
+from ...runtime.gradsync import GradientSync
 from ...runtime.timing import Marks
 from .hooks import BucketCall, BucketTimer, SyncTiming, make_hook, wire_bytes_factor
 from .profile import AllreduceProfile
@@ -140,8 +141,7 @@ class DDPOverlap(Optimization):
         self.ddp: DistributedDataParallel | None = None
         self._timer: BucketTimer | None = None
         self._marks = Marks()
-        self._flat: FlatAllReduce | None = None
-        self._state: State | None = None  # for the flat all-reduce's end-of-backward hook
+        self._flat: GradientSync | None = None  # the no-overlap baseline
         self._unread: deque[SyncTiming] = deque()  # measured syncs, times not read yet
         self._syncs = 0
         self._profiled_steps = 0
@@ -193,14 +193,8 @@ class DDPOverlap(Optimization):
         self._check_nccl_settings(world.backend)
         # NCCL works on the device's streams: time it there. gloo works on the host.
         self._marks = Marks(world.device if world.backend == "nccl" else None)
-        dp = state.dp
         if not self.overlapping:
-            self._state = state
-            broadcast_model(model, dp.src, dp.group)
-            self._flat = FlatAllReduce(
-                model, dp.size, dp.group, on_backward_end=self._hooked_end, src=dp.src
-            )
-            state.zero_grad_in_place = True
+            self._flat = GradientSync(model, state, around=self._timed_flat)
             return model
         if state.data_parallel is not None and not self.settings["find_unused_parameters"]:
             self.settings["find_unused_parameters"] = True
@@ -287,44 +281,28 @@ class DDPOverlap(Optimization):
         if not state.is_sync_step:
             return
         if self._flat is not None:
-            self._flat_sync(state, backward_ended=True)
+            self._flat.backward_ended()
         elif self._timer is not None:
             self._syncs += 1
             if self._timer.calls:
                 self._measure(state, SyncTiming(self._timer.calls, self._marks))
 
-    def _hooked_end(self) -> None:
-        """A backward pass that changed the gradients ended: the script's own, synced
-        now; one inside a session call (a pipeline's schedule runs one per micro-batch)
-        is synced once at AFTER_BACKWARD."""
-        if self._state is not None and not self._state.in_session_call:
-            self._flat_sync(self._state, backward_ended=True)
-
     def on_before_optimizer_step(self, state: State) -> None:
         if self._flat is not None:
-            self._flat_sync(state, backward_ended=False)  # what no backward's end synced
+            self._flat.sync()  # what no backward's end synced
 
     def on_fit_end(self, state: State) -> None:
         if self._flat is not None:  # the model outlives the run: no all-reduce after it
             self._flat.remove_hooks()
 
-    def _flat_sync(self, state: State, backward_ended: bool) -> None:
-        """The baseline: one flat all-reduce when backward ends (whichever backward: the
-        all-reduce's own hooks call this when any pass that changed the gradients ends),
-        so a script clipping them before its optimizer step sees them averaged, as with
-        DDP; at the optimizer step, whatever changed since (a script's ``no_sync()``)."""
-        flat = self._flat
-        if flat is None or not flat.dirty or (backward_ended and not state.sync_wanted):
-            return
+    @contextmanager
+    def _timed_flat(self) -> Iterator[None]:
+        """The baseline (one flat all-reduce, see `GradientSync`), timed as one bucket."""
         self._syncs += 1
-        call = BucketCall(0, flat.bytes_per_call, self._marks.mark())
-        with (
-            state.clock.phase("comm_exposed"),
-            state.policy.critical(*COMM_WAIT),
-        ):
-            flat(buffers=backward_ended)  # rank 0's buffers with a synced backward, as DDP
+        call = BucketCall(0, self._flat.flat.bytes_per_call, self._marks.mark())
+        yield
         call.completed = self._marks.mark()
-        self._measure(state, SyncTiming([call], self._marks), exposed_in_clock=True)
+        self._measure(self._flat.state, SyncTiming([call], self._marks), exposed_in_clock=True)
 
     def _measure(self, state: State, timing: SyncTiming, exposed_in_clock: bool = False) -> None:
         if not exposed_in_clock:
