@@ -165,6 +165,67 @@ def test_a_break_closes_the_step_and_finish_writes_the_final_checkpoint(tmp_path
     assert [c["step"] for c in manifest["checkpoints"]] == [2]
 
 
+def test_a_break_in_each_epoch_makes_the_next_pass_a_new_epoch_and_resumes_so(tmp_path):
+    """A script training the first batches of each epoch (a dry run, a batch limit):
+    each pass over the prepared loader is a freshly shuffled epoch, as over the
+    script's own DataLoader (it continued the left epoch). A checkpoint taken at the
+    break resumes with the next epoch; the final one after a break, where the run
+    stopped, continues the epoch."""
+
+    def script(prepare, run_dir=None, epochs=3, save=False):
+        model, optimizer, loader = parts(samples=48)
+        session = None
+        if prepare:
+            session = Session([Checkpoint(every=2, final=not save)], run_dir=run_dir)
+            model, optimizer, loader = session.prepare(model, optimizer, loader)
+        start = session.start() if session else None
+        seen = []
+        for _epoch in range(start.epoch if start else 0, epochs):
+            for i, (x, _y) in enumerate(loader):
+                seen.append(x.sum().item())
+                optimizer.zero_grad()
+                model(x).sum().backward()
+                optimizer.step()
+                if i + 1 == 2:
+                    break
+        if save:
+            session.save()  # after the break: the next pass would have been a new epoch
+        if session is not None:
+            session.finish()
+        return start, seen, model
+
+    _, plain, plain_model = script(False)
+    _, ported, _ = script(True, tmp_path / "a")
+    assert ported == plain  # was: the second pass took the first epoch's next batches
+    _, first, _ = script(True, tmp_path / "b", epochs=2, save=True)
+    start, rest, model = script(True, tmp_path / "b")
+    assert (start.step, start.epoch, start.batch) == (4, 2, 0)
+    assert first + rest == plain
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_loader_without_a_position_resumes_after_a_whole_epoch_at_the_next(tmp_path):
+    """A list of batches has no position: a run resumed at an epoch's end starts the
+    next epoch (it started epoch 0 again: a whole run trained twice)."""
+
+    def script(epochs):
+        model, optimizer, _ = parts()
+        batches = [(torch.randn(4, 6), torch.randint(3, (4,))) for _ in range(4)]
+        session = Session([Checkpoint(every=2)], run_dir=tmp_path)
+        model, optimizer, loader = session.prepare(model, optimizer, batches)
+        start = session.start()
+        for _epoch in range(start.epoch, epochs):
+            one_epoch(model, loader, optimizer)
+        session.finish()
+        return start, session.records
+
+    script(2)
+    start, records = script(3)
+    assert (start.step, start.epoch, start.batch) == (8, 2, 0)
+    assert [r["step"] for r in records] == [8, 9, 10, 11]
+
+
 def test_a_loop_the_session_cannot_see_is_told_not_silent(tmp_path):
     model, optimizer, loader = parts()
     session = Session([Checkpoint(every=1)], run_dir=tmp_path)

@@ -119,6 +119,12 @@ class ResumableLoader:
         self.epoch += 1
         self.position = 0
 
+    def next_epoch(self) -> None:
+        """The pass over this epoch was left before its end (a ``break`` in the
+        script's loop): the next pass is the next epoch, as a DataLoader's would be."""
+        self.epoch += 1
+        self.position = 0
+
     def close(self) -> None:
         """Shut down the DataLoader's persistent worker processes now."""
         if self._finalizer is not None:

@@ -107,9 +107,11 @@ class EpochLoop:
                 "accumulate in the script"
             )
         self._fit_start(None)
+        if self._left_pass:
+            self._next_epoch(loader)
         state = self.state
         iterator: Iterator[Any] | None = None
-        batches = 0
+        self._epoch_batches = 0
         try:
             while True:
                 self.start_step()
@@ -120,16 +122,56 @@ class EpochLoop:
                     batch = next(iterator, _END)
                 if batch is _END:
                     self._end_of_epoch()
-                    if batches == 0 and iterator is loader:
+                    if self._epoch_batches == 0 and iterator is loader:
                         raise RuntimeError(f"the loader yielded no batch this epoch{USED_UP}")
+                    self._epoch += 1  # (a loader with a position moved on by itself)
+                    self._epoch_batches = 0
                     return
-                batches += 1
+                self._epoch_batches += 1
                 yield self._arrived(batch)
                 if self._in_step:
                     self.end_step()
+        except GeneratorExit:
+            # A break in the script's loop: a next pass over the loader is a new epoch,
+            # as over the script's own DataLoader (not the rest of this one).
+            self._left_pass = True
+            raise
         finally:
-            if self._in_step:  # a break in the script's loop
+            if self._in_step:  # the step a break (or an error) left
                 self.end_step()
+
+    def _next_epoch(self, loader: Any) -> None:
+        """A pass the script left (a ``break``) is over: the loader moves on to the
+        next epoch, freshly drawn."""
+        self._left_pass = False
+        self._epoch += 1
+        self._epoch_batches = 0
+        if hasattr(loader, "next_epoch"):
+            loader.next_epoch()
+
+    def progress(self) -> dict[str, Any]:
+        """Where a run resumed from a checkpoint taken now goes on: its step, and its
+        epoch, the next one when this one's batches were all trained (a loader with no
+        position of its own, a range or a list, can only restart an epoch).
+        ``left_pass``: the script left this epoch's pass (a ``break``), so its next pass
+        is the next epoch, unless the run stops there (the final checkpoint `finish`
+        takes): a resume then continues the epoch, as the run would have."""
+        try:
+            size = len(self.state.loader)
+        except TypeError:  # an iterable of unknown length
+            size = None
+        whole = size is not None and 0 < size <= self._epoch_batches
+        return {
+            "step": self.state.step,
+            "epoch": self._epoch + 1 if whole else self._epoch,
+            "left_pass": self._left_pass and not self._finishing,
+        }
+
+    def resume_progress(self, progress: dict[str, Any]) -> None:
+        self.state.step = progress["step"]
+        self._epoch = progress["epoch"]
+        if progress.get("left_pass"):
+            self._next_epoch(self._unwrap_loader(None))
 
     def _end_of_epoch(self) -> None:
         """The step begun for a batch the epoch did not have: nothing ran in it. What

@@ -44,7 +44,7 @@ class SavedState:
         """Everything needed to resume exactly, under one key per component."""
         state = self.state
         out: dict[str, Any] = {
-            "progress": {"step": state.step, "epoch": self._epoch},
+            "progress": self.progress(),
             "rng": capture_rng(),
             "precision": self.precision.state_dict(),
             "optimizations": self.scheduler.state_dict(),
@@ -73,8 +73,7 @@ class SavedState:
             if name in saved.get("user", {}):
                 obj.load_state_dict(saved["user"][name])
         self._values.load_state_dict(saved.get("values", {}))
-        state.step = saved["progress"]["step"]
-        self._epoch = saved["progress"]["epoch"]
+        self.resume_progress(saved["progress"])
         restore_rng(saved["rng"])
 
     def save(self, directory: str | Path | None = None) -> Path:

@@ -135,6 +135,9 @@ class Session(EpochLoop, SavedState):
         self._raw_model: nn.Module | None = None
         self._grad_sync: GradientSync | None = None
         self._epoch = 0
+        self._epoch_batches = 0  # batches of the current epoch the script was handed
+        self._left_pass = False  # the script left the epoch's pass (a break)
+        self._finishing = False
         self._started = False
         self._start: Start | None = None
         self._in_step = False
@@ -530,6 +533,7 @@ class Session(EpochLoop, SavedState):
         A process group the session started itself is closed: call it last."""
         if self._in_step:  # a loop left mid-step (an exception, a generator not closed)
             self.end_step()
+        self._finishing = True
         self.scheduler.fire(Event.FIT_END, self.state)
         self.scheduler.policy.close()
         self._warn_if_no_steps()

@@ -64,6 +64,12 @@ class PrefetchLoader:
         self.epoch += 1
         self.position = 0
 
+    def next_epoch(self) -> None:
+        """The pass over this epoch was left before its end (a ``break`` in the
+        script's loop): the next pass is the next epoch, as a DataLoader's would be."""
+        self.epoch += 1
+        self.position = 0
+
     def __len__(self) -> int:
         return len(self.inner)
 
