@@ -738,6 +738,54 @@ def test_a_gan_with_its_second_optimizer_registered_resumes_exactly(tmp_path):
     assert torch.equal(resumed, straight)
 
 
+def test_a_registered_optimizer_stepping_first_never_changes_a_snapshot(tmp_path, monkeypatch):
+    """Two optimizers over one model (AdamW + Muon): the registered one steps first.
+    The snapshot copies in the background what only the prepared optimizer's step
+    changes; here each background copy runs as late as allowed (just before that
+    step), so a copy of what the registered one stepped would hold its update and
+    the resume would apply it twice."""
+    from overlapkit.optimizations.checkpoint import snapshot as snapshots
+
+    parked = {}
+    start_thread = snapshots.start_thread
+
+    def park(target, *args, name=""):
+        if name != "overlapkit-snapshot":
+            return start_thread(target, *args, name=name)
+        parked[id(args[0])] = (target, args)
+
+    def wait(self):
+        if (call := parked.pop(id(self), None)) is not None:
+            call[0](*call[1])
+        waited(self)
+
+    waited = snapshots.Snapshot.wait
+    monkeypatch.setattr(snapshots, "start_thread", park)
+    monkeypatch.setattr(snapshots.Snapshot, "wait", wait)
+
+    def script(run_dir, stop_at=None):
+        model, _, loader = parts(samples=64)
+        first = torch.optim.SGD(model[0].parameters(), lr=0.5)  # registered, steps first
+        last = torch.optim.SGD(model[3].parameters(), lr=0.1, momentum=0.9)
+        session = Session([Checkpoint(every=2, final=stop_at is None)], run_dir=run_dir)
+        model, last, loader = session.prepare(model, last, loader)
+        session.start(first=first)
+        for x, y in loader:
+            if session.state.step == stop_at:
+                break
+            first.zero_grad()
+            last.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            first.step()
+            last.step()
+        session.finish()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    straight = script(tmp_path / "a")
+    script(tmp_path / "b", stop_at=5)  # its last checkpoint: step 4
+    assert torch.equal(script(tmp_path / "b"), straight)
+
+
 def test_a_loop_accumulating_three_batches_is_not_told_its_checkpoints_starve(tmp_path):
     """Its boundaries clear at each update: checkpoints are taken there, and no
     warning says otherwise (one did with every: 1 and 3 batches an update)."""

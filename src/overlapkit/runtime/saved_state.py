@@ -30,6 +30,7 @@ class SavedState:
             self._stateful[name] = obj
             if isinstance(obj, torch.optim.Optimizer):  # a second model's (a GAN's)
                 self._plain_calls.watch_update(obj)
+                self.state.other_optimizers.append(obj)
         elif isinstance(obj, dict):
             self._stateful[name] = _DictState(obj)
         elif callable(obj):

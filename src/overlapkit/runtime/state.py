@@ -98,6 +98,9 @@ class State:
     # only the optimizer step changes them; None from it: every captured tensor.
     # Unset: the torch model's parameters and optimizer state.
     deferrable: Callable[[], set[int] | None] | None = None
+    # Optimizers the script registered besides the prepared one (a GAN's second): what
+    # they step may change before the prepared optimizer's step, so it is never deferred.
+    other_optimizers: list[Any] = field(default_factory=list)
     eval_results: list[dict[str, Any]] = field(default_factory=list)
     resumed_from: str | None = None  # the checkpoint a resume restored (its step folder)
 

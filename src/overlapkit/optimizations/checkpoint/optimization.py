@@ -480,7 +480,8 @@ class Checkpoint(Optimization):
 
 def _deferrable_storages(state: State) -> set[int] | None:
     """Storages that change only in optimizer.step(): parameters and optimizer state
-    (or what the loop says, see `State.deferrable`)."""
+    (or what the loop says, see `State.deferrable`); not the parameters another
+    registered optimizer steps, maybe before this one (two optimizers over one model)."""
     if state.deferrable is not None:
         return state.deferrable()
     storages = {p.untyped_storage().data_ptr() for p in state.model.parameters()}
@@ -489,6 +490,9 @@ def _deferrable_storages(state: State) -> set[int] | None:
             for value in per_param.values():
                 if hasattr(value, "untyped_storage"):
                     storages.add(value.untyped_storage().data_ptr())
+    for other in state.other_optimizers:
+        for group in other.param_groups:
+            storages -= {p.untyped_storage().data_ptr() for p in group["params"]}
     return storages
 
 
