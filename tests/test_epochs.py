@@ -80,6 +80,66 @@ def test_a_dataloader_resumes_mid_epoch_in_the_scripts_own_order(workers):
     assert first + rest == plain
 
 
+class Augmented(torch.utils.data.Dataset):
+    """Random augmentation in the workers: torch's, random's and numpy's draws."""
+
+    def __len__(self):
+        return 50
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy
+
+        return torch.tensor([i + torch.rand(1).item(), random.random(), numpy.random.rand()])
+
+
+def mixup(samples):  # a collate function that draws too
+    batch = torch.utils.data.default_collate(samples)
+    return batch * torch.rand(1)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("stop", [13, 17, 30])  # epoch 1: batch 1 (< the workers), 5, 6
+def test_random_draws_in_workers_resume_exactly(persistent, stop):
+    """Batch i goes to worker i mod 2; a resume skipping batches by index gives the
+    new workers other roles and none of the skipped draws: they start from the
+    states the run's workers had (saved with the position), through the rest of the
+    epoch and the next (persistent workers are started again with the roles of a
+    new epoch)."""
+
+    def run(state=None):
+        torch.manual_seed(0)
+        loader = ScriptLoader(
+            DataLoader(
+                Augmented(),
+                batch_size=4,
+                shuffle=True,
+                drop_last=True,
+                num_workers=2,
+                persistent_workers=persistent,
+                collate_fn=mixup,
+            )  # fmt: skip
+        )
+        seen = []
+        if state is not None:
+            loader.load_state_dict(state[0])
+            torch.set_rng_state(state[1])
+        for _epoch in range(loader.epoch if state else 0, 3):
+            for batch in loader:
+                seen.append(batch)
+                if len(seen) == stop and state is None:
+                    saved = (loader.state_dict(), torch.get_rng_state())
+        loader.close()
+        return seen, saved if state is None else None
+
+    plain, saved = run()
+    rest, _ = run(saved)
+    assert len(rest) == len(plain) - stop
+    for a, b in zip(rest, plain[stop:], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_the_scripts_set_epoch_is_kept_and_restored():
     from torch.utils.data.distributed import DistributedSampler
 
@@ -486,6 +546,35 @@ def test_prefetch_keeps_the_scripts_random_draws_across_epochs():
         return seen
 
     assert run([get_optimization("prefetch")(0.6)]) == run(None)
+
+
+def test_random_draws_in_prefetch_workers_resume_exactly_with_batches_taken_ahead(tmp_path):
+    """prefetch's feeder takes batches ahead of training: the workers' states saved
+    are those as of the batches training had, not the ones taken ahead."""
+
+    def run(run_dir, stop_at=None):
+        torch.manual_seed(0)
+        loader = DataLoader(Augmented(), batch_size=4, shuffle=True, collate_fn=mixup)
+        model = nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        prefetch = get_optimization("prefetch")(1.0, workers=2, depth=4, device_depth=4)
+        session = Session([Checkpoint(every=5, final=False), prefetch], run_dir=run_dir)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        start = session.start()
+        for _epoch in range(start.epoch, 2):
+            for x in loader:
+                if session.state.step == stop_at:
+                    session.finish()
+                    return None
+                optimizer.zero_grad()
+                model(x).square().mean().backward()
+                optimizer.step()
+        session.finish()
+        return model.weight.detach().clone()
+
+    straight = run(tmp_path / "a")
+    run(tmp_path / "b", stop_at=8)  # its last checkpoint: step 5, training 3 behind
+    assert torch.equal(run(tmp_path / "b"), straight)
 
 
 def test_a_loop_without_an_optimizer_checkpoints_and_resumes(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ from torch.utils.data import (
 )
 
 from .sampler import ShardedSampler, _shut_down_workers
+from .worker_rng import Stamped, Stamping, WorkerStart, from_saved, to_saved
 
 # The DataLoader settings a copy keeps (prefetch may change the first five).
 SETTINGS = (
@@ -55,6 +57,9 @@ KNOWN_SAMPLERS = (
     ShardedSampler,
 )
 _END = object()
+# Recent batches whose workers' RNG states are kept: more than a prefetching loader
+# takes ahead of training (its depth, at most 256) plus one per worker.
+STAMPS_KEPT = 512
 
 
 def resume_problem(loader: Any) -> str | None:
@@ -176,6 +181,14 @@ class ScriptLoader:
         # its pass made a new DataLoader iterator (persistent workers keep one across
         # epochs: then no base seed is drawn).
         self._starts: dict[int, tuple[list[torch.Tensor], bool]] = {}
+        # The workers' RNG states (see `worker_rng`): (epoch, batch, worker, state)
+        # after each recent batch handed out, by the id of the run's worker it is
+        # (a pass's worker m plays the run's worker (m + shift) mod W; batch -1: the
+        # state a pass's workers started from); what the next pass's new workers
+        # start from (a resume's saved states, and their shift).
+        self._stamps: deque[tuple[int, int, int, Any]] = deque(maxlen=STAMPS_KEPT)
+        self._shift = 0
+        self._start_workers: tuple[dict[int, Any], int] | None = None
         self._loader: DataLoader | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -196,11 +209,14 @@ class ScriptLoader:
                 if self._batched
                 else {"sampler": self._positioned, "batch_size": None}
             )
+            settings = dict(self.settings)
+            if self._tracks_workers:
+                settings["collate_fn"] = Stamping(settings["collate_fn"])
             self._loader = DataLoader(
                 self.dataset,
                 generator=self.original.generator,
                 **sampling,
-                **self.settings,
+                **settings,
             )
             self._finalizer = weakref.finalize(self, _shut_down_workers, self._loader)
         return self._loader
@@ -210,6 +226,15 @@ class ScriptLoader:
         if self._finalizer is not None:
             self._finalizer()
         self._loader = self._finalizer = None
+
+    @property
+    def _workers(self) -> int:
+        return int(self.settings.get("num_workers") or 0)
+
+    @property
+    def _tracks_workers(self) -> bool:
+        """Batch i goes to worker i mod W (not with ``in_order=False``)."""
+        return self._workers > 0 and self.settings.get("in_order", True)
 
     # ------------------------------------------------------------ iterating
     def __iter__(self) -> Iterator[Any]:
@@ -230,49 +255,90 @@ class ScriptLoader:
             states, fresh_then = self._starts[epoch]
             _set_generator_states(self._generators, states)
         else:
+            # Persistent workers started again (after a resume) were not new in the run.
+            fresh_then = fresh and not (loader.persistent_workers and self._start_workers)
             self._starts = {e: s for e, s in self._starts.items() if e >= epoch - 1}
-            self._starts[epoch] = (_generator_states(self._generators), fresh)
+            self._starts[epoch] = (_generator_states(self._generators), fresh_then)
         # The script's pass made no new iterator (persistent workers): draw no base seed.
         throwaway = fresh and not fresh_then
         if throwaway:
             loader.generator = torch.Generator()
+        if fresh and self._tracks_workers:
+            self._starting_workers(loader)
         self._positioned.skip = self.position
         try:
             iterator = iter(loader)
             self._positioned.current.prime()
         finally:
+            loader.worker_init_fn = self.settings.get("worker_init_fn")
             if throwaway:
                 loader.generator = self.original.generator
             if replay:
                 _set_generator_states(self._generators, now)
         return self._count(iterator, epoch)
 
+    def _starting_workers(self, loader: DataLoader) -> None:
+        """New workers: seeded afresh, or, after a resume, from the saved states."""
+        start, self._start_workers = self._start_workers, None
+        states, self._shift = start if start is not None else ({}, 0)
+        self._stamps.extend((self.epoch, -1, w, state) for w, state in states.items())
+        if start is not None:
+            loader.worker_init_fn = WorkerStart(
+                states, self._shift, self.settings.get("worker_init_fn")
+            )
+
     def _count(self, iterator: Iterator[Any], epoch: int) -> Iterator[Any]:
         for batch in iterator:
+            if isinstance(batch, Stamped):
+                worker = (batch.worker + self._shift) % self._workers
+                self._stamps.append((epoch, self.position, worker, batch.state))
+                batch = batch.batch
             self.position += 1
             yield batch
         if self.epoch == epoch:
-            self.epoch += 1
-            self.position = 0
+            self._epoch_over()
+
+    def _epoch_over(self) -> None:
+        self.epoch += 1
+        self.position = 0
+        if self._shift and self.settings.get("persistent_workers"):
+            # The resumed pass's workers played shifted roles; the next epoch's batch i
+            # goes to worker i mod W again: start them afresh, from the states reached.
+            self.close()
+            self._start_workers = (self.worker_states(self.epoch, 0), 0)
+
+    def worker_states(self, epoch: int, position: int) -> dict[int, Any]:
+        """Each of the run's workers' RNG state before batch ``position`` of ``epoch``
+        was handed out (a worker missing: seeded afresh at the epoch's start)."""
+        persistent = self.settings.get("persistent_workers")
+        states = {}
+        for e, batch, worker, state in self._stamps:  # oldest first
+            if (e, batch) < (epoch, position) and (persistent or e == epoch):
+                states[worker] = state
+        return states
 
     def next_epoch(self) -> None:
         """The pass over this epoch was left before its end (a ``break`` in the
         script's loop): the next pass is the next epoch, freshly drawn, as the
         script's own DataLoader's would be."""
-        self.epoch += 1
-        self.position = 0
+        self._epoch_over()
 
     def __len__(self) -> int:
         return len(self.original)
 
     # ---------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, at: tuple[int, int] | None = None) -> dict[str, Any]:
+        """``at``: (epoch, batch) training has reached, when a prefetching loader has
+        taken more from this one (its workers' states are saved as of then)."""
+        workers = self.worker_states(*(at or (self.epoch, self.position)))
         return {
             "epoch": self.epoch,
             "position": self.position,
             "epoch_starts": [[e, int(f), *s] for e, (s, f) in sorted(self._starts.items())],
             "sampler_epoch": int(getattr(self.sampler, "epoch", 0)),
             "batch_size": self.original.batch_size,
+            "workers": self._workers,
+            "worker_rng": {w: to_saved(state) for w, state in sorted(workers.items())},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -291,3 +357,9 @@ class ScriptLoader:
         }
         if hasattr(self.sampler, "set_epoch") and "sampler_epoch" in state:
             self.sampler.set_epoch(int(state["sampler_epoch"]))
+        saved_rng = state.get("worker_rng") or {}
+        if saved_rng and state.get("workers") == self._workers and self._tracks_workers:
+            # The next pass's worker m gets the batches the run's worker (k + m) mod W had.
+            states = {int(w): from_saved(s) for w, s in saved_rng.items()}
+            self._start_workers = (states, self.position % self._workers)
+            self.close()  # workers already running have the wrong states

@@ -79,7 +79,12 @@ class PrefetchLoader:
     def state_dict(self) -> dict[str, Any]:
         # The inner loader's own state too (a ScriptLoader's RNG states of each epoch),
         # with the position training has reached.
-        return {**self.inner.state_dict(), "epoch": self.epoch, "position": self.position}
+        inner = (
+            self.inner.state_dict((self.epoch, self.position))  # workers' states then
+            if isinstance(self.inner, ScriptLoader)
+            else self.inner.state_dict()
+        )
+        return {**inner, "epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state)
