@@ -242,11 +242,14 @@ class PreparedSchedule:
         for _ in range(script_steps):
             self.schedule.step()
         self.by_session = False
+        steps = self._session_steps
         warn(
             f"the script steps the LR schedule it gave to session.prepare(), which steps it "
-            f"after every optimizer step too: the session's {self._session_steps} step(s) "
-            "were undone and the script's own scheduler.step() steps it from now on (pass "
-            "it to prepare() or step it in the script, not both)"
+            f"after every optimizer step too: the session's {steps} step(s) were undone "
+            "and the script's own scheduler.step() steps it from now on; but the "
+            f"{steps} update(s) before this one used the learning rates of the session's "
+            "steps, not the script's, so the run differs from the script's (pass the "
+            "schedule to prepare() or step it in the script, not both)"
         )
 
 
