@@ -719,6 +719,27 @@ def test_a_scripts_own_grad_scaler_is_checkpointed_or_said_not_to_be(tmp_path, r
         assert notes and "session.start(scaler=scaler)" in notes[0]
 
 
+def test_checkpoints_waiting_out_steps_a_grad_scaler_skipped_say_so(tmp_path):
+    """A loss scale too large: the scaler skips the optimizer steps (inf gradients),
+    so checkpoints due then wait for an update; the summary names the scaler among
+    the causes (it named only loop shapes this script does not have)."""
+    model, optimizer, loader = parts()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-12)
+    session = Session([Checkpoint(every=1)], run_dir=tmp_path, progress=False)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    session.start(scaler=scaler)
+    for x, y in loader:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    notes = session.finish()["optimizations"]["checkpoint"]["notes"]
+    assert scaler.get_scale() < 2.0**40  # it skipped
+    assert any("GradScaler skipped" in note for note in notes), notes
+
+
 def test_a_schedule_both_the_session_and_the_script_step_is_stepped_once():
     """A port that passed its per-iteration schedule to prepare() and kept its own
     scheduler.step(): the updates use the script's learning rates (0.1, 0.05, ...;

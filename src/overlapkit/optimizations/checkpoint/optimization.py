@@ -351,10 +351,10 @@ class Checkpoint(Optimization):
             self.errors.append(
                 f"{self._deferred} checkpoint(s) came due inside an update (a step boundary "
                 "between a forward and its optimizer step: the script accumulates batches "
-                "itself, fetches its next batch before it updates, or steps a second "
-                "optimizer it did not register) and waited for the "
-                "next boundary after an optimizer step"
-                + ("; none came, so none was taken" if self._owed else "")
+                "itself, fetches its next batch before it updates, steps a second "
+                "optimizer it did not register, or its GradScaler skipped the optimizer "
+                "step for inf/NaN gradients) and waited for the next boundary after an "
+                "optimizer step" + ("; none came, so none was taken" if self._owed else "")
             )
         inside = state.update_pending  # the loop ended between a forward and its update
         if inside and self.settings["final"]:
