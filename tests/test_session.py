@@ -234,6 +234,8 @@ def test_a_ported_ddp_script_keeps_module_and_no_sync():
         assert rank["port"]["model"] == "DDPView"
         assert torch.allclose(rank["port"]["params"], rank["ddp"]["params"], atol=1e-6)
         assert rank["port"]["calls"] == 4  # the micro-batches under no_sync() waited
+        # Made data-parallel: said for the plain model (DDP's own was silent).
+        assert not rank["port"]["noted"] and rank["plain"]["noted"]
         # A plain model accumulating under session.no_sync(): the same, once a step.
         for way, calls in (("plain", 4), ("plain_synced", 8)):
             assert rank[way]["model"] == "Sequential"

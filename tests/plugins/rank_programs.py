@@ -195,6 +195,7 @@ def ddp_script_accumulating(steps: int = 4) -> dict[str, dict[str, Any]]:
             if session is not None:
                 batches.close()
                 results[way]["calls"] = session.finish().get("grad_sync", {}).get("calls")
+                results[way]["noted"] = any("came without Distributed" in n for n in session.notes)
             if session is not None:
                 results[way]["session_model"] = type(session.state.model).__name__
             inner = model if plain else model.module

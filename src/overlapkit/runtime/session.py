@@ -184,6 +184,14 @@ class Session(EpochLoop, SavedState):
         self._raw_model = state.local_model  # this rank's part of the model, unwrapped
         if state.dp.size > 1 and not self.scheduler.provides("grad_sync"):
             self._grad_sync = GradientSync(state.local_model, state)
+        if state.dp.size > 1 and not came_in_ddp:
+            self._note(
+                f"the model came without DistributedDataParallel, on {state.dp.size} ranks: "
+                "overlapkit makes it data-parallel, as DDP would (every rank starts from rank "
+                "0's parameters and buffers, gradients are averaged after each backward, "
+                "batch-norm statistics are rank 0's); a script that keeps its ranks apart "
+                "(local SGD, one model per rank) cannot run them in one session"
+            )
         self._plain_calls.install(state.model, state.optimizer)
         loader = StepLoader(self, state.loader) if state.loader is not None else None
         if came_in_ddp and not isinstance(state.model, DistributedDataParallel):
