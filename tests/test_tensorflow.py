@@ -125,6 +125,53 @@ def test_two_workers_equal_one_worker_on_the_global_batch_and_packs_follow_the_k
     assert packed["phases_s"]["backward"] > 0 and packed["phases_s"]["forward"] > 0
 
 
+SMALL_BERT = {
+    **BERT,
+    "name": "tf-bert-small",
+    "model": {**BERT["model"], "hidden": 16, "layers": 1, "dropout": 0.1},
+    "train": {**BERT["train"], "steps": 2, "warmup_steps": 1, "eval": {"at_end": True}},
+    "world": {"nprocs": 1},
+    "optimizations": {"checkpoint": {"every": 2}},
+}
+
+FAILING_EVAL = textwrap.dedent(
+    """
+    import sys
+    from overlapkit.backends.tensorflow import loop
+
+    def broken_eval_step(tf, model):
+        def step(inputs, targets):
+            raise ZeroDivisionError("injected evaluation failure")
+        return step
+
+    loop.make_eval_step = broken_eval_step
+    from overlapkit.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_bert_evaluates_at_the_end_and_a_failed_evaluation_keeps_the_training(tmp_path):
+    scenario = scenario_file(tmp_path, SMALL_BERT)
+    summary = run(scenario, tmp_path / "ok")  # the model is called outside strategy.run
+    assert summary["eval"]["runs"][0]["step"] == 3 and summary["eval"]["runs"][0]["samples"] == 32
+    out = tmp_path / "failed"
+    result = subprocess.run(
+        [sys.executable, "-c", FAILING_EVAL, "run", str(scenario), "--out", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode != 0
+    assert "injected evaluation failure" in (out / "error.txt").read_text()
+    kept = json.loads((out / "summary.json").read_text())
+    assert "eval" not in kept
+    assert any("evaluation at the end failed" in note for note in kept["notes"])
+    assert sorted(step_losses(out)) == [(0, 0), (1, 0), (2, 0)]
+    manifest = json.loads((out / "checkpoints" / "manifest.json").read_text())["checkpoints"]
+    assert [e["step"] for e in manifest] == [2, 3]  # the final checkpoint too
+
+
 def test_prefetched_batches_equal_the_synchronous_ones():
     import tensorflow as tf
 

@@ -43,6 +43,10 @@ from .profile import FUSED, PhaseSplit, profile_window, split_records
 from .step import buffers, collectives_in, make_eval_step, make_train_step
 
 
+class EvaluationFailed(RuntimeError):
+    """Evaluation raised on some rank (every rank raises this, after the same gather)."""
+
+
 class TfLoop:
     def __init__(
         self,
@@ -196,14 +200,22 @@ class TfLoop:
                 self.evaluate(step + 1)
         state.step = cfg.total_steps
         last = self.eval_results[-1]["step"] if self.eval_results else None
+        failed: BaseException | None = None
         if self.eval_batches is not None and cfg.eval.at_end and last != state.step:
-            self.evaluate(state.step)
+            try:  # the training is done: its final checkpoint and measurements are kept
+                self.evaluate(state.step)
+            except EvaluationFailed as error:
+                failed = error.__cause__ or error
+                self.notes.append(f"evaluation at the end failed, no eval figures: {error}")
         scheduler.fire(Event.FIT_END, state)
         if bar is not None:
             bar.close()
         for log in logs:
             log.close()
-        return self.finish(split, inputs, targets, start, show_summary)
+        summary = self.finish(split, inputs, targets, start, show_summary)
+        if failed is not None:
+            raise failed
+        return summary
 
     def _step_logs(self) -> list[Any]:
         """Rank 0's step logs: the live one of the run folder, TensorBoard's."""
@@ -228,11 +240,20 @@ class TfLoop:
         begin = perf_counter()
         correct = total = 0
         loss_sum = 0.0
-        for inputs, targets in self.eval_batches.in_order(self.tf):
-            right, loss = self.eval_step(inputs, targets)
-            correct, total = correct + int(right), total + int(targets.shape[0])
-            loss_sum += float(loss)
-        sums = all_gather_objects((correct, total, loss_sum), self.world)
+        error: Exception | None = None
+        try:
+            for inputs, targets in self.eval_batches.in_order(self.tf):
+                right, loss = self.eval_step(inputs, targets)
+                correct, total = correct + int(right), total + int(targets.shape[0])
+                loss_sum += float(loss)
+        except Exception as raised:  # every rank hears of it in the gather below
+            error = raised
+        sums = all_gather_objects(
+            (correct, total, loss_sum) if error is None else f"{type(error).__name__}", self.world
+        )
+        failed = [f"rank {rank}: {s}" for rank, s in enumerate(sums) if isinstance(s, str)]
+        if failed:
+            raise EvaluationFailed(", ".join(failed)) from error
         correct, total, loss_sum = (sum(column) for column in zip(*sums, strict=True))
         self.eval_results.append(
             {
