@@ -172,6 +172,50 @@ def test_bert_evaluates_at_the_end_and_a_failed_evaluation_keeps_the_training(tm
     assert [e["step"] for e in manifest] == [2, 3]  # the final checkpoint too
 
 
+def test_an_unprofiled_compiled_step_is_not_measured_and_a_resumed_run_profiles_anew(tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    short = scenario_file(tmp_path, RESNET, train__warmup_steps=0, train__steps=1)
+    result = run_cli("run", short, "--out", out, timeout=280)  # the console, not --json
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if "│" in line}
+    for row in ("load balance", "parallel efficiency", "forward", "comm_exposed"):
+        assert "not measured" in lines[row], lines[row]
+    unsplit = json.loads((out / "summary.json").read_text())
+    assert unsplit["pop"] == dict.fromkeys(
+        ("load_balance", "communication_efficiency", "parallel_efficiency")
+    )
+    for phase in ("forward", "backward", "comm_exposed", "optimizer"):
+        assert unsplit["phases_s"][phase] is None
+    assert unsplit["compiled_step_s"] > unsplit["phases_s"]["other"]  # not counted in other
+    assert "too few steps to profile" in unsplit["phases_source"]
+    assert unsplit["phases_profiled_steps"] is None
+    shutil.copytree(out, tmp_path / "unsplit")
+    # Resumed past the warm-up's window: it profiles the steps after its own first.
+    resumed = run(scenario_file(tmp_path, RESNET, train__warmup_steps=0, train__steps=4), out)
+    assert resumed["resumed_from_step"] == 1
+    assert resumed["phases_profiled_steps"] == [2, 3]
+    assert resumed["phases_s"]["forward"] > 0 and resumed["pop"]["load_balance"] == 1.0
+    table = cli_here("compare", tmp_path / "unsplit", out, "--out", tmp_path / "c").stdout
+    assert "n/a" in table
+    caption = table[table.index("phases split from a sampled profile") :]
+    assert "run" in caption and "unsplit" not in caption
+
+
+def test_the_profile_window_after_a_resume_and_why_there_is_none():
+    from overlapkit.backends.tensorflow.profile import profile_window, why_unprofiled
+
+    window = profile_window(warmup_steps=2, total_steps=8, start=0, rank=0)
+    assert (window.start, window.stop) == (1, 2)  # the warm-up's, after the first step
+    window = profile_window(warmup_steps=2, total_steps=8, start=4, rank=0)
+    assert (window.start, window.stop) == (5, 8)  # after the resumed run's own first
+    assert profile_window(warmup_steps=2, total_steps=5, start=4, rank=0) is None
+    assert "resumed at step 4 with 1 step(s) left" in why_unprofiled(5, 4)
+    assert profile_window(warmup_steps=0, total_steps=1, start=0, rank=0) is None
+    assert "train.warmup_steps + train.steps = 1" in why_unprofiled(1, 0)
+
+
 def test_prefetched_batches_equal_the_synchronous_ones():
     import tensorflow as tf
 

@@ -39,7 +39,7 @@ from ...runtime.tensorboard import TensorBoardSteps
 from . import import_tensorflow
 from .data import Batches, InputPlan
 from .models import build_model
-from .profile import FUSED, PhaseSplit, profile_window, split_records
+from .profile import FUSED, PhaseSplit, profile_window, split_records, why_unprofiled
 from .step import buffers, collectives_in, make_eval_step, make_train_step
 
 
@@ -159,7 +159,8 @@ class TfLoop:
         )
         logs = self._step_logs()
         window = profile_window(cfg.warmup_steps, cfg.total_steps, start, world.rank)
-        split: PhaseSplit | None = None
+        # Rank 0's split, or why there is none.
+        split: PhaseSplit | str = why_unprofiled(cfg.total_steps, start)
         replicas = world.world_size
         for step in range(start, cfg.total_steps):
             state.step = step
@@ -190,7 +191,10 @@ class TfLoop:
                 record["profiled"] = True
             self.records.append(record)
             if window is not None and step + 1 == window.stop:
-                split = window.end(tf)
+                split = window.end(tf) or (
+                    f"TensorFlow's profile of steps {window.start}-{window.stop - 1} "
+                    "held no training step to split"
+                )
                 clock.pause()
             if bar is not None:
                 bar.advance(record["samples_per_s"] * replicas, loss, record["warmup"])
@@ -273,7 +277,7 @@ class TfLoop:
         return digest.hexdigest()
 
     def finish(
-        self, split: PhaseSplit | None, inputs: Any, targets: Any, start: int, show: bool
+        self, split: PhaseSplit | str, inputs: Any, targets: Any, start: int, show: bool
     ) -> dict[str, Any]:
         world = self.world
         collectives = collectives_in(self.train_step, inputs, targets)
@@ -283,15 +287,18 @@ class TfLoop:
         records = sorted(
             (r for rs, *_ in gathered for r in rs), key=lambda r: (r["step"], r["rank"])
         )
-        splits = [s for _, s, *_ in gathered if s is not None]
         prints = [p for *_, p in gathered]
-        records, split_note = split_records(records, splits)
+        split = gathered[0][1]  # rank 0's: only rank 0 profiles
+        records, split_note = split_records(records, split)
         summary: dict[str, Any] = {
             "name": self.scenario.name,
             **summarize(records, world.world_size),
         }
         summary["framework"] = "tensorflow"
         summary["phases_source"] = split_note
+        summary["phases_profiled_steps"] = (
+            None if isinstance(split, str) else [split.steps[0], split.steps[1] - 1]
+        )
         fused = [r[FUSED + "_s"] for r in records if not r["warmup"]]
         summary["compiled_step_s"] = statistics.fmean(fused) if fused else 0.0
         summary["hardware"] = {"nodes": nodes_of([node for _, _, node, _ in gathered])}
