@@ -283,6 +283,46 @@ def test_sigkill_mid_persist_resumes_bit_identically(tmp_path):
     assert sorted(resumed_losses) == [(s, 0) for s in range(2, 8)]
 
 
+TERM_AT_STEP_5 = textwrap.dedent(
+    """
+    import os, signal, sys
+    from overlapkit.backends.tensorflow import loop
+    made = loop.make_train_step
+
+    def make(*args):
+        step, calls = made(*args), []
+
+        def step_then_term(inputs, targets):
+            calls.append(1)
+            if len(calls) == 6:  # step 5: as a kill from outside, between two steps
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step(inputs, targets)
+
+        return step_then_term
+
+    loop.make_train_step = make
+    from overlapkit.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_sigterm_says_the_step_and_the_newest_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-c", TERM_AT_STEP_5, "run", str(scenario_file(tmp_path, RESNET))]
+        + ["--out", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode == 143, result.stderr[-3000:]
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("overlapkit: stopped by")]
+    newest = json.loads((out / "checkpoints" / "manifest.json").read_text())["checkpoints"][-1]
+    assert line.startswith("overlapkit: stopped by SIGTERM at step 5; run folder"), line
+    assert f"the newest checkpoint is step {newest['step']}. Resume:" in line
+
+
 @pytest.mark.slow
 def test_a_peer_that_never_starts_is_a_clear_error_within_the_time_out(tmp_path):
     scenario = scenario_file(tmp_path, BERT, world__timeout_s=2)

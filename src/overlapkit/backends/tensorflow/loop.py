@@ -95,6 +95,8 @@ class TfLoop:
             deferrable=_every_storage,
         )
         self.records: list[dict[str, Any]] = []
+        self._bar: ProgressBar | None = None
+        self._logs: list[Any] = []
         self.eval_results: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------ the state
@@ -152,12 +154,12 @@ class TfLoop:
             )
         dataset = self.batches.train(tf, cfg.total_steps, start, plan, "/gpu:0" if gpus else None)
         batches = iter(dataset)
-        bar = (
+        self._bar = bar = (
             ProgressBar(self.scenario.name, cfg.total_steps, done=start)
             if progress and world.is_main and ProgressBar.wanted()
             else None
         )
-        logs = self._step_logs()
+        self._logs = logs = self._step_logs()
         window = profile_window(cfg.warmup_steps, cfg.total_steps, start, world.rank)
         # Rank 0's split, or why there is none.
         split: PhaseSplit | str = why_unprofiled(cfg.total_steps, start)
@@ -212,14 +214,26 @@ class TfLoop:
                 failed = error.__cause__ or error
                 self.notes.append(f"evaluation at the end failed, no eval figures: {error}")
         scheduler.fire(Event.FIT_END, state)
-        if bar is not None:
-            bar.close()
-        for log in logs:
-            log.close()
+        self._close_displays()
         summary = self.finish(split, inputs, targets, start, show_summary)
         if failed is not None:
             raise failed
         return summary
+
+    def stopped(self) -> tuple[int, int | None]:
+        """After an interrupt: close the progress bar and step logs; return the step
+        reached and the step of the newest complete checkpoint (None: none)."""
+        self._close_displays()
+        checkpoint = next((e for e in self.engines if hasattr(e, "newest_step")), None)
+        return self.state.step, checkpoint.newest_step() if checkpoint is not None else None
+
+    def _close_displays(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        for log in self._logs:
+            log.close()
+        self._logs = []
 
     def _step_logs(self) -> list[Any]:
         """Rank 0's step logs: the live one of the run folder, TensorBoard's."""
