@@ -369,6 +369,19 @@ def test_pipeline_is_refused_on_tensorflow_before_start(tmp_path):
         assert result.returncode == 2 and "leave it auto" in result.stderr, result.stderr
 
 
+def test_cuda_without_a_gpu_is_refused_before_start(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    cuda = scenario_file(tmp_path, RESNET, world__device="cuda", train__precision="fp16")
+    for command in (["check"], ["run", "--out", tmp_path / "run"]):  # it trained on the CPU
+        result = cli_here(*command, cuda)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "error: world.device is cuda but no CUDA device is visible" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_list_says_which_optimization_runs_on_which_framework():
     result = cli_here("list", "--json")
     assert result.returncode == 0
