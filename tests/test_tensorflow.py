@@ -151,10 +151,14 @@ FAILING_EVAL = textwrap.dedent(
 )
 
 
-def test_bert_evaluates_at_the_end_and_a_failed_evaluation_keeps_the_training(tmp_path):
+def test_bert_evaluates_at_the_end_traces_hooks_and_a_failed_eval_keeps_the_training(tmp_path):
     scenario = scenario_file(tmp_path, SMALL_BERT)
-    summary = run(scenario, tmp_path / "ok")  # the model is called outside strategy.run
+    # The model is called outside strategy.run; the hooks are traced as the loop fires them.
+    summary = run(scenario, tmp_path / "ok", "--set", "scheduler.trace=true")
     assert summary["eval"]["runs"][0]["step"] == 3 and summary["eval"]["runs"][0]["samples"] == 32
+    events = json.loads((tmp_path / "ok" / "trace.json").read_text())["traceEvents"]
+    ends = [e["args"]["step"] for e in events if e["name"] == "checkpoint.step_end"]
+    assert ends == [0, 1, 2] and any("trace.json" in note for note in summary["notes"])
     out = tmp_path / "failed"
     result = subprocess.run(
         [sys.executable, "-c", FAILING_EVAL, "run", str(scenario), "--out", str(out), "--json"],

@@ -295,13 +295,19 @@ class TfLoop:
     ) -> dict[str, Any]:
         world = self.world
         collectives = collectives_in(self.train_step, inputs, targets)
+        trace = (
+            self.scheduler.trace.chrome_events(world.rank)
+            if self.scenario.scheduler.trace
+            else None
+        )
         gathered = all_gather_objects(
-            (self.records, split, describe_node(torch.device("cpu")), self.fingerprint()), world
+            (self.records, split, describe_node(torch.device("cpu")), self.fingerprint(), trace),
+            world,
         )
         records = sorted(
             (r for rs, *_ in gathered for r in rs), key=lambda r: (r["step"], r["rank"])
         )
-        prints = [p for *_, p in gathered]
+        prints = [p for *_, p, _ in gathered]
         split = gathered[0][1]  # rank 0's: only rank 0 profiles
         records, split_note = split_records(records, split)
         summary: dict[str, Any] = {
@@ -315,7 +321,7 @@ class TfLoop:
         )
         fused = [r[FUSED + "_s"] for r in records if not r["warmup"]]
         summary["compiled_step_s"] = statistics.fmean(fused) if fused else 0.0
-        summary["hardware"] = {"nodes": nodes_of([node for _, _, node, _ in gathered])}
+        summary["hardware"] = {"nodes": nodes_of([node for _, _, node, *_ in gathered])}
         summary["strategy"] = {
             "name": type(self.strategy).__name__,
             "replicas": self.strategy.num_replicas_in_sync,
@@ -344,6 +350,13 @@ class TfLoop:
             summary["resumed_from_step"] = start
         if self.run_dir is not None:
             summary["run_dir"] = str(self.run_dir)
+        if trace is not None:
+            self.notes.append(
+                "trace.json: the hooks as TensorFlow's loop fires them, on the host; "
+                "before_optimizer_step and after_optimizer_step fire after the compiled "
+                "step, which holds the optimizer"
+            )
+            trace = [event for *_, events in gathered for event in events]
         if self.notes:
             summary["notes"] = self.notes
         if self.eval_results:
@@ -353,7 +366,7 @@ class TfLoop:
                 "runs": self.eval_results,
             }
         if self.run_dir is not None and world.is_main:
-            write_run_files(self.run_dir, records, summary, resumed_at=start or None)
+            write_run_files(self.run_dir, records, summary, trace, resumed_at=start or None)
         if show and world.is_main:
             print_summary(summary)
         return summary
