@@ -386,6 +386,19 @@ def test_cuda_without_a_gpu_is_refused_before_start(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_the_tune_space_holds_only_what_tensorflow_runs(tmp_path):
+    backends = scenario_file(tmp_path, RESNET, tune={"search": {"prefetch": ["backend"]}})
+    result = cli_here("check", backends)
+    assert result.returncode == 0, result.stderr
+    (row,) = [line for line in result.stdout.splitlines() if "space: prefetch.backend" in line]
+    assert row.split("│")[2].strip() == "tfdata"  # torch and dali feed only torch's loop
+    policy = scenario_file(tmp_path, RESNET, tune={"search": {"scheduler": ["policy"]}})
+    result = cli_here("check", policy)
+    assert result.returncode == 2
+    assert "on tensorflow the scheduler's policy is not searched" in result.stderr
+    assert "set scheduler.policy in the scenario" in result.stderr
+
+
 def test_list_says_which_optimization_runs_on_which_framework():
     result = cli_here("list", "--json")
     assert result.returncode == 0

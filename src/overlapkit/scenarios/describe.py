@@ -93,6 +93,7 @@ def _tune(scenario: Scenario) -> list[tuple[str, str]]:
         scenario.tune.search,
         optimizations,
         scenario.setup,
+        scenario.framework,
     )
     tune = scenario.tune.model_copy(update={"search": search})
     if not optimizations:  # as `tune` does: every built-in one that applies
