@@ -399,6 +399,19 @@ def test_the_tune_space_holds_only_what_tensorflow_runs(tmp_path):
     assert "set scheduler.policy in the scenario" in result.stderr
 
 
+def test_the_session_api_says_it_is_torch_only_when_given_keras(tmp_path):
+    import keras
+
+    import overlapkit
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    session = overlapkit.Session([], run_dir=tmp_path / "api", print_summary=False)
+    with pytest.raises(TypeError) as raised:
+        session.prepare(model, keras.optimizers.SGD(0.1), None)
+    said = str(raised.value)
+    assert "the Session API is torch-only" in said and "framework: tensorflow" in said
+
+
 def test_list_says_which_optimization_runs_on_which_framework():
     result = cli_here("list", "--json")
     assert result.returncode == 0
