@@ -154,7 +154,13 @@ FAILING_EVAL = textwrap.dedent(
 def test_bert_evaluates_at_the_end_traces_hooks_and_a_failed_eval_keeps_the_training(tmp_path):
     scenario = scenario_file(tmp_path, SMALL_BERT)
     # The model is called outside strategy.run; the hooks are traced as the loop fires them.
-    summary = run(scenario, tmp_path / "ok", "--set", "scheduler.trace=true")
+    summary = run(
+        scenario,
+        tmp_path / "ok",
+        *("--set", "scheduler.trace=true", "--set", "optimizations.prefetch={autotune: true}"),
+    )
+    prefetch = summary["optimizations"]["prefetch"]  # what ran, not the knobs' defaults
+    assert prefetch["backend"] == "tfdata" and prefetch["workers"] == "tf.data's (autotune)"
     assert summary["eval"]["runs"][0]["step"] == 3 and summary["eval"]["runs"][0]["samples"] == 32
     events = json.loads((tmp_path / "ok" / "trace.json").read_text())["traceEvents"]
     ends = [e["args"]["step"] for e in events if e["name"] == "checkpoint.step_end"]
@@ -410,6 +416,25 @@ def test_the_session_api_says_it_is_torch_only_when_given_keras(tmp_path):
         session.prepare(model, keras.optimizers.SGD(0.1), None)
     said = str(raised.value)
     assert "the Session API is torch-only" in said and "framework: tensorflow" in said
+
+
+def test_check_shows_the_settings_tensorflow_runs(tmp_path):
+    scenario = scenario_file(
+        tmp_path, BERT, optimizations={"prefetch": {"autotune": True}, "ddp_overlap": {}}
+    )
+    result = cli_here("check", scenario)
+    assert result.returncode == 0, result.stderr
+    rows, section = {}, ""
+    for line in result.stdout.splitlines():
+        cells = line.split("│")[1:-1]
+        if len(cells) == 2 and cells[0].startswith("   "):
+            rows[f"{section}.{cells[0].strip()}"] = cells[1].strip()
+        elif len(cells) == 2:
+            section = cells[0].strip()
+    assert rows["optimizations.prefetch.backend"] == "tfdata"  # the knob's default: torch
+    assert rows["optimizations.prefetch.workers"] == "tf.data's (autotune)"
+    assert rows["optimizations.prefetch.depth"] == "tf.data's (autotune)"
+    assert rows["optimizations.ddp_overlap.implementation"] == "auto (ring: no GPUs)"
 
 
 def test_list_says_which_optimization_runs_on_which_framework():

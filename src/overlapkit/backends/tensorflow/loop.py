@@ -325,6 +325,7 @@ class TfLoop:
         summary["strategy"] = {
             "name": type(self.strategy).__name__,
             "replicas": self.strategy.num_replicas_in_sync,
+            "device": "cuda" if self.tf.config.get_visible_devices("GPU") else "cpu",
             "collective_ops_per_step": collectives,
             # Dense gradients' packs: the all-reduces, less the batch-norm statistics' one.
             "allreduce_packs_per_step": collectives.get("CollectiveReduceV2", 0)
