@@ -559,3 +559,23 @@ def test_one_line_warnings_leave_recording_and_other_warnings_alone():
         warnings.warn("recorded", LoopWarning, stacklevel=2)
     assert warnings.formatwarning("x", LoopWarning, "f.py", 1) == "overlapkit: warning: x\n"
     assert "f.py:1: UserWarning: y" in warnings.formatwarning("y", UserWarning, "f.py", 1)
+
+
+def test_an_internal_error_on_one_of_two_ranks_is_one_line_and_a_file(tiny_scenario, tmp_path):
+    """It printed "run failed: rank 1" and the rank's whole traceback (~60 lines on
+    TensorFlow); one rank alone gets one line and error.txt."""
+    out = tmp_path / "run"
+    result = run_cli(
+        "run", tiny_scenario(), "--out", out, "--set", "world.nprocs=2",
+        "--set", "optimizations.toy_fail={rank: 1, step: 1}",
+    )  # fmt: skip
+    assert result.returncode == 1
+    said = [line for line in result.stderr.splitlines() if line.startswith("run failed")]
+    assert len(said) == 1, result.stderr[-3000:]
+    assert said[0].startswith(
+        "run failed: rank 1: internal error (a bug in overlapkit; please report it): "
+    )
+    assert "RuntimeError: toy failure on rank 1 at step 1" in said[0]
+    assert said[0].endswith(f"; the traceback is in {out / 'error.txt'}")
+    assert "Traceback" not in result.stderr
+    assert "toy failure on rank 1" in (out / "error.txt").read_text()

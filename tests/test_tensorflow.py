@@ -125,6 +125,107 @@ def test_two_workers_equal_one_worker_on_the_global_batch_and_packs_follow_the_k
     assert packed["phases_s"]["backward"] > 0 and packed["phases_s"]["forward"] > 0
 
 
+SMALL_BERT = {
+    **BERT,
+    "name": "tf-bert-small",
+    "model": {**BERT["model"], "hidden": 16, "layers": 1, "dropout": 0.1},
+    "train": {**BERT["train"], "steps": 2, "warmup_steps": 1, "eval": {"at_end": True}},
+    "world": {"nprocs": 1},
+    "optimizations": {"checkpoint": {"every": 2}},
+}
+
+FAILING_EVAL = textwrap.dedent(
+    """
+    import sys
+    from overlapkit.backends.tensorflow import loop
+
+    def broken_eval_step(tf, model):
+        def step(inputs, targets):
+            raise ZeroDivisionError("injected evaluation failure")
+        return step
+
+    loop.make_eval_step = broken_eval_step
+    from overlapkit.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_bert_evaluates_at_the_end_traces_hooks_and_a_failed_eval_keeps_the_training(tmp_path):
+    scenario = scenario_file(tmp_path, SMALL_BERT)
+    # The model is called outside strategy.run; the hooks are traced as the loop fires them.
+    summary = run(
+        scenario,
+        tmp_path / "ok",
+        *("--set", "scheduler.trace=true", "--set", "optimizations.prefetch={autotune: true}"),
+    )
+    prefetch = summary["optimizations"]["prefetch"]  # what ran, not the knobs' defaults
+    assert prefetch["backend"] == "tfdata" and prefetch["workers"] == "tf.data's (autotune)"
+    assert summary["eval"]["runs"][0]["step"] == 3 and summary["eval"]["runs"][0]["samples"] == 32
+    events = json.loads((tmp_path / "ok" / "trace.json").read_text())["traceEvents"]
+    ends = [e["args"]["step"] for e in events if e["name"] == "checkpoint.step_end"]
+    assert ends == [0, 1, 2] and any("trace.json" in note for note in summary["notes"])
+    out = tmp_path / "failed"
+    result = subprocess.run(
+        [sys.executable, "-c", FAILING_EVAL, "run", str(scenario), "--out", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode != 0
+    assert "injected evaluation failure" in (out / "error.txt").read_text()
+    kept = json.loads((out / "summary.json").read_text())
+    assert "eval" not in kept
+    assert any("evaluation at the end failed" in note for note in kept["notes"])
+    assert sorted(step_losses(out)) == [(0, 0), (1, 0), (2, 0)]
+    manifest = json.loads((out / "checkpoints" / "manifest.json").read_text())["checkpoints"]
+    assert [e["step"] for e in manifest] == [2, 3]  # the final checkpoint too
+
+
+def test_an_unprofiled_compiled_step_is_not_measured_and_a_resumed_run_profiles_anew(tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    short = scenario_file(tmp_path, RESNET, train__warmup_steps=0, train__steps=1)
+    result = run_cli("run", short, "--out", out, timeout=280)  # the console, not --json
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if "│" in line}
+    for row in ("load balance", "parallel efficiency", "forward", "comm_exposed"):
+        assert "not measured" in lines[row], lines[row]
+    unsplit = json.loads((out / "summary.json").read_text())
+    assert unsplit["pop"] == dict.fromkeys(
+        ("load_balance", "communication_efficiency", "parallel_efficiency")
+    )
+    for phase in ("forward", "backward", "comm_exposed", "optimizer"):
+        assert unsplit["phases_s"][phase] is None
+    assert unsplit["compiled_step_s"] > unsplit["phases_s"]["other"]  # not counted in other
+    assert "too few steps to profile" in unsplit["phases_source"]
+    assert unsplit["phases_profiled_steps"] is None
+    shutil.copytree(out, tmp_path / "unsplit")
+    # Resumed past the warm-up's window: it profiles the steps after its own first.
+    resumed = run(scenario_file(tmp_path, RESNET, train__warmup_steps=0, train__steps=4), out)
+    assert resumed["resumed_from_step"] == 1
+    assert resumed["phases_profiled_steps"] == [2, 3]
+    assert resumed["phases_s"]["forward"] > 0 and resumed["pop"]["load_balance"] == 1.0
+    table = cli_here("compare", tmp_path / "unsplit", out, "--out", tmp_path / "c").stdout
+    assert "n/a" in table
+    caption = table[table.index("phases split from a sampled profile") :]
+    assert "run" in caption and "unsplit" not in caption
+
+
+def test_the_profile_window_after_a_resume_and_why_there_is_none():
+    from overlapkit.backends.tensorflow.profile import profile_window, why_unprofiled
+
+    window = profile_window(warmup_steps=2, total_steps=8, start=0, rank=0)
+    assert (window.start, window.stop) == (1, 2)  # the warm-up's, after the first step
+    window = profile_window(warmup_steps=2, total_steps=8, start=4, rank=0)
+    assert (window.start, window.stop) == (5, 8)  # after the resumed run's own first
+    assert profile_window(warmup_steps=2, total_steps=5, start=4, rank=0) is None
+    assert "resumed at step 4 with 1 step(s) left" in why_unprofiled(5, 4)
+    assert profile_window(warmup_steps=0, total_steps=1, start=0, rank=0) is None
+    assert "train.warmup_steps + train.steps = 1" in why_unprofiled(1, 0)
+
+
 def test_prefetched_batches_equal_the_synchronous_ones():
     import tensorflow as tf
 
@@ -192,6 +293,46 @@ def test_sigkill_mid_persist_resumes_bit_identically(tmp_path):
     assert sorted(resumed_losses) == [(s, 0) for s in range(2, 8)]
 
 
+TERM_AT_STEP_5 = textwrap.dedent(
+    """
+    import os, signal, sys
+    from overlapkit.backends.tensorflow import loop
+    made = loop.make_train_step
+
+    def make(*args):
+        step, calls = made(*args), []
+
+        def step_then_term(inputs, targets):
+            calls.append(1)
+            if len(calls) == 6:  # step 5: as a kill from outside, between two steps
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step(inputs, targets)
+
+        return step_then_term
+
+    loop.make_train_step = make
+    from overlapkit.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_sigterm_says_the_step_and_the_newest_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-c", TERM_AT_STEP_5, "run", str(scenario_file(tmp_path, RESNET))]
+        + ["--out", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode == 143, result.stderr[-3000:]
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("overlapkit: stopped by")]
+    newest = json.loads((out / "checkpoints" / "manifest.json").read_text())["checkpoints"][-1]
+    assert line.startswith("overlapkit: stopped by SIGTERM at step 5; run folder"), line
+    assert f"the newest checkpoint is step {newest['step']}. Resume:" in line
+
+
 @pytest.mark.slow
 def test_a_peer_that_never_starts_is_a_clear_error_within_the_time_out(tmp_path):
     scenario = scenario_file(tmp_path, BERT, world__timeout_s=2)
@@ -236,6 +377,64 @@ def test_pipeline_is_refused_on_tensorflow_before_start(tmp_path):
             "check", scenario_file(tmp_path, BERT), "--set", f"world.backend={backend}"
         )
         assert result.returncode == 2 and "leave it auto" in result.stderr, result.stderr
+
+
+def test_cuda_without_a_gpu_is_refused_before_start(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    cuda = scenario_file(tmp_path, RESNET, world__device="cuda", train__precision="fp16")
+    for command in (["check"], ["run", "--out", tmp_path / "run"]):  # it trained on the CPU
+        result = cli_here(*command, cuda)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "error: world.device is cuda but no CUDA device is visible" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_tune_space_holds_only_what_tensorflow_runs(tmp_path):
+    backends = scenario_file(tmp_path, RESNET, tune={"search": {"prefetch": ["backend"]}})
+    result = cli_here("check", backends)
+    assert result.returncode == 0, result.stderr
+    (row,) = [line for line in result.stdout.splitlines() if "space: prefetch.backend" in line]
+    assert row.split("│")[2].strip() == "tfdata"  # torch and dali feed only torch's loop
+    policy = scenario_file(tmp_path, RESNET, tune={"search": {"scheduler": ["policy"]}})
+    result = cli_here("check", policy)
+    assert result.returncode == 2
+    assert "on tensorflow the scheduler's policy is not searched" in result.stderr
+    assert "set scheduler.policy in the scenario" in result.stderr
+
+
+def test_the_session_api_says_it_is_torch_only_when_given_keras(tmp_path):
+    import keras
+
+    import overlapkit
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    session = overlapkit.Session([], run_dir=tmp_path / "api", print_summary=False)
+    with pytest.raises(TypeError) as raised:
+        session.prepare(model, keras.optimizers.SGD(0.1), None)
+    said = str(raised.value)
+    assert "the Session API is torch-only" in said and "framework: tensorflow" in said
+
+
+def test_check_shows_the_settings_tensorflow_runs(tmp_path):
+    scenario = scenario_file(
+        tmp_path, BERT, optimizations={"prefetch": {"autotune": True}, "ddp_overlap": {}}
+    )
+    result = cli_here("check", scenario)
+    assert result.returncode == 0, result.stderr
+    rows, section = {}, ""
+    for line in result.stdout.splitlines():
+        cells = line.split("│")[1:-1]
+        if len(cells) == 2 and cells[0].startswith("   "):
+            rows[f"{section}.{cells[0].strip()}"] = cells[1].strip()
+        elif len(cells) == 2:
+            section = cells[0].strip()
+    assert rows["optimizations.prefetch.backend"] == "tfdata"  # the knob's default: torch
+    assert rows["optimizations.prefetch.workers"] == "tf.data's (autotune)"
+    assert rows["optimizations.prefetch.depth"] == "tf.data's (autotune)"
+    assert rows["optimizations.ddp_overlap.implementation"] == "auto (ring: no GPUs)"
 
 
 def test_list_says_which_optimization_runs_on_which_framework():

@@ -326,8 +326,12 @@ def main(argv: list[str] | None = None) -> int:
             errors.print(f"[bold red]{what}:[/] rank {error.rank}: ", end="", highlight=False)
             errors.print(error.raised["message"], highlight=False, markup=False, soft_wrap=True)
             return 1 if what == "run failed" else 2
-        errors.print(f"[bold red]run failed: rank {error.rank}[/]", highlight=False)
-        errors.print(error.details, highlight=False, markup=False, soft_wrap=True)
+        errors.print(
+            _rank_failed(error, where.get("folder")),
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
         return 1
     except RunInterrupted as stop:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -650,20 +654,38 @@ def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
 
 
 def _internal_error(error: Exception, folder: Path | None) -> str:
-    text = "".join(traceback.format_exception(error))
+    saved = _save_traceback("".join(traceback.format_exception(error)), folder)
+    return (
+        f"internal error (a bug in overlapkit; please report it): "
+        f"{type(error).__name__}: {error}; {saved}"
+    )
+
+
+def _rank_failed(error: RankFailedError, folder: Path | None) -> str:
+    """One line for a rank of several that failed: its error, and where the
+    traceback (and any other rank's) was written."""
+    head, _, rest = error.details.partition("\n")
+    if error.raised is None:  # no Python error: a signal, or the launcher's word
+        saved = f"; the other ranks' errors: {_save_traceback(rest, folder)}" if rest else ""
+        return f"run failed: rank {error.rank}: {head}{saved}"
+    kind = error.raised["type"].rpartition(":")[2].rpartition(".")[2]
+    return (
+        f"run failed: rank {error.rank}: internal error (a bug in overlapkit; please report "
+        f"it): {kind}: {error.raised['message']}; {_save_traceback(error.details, folder)}"
+    )
+
+
+def _save_traceback(text: str, folder: Path | None) -> str:
+    """``text`` in the run folder's error.txt (or a temporary file); says where."""
     try:
         if folder is not None and folder.is_dir():
             path = folder / "error.txt"
         else:
             path = Path(tempfile.gettempdir()) / f"overlapkit-error-{os.getpid()}.txt"
         path.write_text(text)
-        saved = f"the traceback is in {path}"
+        return f"the traceback is in {path}"
     except OSError:
-        saved = f"the traceback:\n{text}"
-    return (
-        f"internal error (a bug in overlapkit; please report it): "
-        f"{type(error).__name__}: {error}; {saved}"
-    )
+        return f"the traceback:\n{text}"
 
 
 def _node_place(args: argparse.Namespace, nodes: int) -> NodePlace | None:

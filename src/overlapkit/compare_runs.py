@@ -61,6 +61,8 @@ def load_run(folder: Path) -> dict[str, Any]:
     if not isinstance(phases, dict):
         figures["phases_s"] = phases
     for key, value in figures.items():
+        if value is None and key.startswith("phases_s."):
+            continue  # a phase the run did not measure
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise RunFolderError(
                 f"{path}: not an overlapkit run summary ({key} is {json.dumps(value)}, "
@@ -93,10 +95,13 @@ def compare_document(folders: list[Path]) -> dict[str, Any]:
                 # No phases at all: not measured (n/a), not zero; a phase one run lacks
                 # is one it never spent time in.
                 "phases_ms": {
-                    p: summary["phases_s"].get(p, 0.0) * 1e3 if "phases_s" in summary else None
+                    p: _times_1000(summary["phases_s"].get(p, 0.0))
+                    if "phases_s" in summary
+                    else None
                     for p in phases
                 },
                 "phases_source": summary.get("phases_source"),
+                "phases_profiled_steps": summary.get("phases_profiled_steps"),
                 "pop": {key: summary.get("pop", {}).get(key) for key in POP},
                 "optimizations": {
                     name: key_figures(name, section)
@@ -159,13 +164,17 @@ def comparison_table(document: dict[str, Any]) -> Table:
                 section = r["optimizations"].get(name)
                 cells.append("off" if section is None else _value(section.get(figure)))
             row(f"{name}: {figure}", cells)
-    sampled = [r["label"] for r in runs if r["phases_source"]]
+    sampled = [r["label"] for r in runs if r["phases_profiled_steps"]]
     if sampled:
         table.caption = (
             "phases split from a sampled profile (see each summary's phases_source): "
             + ", ".join(sampled)
         )
     return table
+
+
+def _times_1000(value: float | None) -> float | None:
+    return None if value is None else value * 1e3
 
 
 def _ms(value: float | None) -> str:

@@ -44,13 +44,14 @@ def rank_main(
     SIGINT/SIGTERM end it with `RunInterrupted`, saying the step it reached."""
     one_line_warnings()  # a rank started by spawn or torchrun shows them as the CLI does
     session: Session | None = None
+    tf_loop: list[Any] = []  # TensorFlow's loop, once made: it says where it stopped
     ranks = 1
     with stop_on_signals() as received:
         try:
             if scenario.framework == "tensorflow":  # the one place the framework is chosen
                 from .backends.tensorflow.worker import tf_rank_main
 
-                return tf_rank_main(scenario, run_dir, progress, print_summary)
+                return tf_rank_main(scenario, run_dir, progress, print_summary, tf_loop.append)
             cfg = scenario.train
             optimizations = scenario.build_optimizations()
             world = init_world(
@@ -97,7 +98,8 @@ def rank_main(
                 await_signal(received, PEER_SIGNAL_WAIT_S)
             if received.first is None:
                 raise
-            step, checkpoint = session.stopped() if session is not None else (None, None)
+            stoppable = session if session is not None else (tf_loop or [None])[0]
+            step, checkpoint = stoppable.stopped() if stoppable is not None else (None, None)
             raise RunInterrupted(received.first, step, checkpoint) from None
 
 

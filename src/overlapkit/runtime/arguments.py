@@ -83,12 +83,22 @@ def check_prepare_arguments(model: Any, optimizer: Any, prepared: bool) -> None:
     """One model and one optimizer per session, prepared once."""
     if prepared:
         raise RuntimeError(f"prepare() was already called: {ONE_MODEL}")
+    if _from_tensorflow(model) or _from_tensorflow(optimizer):
+        raise TypeError(
+            f"the Session API is torch-only, and got a Keras/TensorFlow "
+            f"{type(model).__name__}: train TensorFlow models through a scenario with "
+            "framework: tensorflow (overlapkit run SCENARIO)"
+        )
     if not isinstance(model, nn.Module):
         raise TypeError(f"{ONE_MODEL}; got {type(model).__name__} for the model")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{ONE_MODEL}; got {type(optimizer).__name__} for the optimizer")
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     check_optimizer_of(inner, optimizer)
+
+
+def _from_tensorflow(value: Any) -> bool:
+    return type(value).__module__.split(".")[0] in ("keras", "tensorflow", "tf_keras")
 
 
 def check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

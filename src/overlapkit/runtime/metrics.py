@@ -162,12 +162,23 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (index - low)
 
 
-def pop_metrics(useful_s: list[float], runtime_s: float) -> dict[str, float]:
+def _mean_or_none(values: list[float | None]) -> float | None:
+    return None if None in values else statistics.fmean(values)
+
+
+def _sum_or_none(values: list[float | None]) -> float | None:
+    return None if None in values else sum(values)
+
+
+def pop_metrics(useful_s: list[float | None], runtime_s: float) -> dict[str, float | None]:
     """POP efficiency metrics from each rank's useful compute time.
 
     load balance = mean / max useful compute; communication efficiency =
-    max useful compute / runtime; parallel efficiency = their product.
+    max useful compute / runtime; parallel efficiency = their product. A rank
+    whose useful compute was not measured (None) makes them all None.
     """
+    if any(u is None for u in useful_s):
+        return dict.fromkeys(("load_balance", "communication_efficiency", "parallel_efficiency"))
     if not useful_s or runtime_s <= 0 or max(useful_s) <= 0:
         return {"load_balance": 0.0, "communication_efficiency": 0.0, "parallel_efficiency": 0.0}
     load_balance = statistics.fmean(useful_s) / max(useful_s)
@@ -192,12 +203,16 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
     rank_runtime = {rank: sum(r["step_time_s"] for r in rs) for rank, rs in by_rank.items()}
     runtime = max(rank_runtime.values(), default=0.0)
     samples = sum(r["samples"] for r in measured)
+    # A phase some step did not measure (None: TensorFlow's unsplit compiled step) is None.
     phases = {
-        phase: statistics.fmean(r["phases_s"][phase] for r in measured) if measured else 0.0
+        phase: _mean_or_none([r["phases_s"][phase] for r in measured]) if measured else 0.0
         for phase in PHASES
     }
     mean_step = statistics.fmean(r["step_time_s"] for r in measured) if measured else 0.0
-    useful = [sum(r["phases_s"][p] for r in rs for p in USEFUL_PHASES) for rs in by_rank.values()]
+    useful = [
+        _sum_or_none([r["phases_s"][p] for r in rs for p in USEFUL_PHASES])
+        for rs in by_rank.values()
+    ]
     last_step = by_step.get(max(by_step, default=-1), [])
     losses = [r["loss"] for r in last_step if r["loss"] is not None]
     per_rank = [
@@ -223,7 +238,9 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
             "p90": _percentile(step_times, 0.9),
         },
         "phases_s": phases,
-        "phase_shares": {p: t / mean_step if mean_step else 0.0 for p, t in phases.items()},
+        "phase_shares": {
+            p: None if t is None else t / mean_step if mean_step else 0.0 for p, t in phases.items()
+        },
         "pop": pop_metrics(useful, runtime),
         "final_loss": statistics.fmean(losses) if losses else None,
         "per_rank": per_rank,

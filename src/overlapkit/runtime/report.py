@@ -91,9 +91,8 @@ def summary_tables(summary: dict[str, Any]) -> list[Table]:
         "step time mean / p50 / p90",
         f"{step['mean'] * 1e3:.1f} / {step['p50'] * 1e3:.1f} / {step['p90'] * 1e3:.1f} ms",
     )
-    overview.add_row("load balance", f"{pop['load_balance']:.3f}")
-    overview.add_row("communication efficiency", f"{pop['communication_efficiency']:.3f}")
-    overview.add_row("parallel efficiency", f"{pop['parallel_efficiency']:.3f}")
+    for key in ("load_balance", "communication_efficiency", "parallel_efficiency"):
+        overview.add_row(key.replace("_", " "), _or_not_measured(pop[key], "{:.3f}"))
     if summary.get("final_loss") is not None:
         overview.add_row("final loss", f"{summary['final_loss']:.4f}")
     for result in summary.get("eval", {}).get("runs", [])[-1:]:
@@ -109,10 +108,20 @@ def summary_tables(summary: dict[str, Any]) -> list[Table]:
     phases.add_column("phase")
     phases.add_column("ms", justify="right")
     phases.add_column("share", justify="right")
-    total = sum(summary["phases_s"].values()) or 1.0
+    measured = {p: s for p, s in summary["phases_s"].items() if s is not None}
+    # TensorFlow's compiled step, where no profile split it into its phases.
+    unsplit = summary.get("compiled_step_s") if len(measured) < len(PHASES) else None
+    total = sum(measured.values()) + (unsplit or 0.0) or 1.0
     for phase in PHASES:
         seconds = summary["phases_s"][phase]
-        phases.add_row(phase, f"{seconds * 1e3:.2f}", f"{seconds / total:6.1%}")
+        if seconds is None:
+            phases.add_row(phase, "not measured", "")
+        else:
+            phases.add_row(phase, f"{seconds * 1e3:.2f}", f"{seconds / total:6.1%}")
+    if unsplit is not None:
+        phases.add_row(
+            "compiled step, not split", f"{unsplit * 1e3:.2f}", f"{unsplit / total:6.1%}"
+        )
 
     tables = [overview, phases]
     if summary.get("optimizations"):
@@ -135,6 +144,10 @@ def summary_tables(summary: dict[str, Any]) -> list[Table]:
                     table.add_row(*map(str, row))
                 tables.append(table)
     return tables
+
+
+def _or_not_measured(value: float | None, form: str) -> str:
+    return "not measured" if value is None else form.format(value)
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:

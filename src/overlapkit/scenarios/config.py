@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..backends.tensorflow import check_gpu_setup as check_tf_gpu_setup
 from ..backends.tensorflow import tensorflow_missing
 from ..config import Config
 from ..data import DataConfig, ResumableLoader, build_loaders
@@ -260,6 +261,8 @@ class Scenario(Config):
             raise CombinationError(f"log.tensorboard {board}: is a file; name a folder")
         if self.device_type == "cuda" and gpus_here and self.framework == "torch":
             check_gpu_setup(local_ranks, self.train.precision)
+        if self.device_type == "cuda" and gpus_here and self.framework == "tensorflow":
+            check_tf_gpu_setup(local_ranks)
         # On a Ray driver "auto" is decided by the cluster's machines, not this one.
         if self.world.device == "cpu" or (self.device_type == "cpu" and gpus_here):
             check_cpu_setup(self.train.precision, self.backend)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.optimization import number_in, settings_on
+from ..runtime.optimization import engine_for, number_in, settings_on
 from ..runtime.policies import POLICIES
 from ..tuning.space import SpaceError, build_space, runnable_search
 from .config import Scenario
@@ -34,7 +34,7 @@ def describe(scenario: Scenario) -> list[tuple[str, list[tuple[str, str]]]]:
     ]
     for optimization in scenario.build_optimizations():
         rows = []
-        for knob, value in settings_on(optimization, scenario.framework).items():
+        for knob, value in _settings_as_run(optimization, scenario).items():
             set_here = knob in optimization.explicit
             given = optimization.explicit.get(knob)
             if (
@@ -51,6 +51,17 @@ def describe(scenario: Scenario) -> list[tuple[str, list[tuple[str, str]]]]:
     sections.append(("log", _flat(scenario.log.model_dump(mode="json"))))
     sections.append(("tune", _tune(scenario)))
     return sections
+
+
+def _settings_as_run(optimization: Any, scenario: Scenario) -> dict[str, Any]:
+    """Its settings as ``scenario.framework`` runs them (an engine may resolve some:
+    TensorFlow's prefetch always reads through tf.data)."""
+    if scenario.framework == "torch" or optimization.why_not_on(scenario.framework):
+        return settings_on(optimization, scenario.framework)
+    engine = engine_for(optimization, scenario.framework)
+    if not hasattr(engine, "shown_settings"):
+        return settings_on(optimization, scenario.framework)
+    return engine.shown_settings(scenario.device_type)
 
 
 def _scheduler(scenario: Scenario) -> list[tuple[str, str]]:
@@ -93,6 +104,7 @@ def _tune(scenario: Scenario) -> list[tuple[str, str]]:
         scenario.tune.search,
         optimizations,
         scenario.setup,
+        scenario.framework,
     )
     tune = scenario.tune.model_copy(update={"search": search})
     if not optimizations:  # as `tune` does: every built-in one that applies

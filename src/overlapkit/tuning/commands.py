@@ -56,6 +56,7 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
         scenario.tune.search,
         scenario.optimizations,
         scenario.setup,
+        scenario.framework,
     )
     for note in left_out:
         Console(stderr=True).print(f"tune: {note}", highlight=False, soft_wrap=True)

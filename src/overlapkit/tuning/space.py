@@ -17,6 +17,7 @@ from typing import Any
 
 from ..optimizations import get_optimization
 from ..runtime import POLICIES, CombinationError, KnobError
+from ..runtime.optimization import Plan
 from .config import TuneConfig
 
 SWEEP_POINTS = 5  # values of a wide numeric knob that a grid or a curve visits
@@ -189,15 +190,21 @@ def build_space(
 
 
 def runnable_search(
-    search: dict[str, Any] | None, optimizations: dict[str, Any], setup: tuple[int, str, str]
+    search: dict[str, Any] | None,
+    optimizations: dict[str, Any],
+    setup: tuple[int, str, str],
+    framework: str = "torch",
 ) -> tuple[dict[str, Any] | None, list[str]]:
     """``tune.search`` with each knob searched over its declared choices narrowed to
-    those the set-up (ranks, device type, back end) runs, e.g. no bf16 comm_hook on
-    gloo: a trial of another would only be refused. The tuner records the narrowed
+    those the set-up (ranks, device type, back end) and ``framework`` run, e.g. no
+    bf16 comm_hook on gloo, no torch prefetch back end on TensorFlow: a trial of
+    another would only be refused. The tuner records the narrowed
     lists, so the study's report rebuilds the same space on any machine. Returns the
     search and a note per knob narrowed."""
     if search is None:
         return None, []
+    ranks, device, backend = setup
+    plan = Plan(world_size=ranks, device=device, backend=backend, framework=framework)
     narrowed: dict[str, Any] = {}
     notes = []
     for name, knobs in search.items():
@@ -216,7 +223,9 @@ def runnable_search(
             runs, refused = [], {}
             for choice in knob.choices:
                 try:
-                    cls(1.0, **{**own, knob.name: choice}).check(*setup)
+                    trial = cls(1.0, **{**own, knob.name: choice})
+                    trial.check(*setup)
+                    trial.check_plan(plan)
                     runs.append(choice)
                 except (CombinationError, KnobError) as error:
                     refused[choice] = str(error)
@@ -269,8 +278,15 @@ def _policy_dimensions(knobs: Any, framework: str, step: float) -> list[Dimensio
     the trials that run under it)."""
     cls = POLICIES["partition"]
     if framework not in cls.frameworks:
+        named = knobs if isinstance(knobs, (list, dict)) else []
         raise SpaceError(
-            "tune.search.scheduler", f"the partition policy does not run on {framework}"
+            "tune.search.scheduler",
+            f"on {framework} the scheduler's policy is not searched (nothing inside a compiled "
+            "step says when it waits on communication: priority runs as free, partition not "
+            "at all); set scheduler.policy in the scenario and leave tune.search.scheduler out"
+            if "policy" in named
+            else f"tune.search.scheduler searches the partition policy's knobs, and the "
+            f"partition policy does not run on {framework}: leave tune.search.scheduler out",
         )
     if isinstance(knobs, list):
         knobs = {k: None for k in knobs}

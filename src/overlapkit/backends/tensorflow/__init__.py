@@ -22,4 +22,20 @@ def tensorflow_missing() -> str | None:
     )
 
 
-__all__ = ["import_tensorflow", "tensorflow_missing"]
+def check_gpu_setup(local_ranks: int) -> None:
+    """``world.device: cuda`` on TensorFlow: a GPU TensorFlow sees for every rank, or
+    `GPUSetupError` (TensorFlow would train on the CPU without a word)."""
+    from ...runtime.gpus import GPUFacts, GPUSetupError, check_rank_count
+
+    if GPUFacts.probe().count == 0:  # no device or driver: TensorFlow sees none either
+        raise GPUSetupError("world.device is cuda but no CUDA device is visible")
+    gpus = import_tensorflow().config.list_physical_devices("GPU")
+    if not gpus:
+        raise GPUSetupError(
+            "world.device is cuda but TensorFlow sees no GPU (is it a CPU-only build? "
+            "pip install 'tensorflow[and-cuda]'), or set world.device: cpu"
+        )
+    check_rank_count(local_ranks, len(gpus))
+
+
+__all__ = ["check_gpu_setup", "import_tensorflow", "tensorflow_missing"]

@@ -39,8 +39,12 @@ from ...runtime.tensorboard import TensorBoardSteps
 from . import import_tensorflow
 from .data import Batches, InputPlan
 from .models import build_model
-from .profile import FUSED, PhaseSplit, profile_window, split_records
+from .profile import FUSED, PhaseSplit, profile_window, split_records, why_unprofiled
 from .step import buffers, collectives_in, make_eval_step, make_train_step
+
+
+class EvaluationFailed(RuntimeError):
+    """Evaluation raised on some rank (every rank raises this, after the same gather)."""
 
 
 class TfLoop:
@@ -91,6 +95,8 @@ class TfLoop:
             deferrable=_every_storage,
         )
         self.records: list[dict[str, Any]] = []
+        self._bar: ProgressBar | None = None
+        self._logs: list[Any] = []
         self.eval_results: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------ the state
@@ -148,14 +154,15 @@ class TfLoop:
             )
         dataset = self.batches.train(tf, cfg.total_steps, start, plan, "/gpu:0" if gpus else None)
         batches = iter(dataset)
-        bar = (
+        self._bar = bar = (
             ProgressBar(self.scenario.name, cfg.total_steps, done=start)
             if progress and world.is_main and ProgressBar.wanted()
             else None
         )
-        logs = self._step_logs()
+        self._logs = logs = self._step_logs()
         window = profile_window(cfg.warmup_steps, cfg.total_steps, start, world.rank)
-        split: PhaseSplit | None = None
+        # Rank 0's split, or why there is none.
+        split: PhaseSplit | str = why_unprofiled(cfg.total_steps, start)
         replicas = world.world_size
         for step in range(start, cfg.total_steps):
             state.step = step
@@ -186,7 +193,10 @@ class TfLoop:
                 record["profiled"] = True
             self.records.append(record)
             if window is not None and step + 1 == window.stop:
-                split = window.end(tf)
+                split = window.end(tf) or (
+                    f"TensorFlow's profile of steps {window.start}-{window.stop - 1} "
+                    "held no training step to split"
+                )
                 clock.pause()
             if bar is not None:
                 bar.advance(record["samples_per_s"] * replicas, loss, record["warmup"])
@@ -196,14 +206,34 @@ class TfLoop:
                 self.evaluate(step + 1)
         state.step = cfg.total_steps
         last = self.eval_results[-1]["step"] if self.eval_results else None
+        failed: BaseException | None = None
         if self.eval_batches is not None and cfg.eval.at_end and last != state.step:
-            self.evaluate(state.step)
+            try:  # the training is done: its final checkpoint and measurements are kept
+                self.evaluate(state.step)
+            except EvaluationFailed as error:
+                failed = error.__cause__ or error
+                self.notes.append(f"evaluation at the end failed, no eval figures: {error}")
         scheduler.fire(Event.FIT_END, state)
-        if bar is not None:
-            bar.close()
-        for log in logs:
+        self._close_displays()
+        summary = self.finish(split, inputs, targets, start, show_summary)
+        if failed is not None:
+            raise failed
+        return summary
+
+    def stopped(self) -> tuple[int, int | None]:
+        """After an interrupt: close the progress bar and step logs; return the step
+        reached and the step of the newest complete checkpoint (None: none)."""
+        self._close_displays()
+        checkpoint = next((e for e in self.engines if hasattr(e, "newest_step")), None)
+        return self.state.step, checkpoint.newest_step() if checkpoint is not None else None
+
+    def _close_displays(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        for log in self._logs:
             log.close()
-        return self.finish(split, inputs, targets, start, show_summary)
+        self._logs = []
 
     def _step_logs(self) -> list[Any]:
         """Rank 0's step logs: the live one of the run folder, TensorBoard's."""
@@ -228,11 +258,20 @@ class TfLoop:
         begin = perf_counter()
         correct = total = 0
         loss_sum = 0.0
-        for inputs, targets in self.eval_batches.in_order(self.tf):
-            right, loss = self.eval_step(inputs, targets)
-            correct, total = correct + int(right), total + int(targets.shape[0])
-            loss_sum += float(loss)
-        sums = all_gather_objects((correct, total, loss_sum), self.world)
+        error: Exception | None = None
+        try:
+            for inputs, targets in self.eval_batches.in_order(self.tf):
+                right, loss = self.eval_step(inputs, targets)
+                correct, total = correct + int(right), total + int(targets.shape[0])
+                loss_sum += float(loss)
+        except Exception as raised:  # every rank hears of it in the gather below
+            error = raised
+        sums = all_gather_objects(
+            (correct, total, loss_sum) if error is None else f"{type(error).__name__}", self.world
+        )
+        failed = [f"rank {rank}: {s}" for rank, s in enumerate(sums) if isinstance(s, str)]
+        if failed:
+            raise EvaluationFailed(", ".join(failed)) from error
         correct, total, loss_sum = (sum(column) for column in zip(*sums, strict=True))
         self.eval_results.append(
             {
@@ -252,31 +291,41 @@ class TfLoop:
         return digest.hexdigest()
 
     def finish(
-        self, split: PhaseSplit | None, inputs: Any, targets: Any, start: int, show: bool
+        self, split: PhaseSplit | str, inputs: Any, targets: Any, start: int, show: bool
     ) -> dict[str, Any]:
         world = self.world
         collectives = collectives_in(self.train_step, inputs, targets)
+        trace = (
+            self.scheduler.trace.chrome_events(world.rank)
+            if self.scenario.scheduler.trace
+            else None
+        )
         gathered = all_gather_objects(
-            (self.records, split, describe_node(torch.device("cpu")), self.fingerprint()), world
+            (self.records, split, describe_node(torch.device("cpu")), self.fingerprint(), trace),
+            world,
         )
         records = sorted(
             (r for rs, *_ in gathered for r in rs), key=lambda r: (r["step"], r["rank"])
         )
-        splits = [s for _, s, *_ in gathered if s is not None]
-        prints = [p for *_, p in gathered]
-        records, split_note = split_records(records, splits)
+        prints = [p for *_, p, _ in gathered]
+        split = gathered[0][1]  # rank 0's: only rank 0 profiles
+        records, split_note = split_records(records, split)
         summary: dict[str, Any] = {
             "name": self.scenario.name,
             **summarize(records, world.world_size),
         }
         summary["framework"] = "tensorflow"
         summary["phases_source"] = split_note
+        summary["phases_profiled_steps"] = (
+            None if isinstance(split, str) else [split.steps[0], split.steps[1] - 1]
+        )
         fused = [r[FUSED + "_s"] for r in records if not r["warmup"]]
         summary["compiled_step_s"] = statistics.fmean(fused) if fused else 0.0
-        summary["hardware"] = {"nodes": nodes_of([node for _, _, node, _ in gathered])}
+        summary["hardware"] = {"nodes": nodes_of([node for _, _, node, *_ in gathered])}
         summary["strategy"] = {
             "name": type(self.strategy).__name__,
             "replicas": self.strategy.num_replicas_in_sync,
+            "device": "cuda" if self.tf.config.get_visible_devices("GPU") else "cpu",
             "collective_ops_per_step": collectives,
             # Dense gradients' packs: the all-reduces, less the batch-norm statistics' one.
             "allreduce_packs_per_step": collectives.get("CollectiveReduceV2", 0)
@@ -302,6 +351,13 @@ class TfLoop:
             summary["resumed_from_step"] = start
         if self.run_dir is not None:
             summary["run_dir"] = str(self.run_dir)
+        if trace is not None:
+            self.notes.append(
+                "trace.json: the hooks as TensorFlow's loop fires them, on the host; "
+                "before_optimizer_step and after_optimizer_step fire after the compiled "
+                "step, which holds the optimizer"
+            )
+            trace = [event for *_, events in gathered for event in events]
         if self.notes:
             summary["notes"] = self.notes
         if self.eval_results:
@@ -311,7 +367,7 @@ class TfLoop:
                 "runs": self.eval_results,
             }
         if self.run_dir is not None and world.is_main:
-            write_run_files(self.run_dir, records, summary, resumed_at=start or None)
+            write_run_files(self.run_dir, records, summary, trace, resumed_at=start or None)
         if show and world.is_main:
             print_summary(summary)
         return summary

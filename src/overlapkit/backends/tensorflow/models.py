@@ -111,8 +111,10 @@ class BertClassifier(keras.Model):
 
     def __init__(self, cfg: BertConfig, **kwargs: Any) -> None:
         super().__init__(name="bert", **kwargs)
-        self.embeddings = _Embeddings(cfg)
-        self.encoder = [_EncoderLayer(cfg) for _ in range(cfg.layers)]
+        # Named: Keras names a layer after its class, and a name starting with "_" is no
+        # valid root scope when the model is called outside strategy.run (evaluation).
+        self.embeddings = _Embeddings(cfg, name="embeddings")
+        self.encoder = [_EncoderLayer(cfg, name=f"encoder_{i}") for i in range(cfg.layers)]
         self.pooler = layers.Dense(cfg.hidden, activation="tanh")
         self.classifier = layers.Dense(cfg.num_classes)
 

@@ -15,7 +15,8 @@ profiler records every op the step runs; from its trace:
 Rank 0's fractions split every rank's compiled time (the ranks run the same
 step); the summary's
 ``phases_source`` names the window. Without a window (too few steps) nothing
-is split: the compiled time stays in ``compiled_step`` and the summary says so.
+is split: those phases are not measured (None), the compiled time stays in
+``compiled_step_s``, and ``phases_source`` says why.
 """
 
 from __future__ import annotations
@@ -71,21 +72,37 @@ def profile_window(
     warmup_steps: int, total_steps: int, start: int, rank: int
 ) -> ProfileWindow | None:
     """The steps to profile: the last warm-up steps after the first (which compiles),
-    else the first measured ones; None when the run has too few steps, and on every
-    rank but 0 (TensorFlow's profiler in two processes of one cluster at once
-    crashed a worker: "double free or corruption")."""
+    else the first measured ones; in a resumed run that started past them, the steps
+    after its own first (which compiles again): they are the only steps it measures.
+    None when too few steps are left, and on every rank but 0 (TensorFlow's profiler
+    in two processes of one cluster at once crashed a worker: "double free or
+    corruption")."""
     if rank != 0:
         return None
     if warmup_steps >= 2:
-        first = max(1, warmup_steps - WINDOW_STEPS)
-        window = ProfileWindow(first, warmup_steps, rank)
+        first, stop = max(1, warmup_steps - WINDOW_STEPS), warmup_steps
     else:
-        window = ProfileWindow(
-            max(1, warmup_steps), min(total_steps, max(1, warmup_steps) + WINDOW_STEPS), rank
-        )
-    if window.start < start or window.stop <= window.start:
+        first = max(1, warmup_steps)
+        stop = min(total_steps, first + WINDOW_STEPS)
+    if first <= start:
+        first = start + 1
+        stop = min(total_steps, first + WINDOW_STEPS)
+    if stop <= first:
         return None
-    return window
+    return ProfileWindow(first, stop, rank)
+
+
+def why_unprofiled(total_steps: int, start: int) -> str:
+    """Why `profile_window` gave no window (on rank 0)."""
+    if start:
+        return (
+            f"resumed at step {start} with {total_steps - start} step(s) left, too few to "
+            "profile (the first after a resume compiles; a profile needs one more)"
+        )
+    return (
+        f"too few steps to profile (train.warmup_steps + train.steps = {total_steps}; the "
+        "first step compiles, a profile needs one more)"
+    )
 
 
 def _union(intervals: list[tuple[int, int]]) -> int:
@@ -175,27 +192,28 @@ SPLIT_PHASES = ("forward", "backward", "optimizer", "comm_exposed")
 
 
 def split_records(
-    records: list[dict[str, Any]], splits: list[PhaseSplit]
+    records: list[dict[str, Any]], split: PhaseSplit | str
 ) -> tuple[list[dict[str, Any]], str]:
-    """Each record's compiled time split by the sampled fractions (or counted in
-    ``other`` without any); and what the summary says of it."""
-    split = splits[0] if splits else None  # rank 0's: every rank runs the same step
+    """Each record's compiled time split by rank 0's sampled fractions (every rank runs
+    the same step), or, without them (``split`` says why), the split phases None:
+    not measured; the compiled time is each record's ``compiled_step_s`` either way.
+    And what the summary's ``phases_source`` says of it."""
     for record in records:
         phases = record["phases_s"]
         fused = phases.pop(FUSED, 0.0)
         record[FUSED + "_s"] = fused
-        if split is None:
-            phases["other"] += fused
+        if isinstance(split, str):
+            phases.update(dict.fromkeys(SPLIT_PHASES))
             continue
         for phase, fraction in split.fractions.items():
             phases[phase] += fused * fraction
-    if not splits:
+    if isinstance(split, str):
         return records, (
-            "data_wait, ckpt_stall and other measured per step; the compiled step "
-            "(forward, backward, all-reduce, optimizer) could not be split: too few steps "
-            "to profile, so its time is counted in other (see compiled_step_s)"
+            "data_wait, ckpt_stall and other measured per step; forward, backward, "
+            f"comm_exposed and optimizer not measured: {split}; the compiled step's "
+            "whole time is compiled_step_s"
         )
-    first = splits[0].steps
+    first = split.steps
     return records, (
         "data_wait, ckpt_stall and other measured per step; forward, backward, "
         "comm_exposed and optimizer split from each step's compiled time by a sampled "

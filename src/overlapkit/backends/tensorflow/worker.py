@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,16 @@ def start_strategy(tf: Any, world: World, options: dict[str, Any], timeout_s: fl
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=communication)
 
 
-def tf_rank_main(scenario: Any, run_dir: Path | None, progress: bool, print_summary: bool) -> Any:
-    """One rank of a TensorFlow run (the same entry under the launcher and alone)."""
+def tf_rank_main(
+    scenario: Any,
+    run_dir: Path | None,
+    progress: bool,
+    print_summary: bool,
+    started: Callable[[Any], None] = lambda loop: None,
+) -> Any:
+    """One rank of a TensorFlow run (the same entry under the launcher and alone);
+    ``started`` hears of the loop once made (after an interrupt, its ``stopped()``
+    says where the run stopped)."""
     from .loop import TfLoop
 
     cfg = scenario.train
@@ -106,9 +115,9 @@ def tf_rank_main(scenario: Any, run_dir: Path | None, progress: bool, print_summ
     keras.mixed_precision.set_global_policy(PRECISION_POLICY[cfg.precision])
     keras.utils.set_random_seed(cfg.seed)  # the same initial model on every rank
     try:
-        summary = TfLoop(scenario, world, strategy, engines, optimizations, run_dir).run(
-            progress, print_summary
-        )
+        loop = TfLoop(scenario, world, strategy, engines, optimizations, run_dir)
+        started(loop)
+        summary = loop.run(progress, print_summary)
         close_world(world)
         return summary
     finally:

@@ -33,10 +33,20 @@ class TfCommunication:
     def communication_options(self) -> dict[str, Any]:
         return {"bytes_per_pack": self.bytes_per_pack, "implementation": self.implementation}
 
+    def shown_settings(self, device: str) -> dict[str, Any]:
+        """The settings as they run: ``implementation: auto`` is the ring on a CPU (NCCL
+        needs GPUs); on GPUs TensorFlow chooses when the collectives run."""
+        shown = settings_on(self.optimization, "tensorflow")
+        if shown["implementation"] == "auto":
+            shown["implementation"] = (
+                "auto (ring: no GPUs)" if device != "cuda" else "auto (TensorFlow's choice)"
+            )
+        return shown
+
     def summary(self, run: dict[str, Any]) -> dict[str, Any]:
         strategy = run.get("strategy", {})
         return {
-            **settings_on(self.optimization, "tensorflow"),
+            **self.shown_settings(strategy.get("device", "cpu")),
             "bytes_per_pack": self.bytes_per_pack,
             "packs_per_step": strategy.get("allreduce_packs_per_step"),
             "comm_exposed_s": run["phases_s"]["comm_exposed"],

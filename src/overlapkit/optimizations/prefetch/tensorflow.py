@@ -26,12 +26,17 @@ class TfPrefetch:
         s = self.optimization.settings
         return InputPlan(s["workers"], s["depth"], s["device_depth"], s["autotune"])
 
+    def shown_settings(self, device: str) -> dict[str, Any]:
+        """The settings as they run: tf.data's, whatever backend's default says; with
+        autotune, tf.data picks the parallelism and depth, not workers and depth."""
+        shown = {**settings_on(self.optimization, "tensorflow"), "backend": "tfdata"}
+        if shown["autotune"]:
+            shown["workers"] = shown["depth"] = "tf.data's (autotune)"
+        return shown
+
     def summary(self, run: dict[str, Any]) -> dict[str, Any]:
-        return {
-            **settings_on(self.optimization, "tensorflow"),
-            "backend": "tfdata",
-            "data_wait_s": run["phases_s"]["data_wait"],
-        }
+        shown = self.shown_settings(run["strategy"]["device"])
+        return {**shown, "data_wait_s": run["phases_s"]["data_wait"]}
 
 
 def engine(optimization: Prefetch) -> TfPrefetch:
