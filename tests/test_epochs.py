@@ -945,11 +945,13 @@ def test_the_prepared_model_can_be_saved_whole_and_copied():
     session.finish()
 
 
-def two_checkpointed_epochs(run_dir, stop=None, batch=8):
+def two_checkpointed_epochs(run_dir, stop=None, batch=8, warmup_steps=0):
     """The epoch loop of a ported script, 2 epochs (5 batches of 8 each), checkpoints
     every 2 steps in ``run_dir``; ``stop``: leave it after that many steps."""
     model, optimizer, loader = parts(batch=batch)
-    session = Session([Checkpoint(every=2)], run_dir=run_dir, progress=False)
+    session = Session(
+        [Checkpoint(every=2)], run_dir=run_dir, progress=False, warmup_steps=warmup_steps
+    )
     model, optimizer, loader = session.prepare(model, optimizer, loader)
     start = session.start()
     for _epoch in range(start.epoch, 2):
@@ -973,6 +975,16 @@ def test_a_resumed_run_keeps_the_earlier_steps_in_steps_jsonl(tmp_path):
     ]
     assert steps == list(range(10))  # 2 epochs of 5 batches, each step once
     assert summary["optimizations"]["checkpoint"]["resumed_from_step"] == 3
+
+
+def test_a_resumed_process_warms_up_on_its_first_step(tmp_path):
+    """With a warm-up asked for, a resumed process's first step (its compilation, cold
+    caches: on TensorFlow a second) is left out of the measurements too."""
+    two_checkpointed_epochs(tmp_path, stop=3, warmup_steps=1)
+    two_checkpointed_epochs(tmp_path, warmup_steps=1)
+    lines = (tmp_path / "steps.jsonl").read_text().splitlines()
+    warmup = [json.loads(line)["step"] for line in lines if json.loads(line)["warmup"]]
+    assert warmup == [0, 3]  # the run's first, and the resumed process's first
 
 
 def test_running_a_finished_run_again_keeps_its_results(tmp_path, capfd):

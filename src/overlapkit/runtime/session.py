@@ -279,6 +279,7 @@ class Session(EpochLoop, SavedState):
             return
         self._started = True
         self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
+        self.state.first_step = self.state.step
         self.scheduler.arrange(self.state)
         self._start = self._where()
         if self._start.resumed_from is not None and self.world.is_main:

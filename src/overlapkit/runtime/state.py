@@ -24,6 +24,13 @@ def temporarily(obj: Any, name: str, value: Any) -> Iterator[None]:
         setattr(obj, name, before)
 
 
+def is_warmup(step: int, warmup_steps: int, first_step: int) -> bool:
+    """A step left out of the measurements: the run's first ``warmup_steps``, and, with
+    any warm-up asked for, a resumed process's first step (its compilation, cold
+    caches and allocator: a run measured from its start would not count them)."""
+    return step < warmup_steps or (warmup_steps > 0 and step == first_step)
+
+
 @dataclass(frozen=True)
 class Shard:
     """Which copy of the replicated state (model, optimizer, ...) a rank holds.
@@ -70,6 +77,7 @@ class State:
     step: int = 0
     total_steps: int = 0
     warmup_steps: int = 0
+    first_step: int = 0  # this process's first step (after a resume, the resumed one)
     accumulate: int = 1  # micro-batches per optimizer step
     micro_step: int = 0
     batch: Any = None
@@ -114,7 +122,7 @@ class State:
 
     @property
     def is_warmup(self) -> bool:
-        return self.step < self.warmup_steps
+        return is_warmup(self.step, self.warmup_steps, self.first_step)
 
     @property
     def sync_wanted(self) -> bool:

@@ -34,7 +34,7 @@ from ...runtime.optimization import Optimization
 from ...runtime.progress import ProgressBar
 from ...runtime.report import LiveSteps, print_summary, write_run_files
 from ...runtime.scheduler import Scheduler
-from ...runtime.state import State
+from ...runtime.state import State, is_warmup
 from ...runtime.tensorboard import TensorBoardSteps
 from . import import_tensorflow
 from .data import Batches, InputPlan
@@ -187,7 +187,7 @@ class TfLoop:
                 samples=cfg.batch_size,
                 step_time_s=step_time,
                 phases_s=phases,
-                warmup=step < cfg.warmup_steps,
+                warmup=is_warmup(step, cfg.warmup_steps, start),
             )
             if window is not None and window.start <= step < window.stop:
                 record["profiled"] = True
