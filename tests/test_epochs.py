@@ -987,6 +987,25 @@ def test_a_resumed_process_warms_up_on_its_first_step(tmp_path):
     assert warmup == [0, 3]  # the run's first, and the resumed process's first
 
 
+def test_a_run_resumed_at_its_last_step_measures_nothing_and_says_so(tmp_path):
+    """Its one step is warm-up: no figure is made up (it showed 0.0 samples/s)."""
+    from rich.console import Console
+
+    from overlapkit.compare_runs import RunFolderError, load_run
+    from overlapkit.runtime.report import summary_tables
+
+    two_checkpointed_epochs(tmp_path, stop=9, warmup_steps=1)
+    summary = two_checkpointed_epochs(tmp_path, warmup_steps=1)
+    assert summary["steps"] == 0 and summary["samples_per_s"] is None
+    assert summary["step_time_s"]["mean"] is None and summary["pop"]["load_balance"] is None
+    console = Console(record=True, width=120)
+    for table in summary_tables(summary):
+        console.print(table)
+    assert "not measured: no step after the warm-up" in console.export_text()
+    with pytest.raises(RunFolderError, match="measured no step"):
+        load_run(tmp_path)
+
+
 def test_running_a_finished_run_again_keeps_its_results(tmp_path, capfd):
     """The same script run again over a finished run resumes at its last step and
     trains nothing: its summary of no steps replaced the run's results."""

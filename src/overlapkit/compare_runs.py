@@ -52,6 +52,11 @@ def load_run(folder: Path) -> dict[str, Any]:
         )
     if not isinstance(summary["step_time_s"], dict):
         raise RunFolderError(f"{path}: not an overlapkit run summary (step_time_s is no table)")
+    if summary["samples_per_s"] is None and summary.get("steps") == 0:
+        raise RunFolderError(
+            f"{path}: the run measured no step (every step it ran was warm-up: resumed at "
+            "its last?), so it has nothing to compare"
+        )
     phases = summary.get("phases_s", {})
     figures = {
         "samples_per_s": summary["samples_per_s"],

@@ -204,8 +204,9 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
     runtime = max(rank_runtime.values(), default=0.0)
     samples = sum(r["samples"] for r in measured)
     # A phase some step did not measure (None: TensorFlow's unsplit compiled step) is None.
+    # No measured step (all warm-up: a run resumed at its last step): nothing measured.
     phases = {
-        phase: _mean_or_none([r["phases_s"][phase] for r in measured]) if measured else 0.0
+        phase: _mean_or_none([r["phases_s"][phase] for r in measured]) if measured else None
         for phase in PHASES
     }
     mean_step = statistics.fmean(r["step_time_s"] for r in measured) if measured else 0.0
@@ -220,7 +221,7 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
             "rank": rank,
             "samples_per_s": sum(r["samples"] for r in rs) / rank_runtime[rank]
             if rank_runtime[rank] > 0
-            else 0.0,
+            else None,
             "runtime_s": rank_runtime[rank],
             "useful_compute_s": u,
         }
@@ -231,17 +232,17 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
         "steps": len(step_times),
         "samples": samples,
         "runtime_s": runtime,
-        "samples_per_s": samples / runtime if runtime > 0 else 0.0,
+        "samples_per_s": samples / runtime if runtime > 0 else None,
         "step_time_s": {
-            "mean": statistics.fmean(step_times) if step_times else 0.0,
-            "p50": _percentile(step_times, 0.5),
-            "p90": _percentile(step_times, 0.9),
+            "mean": statistics.fmean(step_times) if step_times else None,
+            "p50": _percentile(step_times, 0.5) if step_times else None,
+            "p90": _percentile(step_times, 0.9) if step_times else None,
         },
         "phases_s": phases,
         "phase_shares": {
             p: None if t is None else t / mean_step if mean_step else 0.0 for p, t in phases.items()
         },
-        "pop": pop_metrics(useful, runtime),
+        "pop": pop_metrics(useful if measured else [None], runtime),
         "final_loss": statistics.fmean(losses) if losses else None,
         "per_rank": per_rank,
     }

@@ -86,11 +86,14 @@ def summary_tables(summary: dict[str, Any]) -> list[Table]:
     overview.add_column("metric")
     overview.add_column("value", justify="right")
     overview.add_row("ranks", str(summary["world_size"]))
-    overview.add_row("throughput", f"{summary['samples_per_s']:.1f} samples/s")
-    overview.add_row(
-        "step time mean / p50 / p90",
-        f"{step['mean'] * 1e3:.1f} / {step['p50'] * 1e3:.1f} / {step['p90'] * 1e3:.1f} ms",
-    )
+    if summary["samples_per_s"] is None:  # every step warm-up (resumed at the last)
+        overview.add_row("throughput", "not measured: no step after the warm-up")
+    else:
+        overview.add_row("throughput", f"{summary['samples_per_s']:.1f} samples/s")
+        overview.add_row(
+            "step time mean / p50 / p90",
+            f"{step['mean'] * 1e3:.1f} / {step['p50'] * 1e3:.1f} / {step['p90'] * 1e3:.1f} ms",
+        )
     for key in ("load_balance", "communication_efficiency", "parallel_efficiency"):
         overview.add_row(key.replace("_", " "), _or_not_measured(pop[key], "{:.3f}"))
     if summary.get("final_loss") is not None:
