@@ -435,6 +435,7 @@ def test_check_shows_the_settings_tensorflow_runs(tmp_path):
     assert rows["optimizations.prefetch.workers"] == "tf.data's (autotune)"
     assert rows["optimizations.prefetch.depth"] == "tf.data's (autotune)"
     assert rows["optimizations.ddp_overlap.implementation"] == "auto (ring: no GPUs)"
+    assert rows["tune.policy"] == "no: TensorFlow runs one policy"  # said yes
 
 
 def test_list_says_which_optimization_runs_on_which_framework():

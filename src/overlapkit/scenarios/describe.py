@@ -97,6 +97,8 @@ def _world(scenario: Scenario) -> list[tuple[str, str]]:
 
 def _tune(scenario: Scenario) -> list[tuple[str, str]]:
     rows = [(k, v) for k, v in _flat(scenario.tune.model_dump(mode="json")) if k != "search"]
+    if scenario.framework == "tensorflow" and scenario.tune.policy:
+        rows = [(k, "no: TensorFlow runs one policy" if k == "policy" else v) for k, v in rows]
     if scenario.tune.search is None:
         rows.insert(0, ("search", "each optimization above by its intensity"))
     optimizations = scenario.optimizations
