@@ -24,6 +24,7 @@ from overlapkit.optimizations.checkpoint import (
 from overlapkit.optimizations.checkpoint.fileformat import read as read_checkpoint
 from overlapkit.optimizations.checkpoint.persister import Persister
 from overlapkit.optimizations.checkpoint.snapshot import Snapshotter
+from overlapkit.runtime.optimization import CombinationError
 from overlapkit.runtime.rng import seed_everything
 
 Checkpoint = get_optimization("checkpoint")
@@ -312,7 +313,8 @@ def test_the_cli_says_a_corrupt_checkpoint_was_skipped_in_one_line(tmp_path, tin
 def test_an_unwritable_checkpoint_folder_is_a_clear_error(tmp_path, tiny_scenario):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    with pytest.raises(CheckpointError, match="cannot create the checkpoint folder"):
+    # Found when the session is made, before any step (a file where a folder would be).
+    with pytest.raises(CombinationError, match="a-file is a file; name a folder"):
         train(tmp_path, 3, dir=str(blocker / "checkpoints"))
     result = run_cli(
         "run",
@@ -323,10 +325,9 @@ def test_an_unwritable_checkpoint_folder_is_a_clear_error(tmp_path, tiny_scenari
         f"optimizations.checkpoint={{every: 2, dir: {blocker}/ck}}",
         timeout=60,
     )
-    assert result.returncode == 1
-    assert (
-        "cannot create the checkpoint folder" in result.stderr and "Traceback" not in result.stderr
-    )
+    assert result.returncode == 2  # before any rank starts
+    assert "is a file; name a folder" in result.stderr and "Traceback" not in result.stderr
+    assert blocker.read_text() == "not a folder"
 
 
 @pytest.mark.slow
