@@ -77,3 +77,38 @@ def test_ranks_that_would_choose_different_steps_in_auto_mode_checkpoint_togethe
     launch_local(node_local_checkpoints, 2, nodes, 40, knobs, [0.01, 0.5])
     steps = [[e["step"] for e in manifest(tmp_path / "run" / f"node{r}")] for r in (0, 1)]
     assert steps[0] == steps[1] and len(steps[0]) >= 2
+
+
+def test_a_mirror_follows_a_machines_checkpoints_and_names_only_whole_ones(tmp_path):
+    """The driver's copy of a machine's checkpoint folder (`overlapkit run --ray`): new
+    step folders fetched, then the manifest, then the ones it no longer lists removed;
+    a step gone before it was fetched leaves the mirror's manifest as it was."""
+    from overlapkit.optimizations.checkpoint.mirror import manifest_text, mirror, pack_steps
+
+    there, here = tmp_path / "there", tmp_path / "here"
+
+    def write(steps):
+        there.mkdir(exist_ok=True)
+        for step in steps:
+            folder = there / f"step-{step:08d}"
+            folder.mkdir(exist_ok=True)
+            (folder / "rank00000.ckpt").write_text(str(step))
+        listed = {"format": 1, "checkpoints": [{"step": s} for s in steps]}
+        (there / "manifest.json").write_text(json.dumps(listed))
+
+    def listed(root):
+        return [e["step"] for e in json.loads((root / "manifest.json").read_text())["checkpoints"]]
+
+    def fetch(steps):
+        return pack_steps(there, steps)
+
+    for steps in ([3], [3, 6], [6, 9]):
+        write(steps)
+        assert mirror(here, manifest_text(there), fetch)
+        assert sorted(p.name for p in here.glob("step-*")) == [f"step-{s:08d}" for s in steps]
+        assert listed(here) == steps
+        assert (here / f"step-{steps[-1]:08d}" / "rank00000.ckpt").read_text() == str(steps[-1])
+    # A manifest read just before the machine dropped one of its steps (11: gone).
+    moved_on = json.dumps({"format": 1, "checkpoints": [{"step": 9}, {"step": 11}]})
+    assert not mirror(here, moved_on, fetch)
+    assert listed(here) == [6, 9] and (here / "step-00000006").is_dir()

@@ -264,12 +264,18 @@ def test_a_run_on_two_machines_matches_two_local_ranks_and_resumes(
     # Each machine kept its own checkpoints (no shared file system between them).
     for folder in (on_ray, on_ray / "nodes" / "node1"):
         assert list((folder / "checkpoints").glob("*")), folder
+    assert summary["run_dir"] == str(on_ray)  # not the machine's temporary folder
     first = step_losses(on_ray)
     # Three more steps: each machine gets its checkpoints back and resumes.
     more = ["--set", "train.steps=9"]
     result = run_cli("run", path, "--ray", cluster.address, "--out", on_ray, "--json", *more)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from the checkpoints" in result.stderr
+    for folder in (on_ray, on_ray / "nodes" / "node1"):  # keep: 2, here as there
+        held = sorted(p.name for p in (folder / "checkpoints").iterdir())
+        listed = (folder / "checkpoints" / "manifest.json").read_text()
+        steps = [c["step"] for c in json.loads(listed)["checkpoints"]]
+        assert len([h for h in held if h.startswith("step-")]) == 2, (held, steps)
     resumed = step_losses(on_ray)
     last = max(step for step, _ in first)
     assert max(step for step, _ in resumed) == last + 3
@@ -289,6 +295,44 @@ def test_a_run_on_two_machines_matches_two_local_ranks_and_resumes(
 
     assert summary["final_loss"] == pytest.approx(mean_loss(last), rel=1e-6)
     assert json.loads(result.stdout)["final_loss"] == pytest.approx(mean_loss(last + 3), rel=1e-6)
+
+
+def test_a_run_whose_driver_is_killed_resumes_from_the_checkpoints_that_reached_it(
+    cluster, tiny_scenario, tmp_path
+):
+    """Each machine's checkpoints are mirrored to the driver as they are written: a
+    driver killed mid-run (or a machine lost, or Ctrl-C) leaves them in the run folder,
+    and the same command resumes (they came back only with a run that ended well)."""
+    gate = tmp_path / "gate"
+    Path(f"{gate}.first").touch()  # the run waits at step 5 until the gate opens
+    optimizations = f"{{checkpoint: {{every: 2}}, toy_gate: {{path: '{gate}', step: 5}}}}"
+    path = two_machine_scenario(tiny_scenario, optimizations)
+    out = tmp_path / "run"
+    command = ["run", str(path), "--ray", cluster.address, "--out", str(out)]
+    log = tmp_path / "run.log"
+    with log.open("wb") as sink:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "overlapkit", *command], cwd=ROOT, stdout=sink, stderr=sink
+        )
+    mirrors = [out / "checkpoints", out / "nodes" / "node1" / "checkpoints"]
+
+    def step_4_here():
+        texts = [m / "manifest.json" for m in mirrors]
+        return all(t.exists() and '"step": 4' in t.read_text() for t in texts)
+
+    try:
+        wait_for(step_4_here, 240, "step 4's checkpoint to reach the driver", log)
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    Path(f"{gate}.open").touch()
+    result = run_cli(*command, "--json", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from the checkpoints" in result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["optimizations"]["checkpoint"]["resumed_from_step"] == 4
+    # Steps 4-7, the first the resumed process's warm-up: 3 measured.
+    assert summary["steps"] == 3 and summary["run_dir"] == str(out)
 
 
 def test_a_tensorflow_run_on_two_machines_equals_two_local_ranks(cluster, tiny_scenario, tmp_path):

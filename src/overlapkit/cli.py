@@ -526,7 +526,15 @@ def _run(
     if args.ray:
         from .launch.ray_run import run_on_cluster
 
-        summary = run_on_cluster(scenario, out, args.ray, args.fresh, args.quiet, args.json)
+        summary = run_on_cluster(
+            scenario,
+            out,
+            args.ray,
+            args.fresh,
+            args.quiet,
+            args.json,
+            on_folder=lambda folder: where.update(folder=folder),
+        )
     else:
         node = _node_place(args, scenario.world.nodes)
         summary = run_scenario(

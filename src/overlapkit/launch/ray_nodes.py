@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import io
+import json
 import logging
 import os
 import shutil
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..optimizations.checkpoint.mirror import manifest_text, mirror, pack_steps
 from .config import WorldConfig
 from .local import die_with_parent
 
@@ -40,6 +42,7 @@ START_ONE = (
 PLACEMENT_TIMEOUT_S = 900.0  # an autoscaler may have to start VMs first
 STRAGGLER_S = 20.0  # after one machine's ranks fail, how long the others get to fail too
 NODE_FOLDERS = "nodes"  # machine k > 0's run folder: <run folder>/nodes/node<k>
+CHECKPOINTS = "checkpoints"  # the checkpoint optimization's folder in a run folder
 
 
 class RayClusterError(RuntimeError):
@@ -164,8 +167,10 @@ def run_on_ray(
     ``world.nodes`` machines of the cluster and
     bring each machine's run folder to ``run_dir`` (node 0's) and
     ``run_dir/nodes/node<k>``. ``on_lines(text)`` gets node 0's new live step records
-    as they are written; returning True stops the run. ``checkpoints``: bring those
-    back too. ``resume``: machine k's folder of an earlier run, sent to it first."""
+    as they are written; returning True stops the run. ``checkpoints``: mirror each
+    machine's checkpoints there as they are written (a run that fails, is stopped or
+    loses its driver keeps what had reached it). ``resume``: machine k's folder of an
+    earlier run, sent to it first."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -199,7 +204,11 @@ def run_on_ray(
         try:
             places = ray.get([a.where.remote() for a in actors])
             master = f"{places[0]['ip']}:{places[0]['port']}"
-            earlier = {k: pack(folder) for k, folder in (resume or {}).items()}
+            # Machine 0's folder holds the others' under nodes/: not sent to it (they
+            # came back from it at the end, over their newer mirrors).
+            earlier = {
+                k: pack(folder, skip=(NODE_FOLDERS,)) for k, folder in (resume or {}).items()
+            }
             ray.get(
                 [
                     a.start.remote(
@@ -210,10 +219,13 @@ def run_on_ray(
             )
         except (RayActorError, ActorUnavailableError) as error:  # lost while starting
             return RayOutcome(lost=f"a machine was lost while the run started: {error}"[:600])
-        outcome = _watch(actors, places, timeout_s, on_lines)
+        mirrors = _Mirrors(actors, run_dir) if checkpoints else None
+        outcome = _watch(actors, places, timeout_s, on_lines, mirrors)
         lost = outcome.lost_machine
         if outcome.lost is None and not outcome.stopped:
-            _gather(actors, run_dir, checkpoints)
+            if mirrors is not None:
+                mirrors.update(ray.get([a.manifest.remote() for a in actors]))
+            _gather(actors, run_dir)
         return outcome
     finally:
         # The ranks of every machine still there stopped at once; not the lost one's:
@@ -234,6 +246,7 @@ def _watch(
     places: list[dict[str, Any]],
     timeout_s: float | None,
     on_lines: Callable[[str], bool] | None,
+    mirrors: _Mirrors | None = None,
 ) -> RayOutcome:
     import ray
     from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
@@ -243,7 +256,10 @@ def _watch(
     outcome = RayOutcome()
     while True:
         # Each actor answers when its ranks end or after POLL_S, whichever comes first.
-        pending = [a.poll.remote(offset if k == 0 else None, POLL_S) for k, a in enumerate(actors)]
+        pending = [
+            a.poll.remote(offset if k == 0 else None, POLL_S, mirrors is not None)
+            for k, a in enumerate(actors)
+        ]
         states: list[Any] = []
         for k, ref in enumerate(pending):
             try:
@@ -257,8 +273,10 @@ def _watch(
                 )
                 outcome.lost_machine = k
                 return outcome
-        outcome.returncodes = [code for code, _, _ in states]
-        _, text, offset = states[0]
+        outcome.returncodes = [code for code, *_ in states]
+        _, text, offset, _ = states[0]
+        if mirrors is not None:
+            mirrors.update([manifest for *_, manifest in states])
         if text and on_lines is not None and on_lines(text):
             outcome.stopped = True  # `finally` of run_on_ray stops the ranks
             return outcome
@@ -278,13 +296,47 @@ def _watch(
     return outcome
 
 
-def _gather(actors: list[Any], run_dir: Path, checkpoints: bool) -> None:
+class _Mirrors:
+    """On the driver, each machine's checkpoint folder as of its newest manifest."""
+
+    def __init__(self, actors: list[Any], run_dir: Path) -> None:
+        self.actors, self.run_dir = actors, run_dir
+        self.seen: list[str | None] = [None] * len(actors)
+
+    def update(self, manifests: list[str | None]) -> None:
+        import ray
+        from ray.exceptions import RayError
+
+        for k, (actor, manifest) in enumerate(zip(self.actors, manifests, strict=True)):
+            if manifest is None or manifest == self.seen[k]:
+                continue
+            root = machine_folder(self.run_dir, k) / CHECKPOINTS
+
+            def fetch(steps: list[int], actor: Any = actor) -> bytes:
+                return ray.get(actor.checkpoint_steps.remote(steps), timeout=120)
+
+            try:
+                if mirror(root, manifest, fetch):
+                    self.seen[k] = manifest
+            except RayError:  # the machine is gone: the next poll says so
+                continue
+
+
+def _gather(actors: list[Any], run_dir: Path) -> None:
+    """Every machine's run folder (its checkpoints apart: see `_Mirrors`), with the
+    summary's ``run_dir`` saying where it is now."""
     import ray
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    archives = ray.get([a.collect.remote(checkpoints) for a in actors])
+    archives = ray.get([a.collect.remote() for a in actors])
     for k, archive in enumerate(archives):
-        unpack(archive, machine_folder(run_dir, k))
+        folder = machine_folder(run_dir, k)
+        unpack(archive, folder)
+        summary = folder / "summary.json"
+        if summary.is_file():
+            document = json.loads(summary.read_text())
+            document["run_dir"] = str(folder)
+            summary.write_text(json.dumps(document, indent=1))
 
 
 def machine_folder(run_dir: Path, k: int) -> Path:
@@ -374,9 +426,12 @@ class NodeRunner:
                 preexec_fn=die_with_parent,
             )
 
-    def poll(self, offset: int | None, wait_s: float = 0.0) -> tuple[int | None, str, int]:
+    def poll(
+        self, offset: int | None, wait_s: float = 0.0, manifest: bool = False
+    ) -> tuple[int | None, str, int, str | None]:
         """The exit code (None while running: after waiting up to ``wait_s`` for the
-        ranks to end) and, from ``offset`` on, the complete lines of the live step log."""
+        ranks to end); from ``offset`` on, the complete lines of the live step log;
+        with ``manifest``, the checkpoint manifest's text (None: none yet)."""
         from ..runtime.report import LIVE_STEPS, LiveSteps
 
         assert self.process is not None
@@ -384,9 +439,16 @@ class NodeRunner:
             code = self.process.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             code = None
+        written = self.manifest() if manifest else None
         if offset is None:
-            return code, "", 0
-        return code, *LiveSteps.read_new(self.folder / "run" / LIVE_STEPS, offset)
+            return code, "", 0, written
+        return code, *LiveSteps.read_new(self.folder / "run" / LIVE_STEPS, offset), written
+
+    def manifest(self) -> str | None:
+        return manifest_text(self.folder / "run" / CHECKPOINTS)
+
+    def checkpoint_steps(self, steps: list[int]) -> bytes:
+        return pack_steps(self.folder / "run" / CHECKPOINTS, steps)
 
     def stderr(self) -> str:
         return (self.folder / "stderr.txt").read_text(errors="replace")
@@ -399,12 +461,13 @@ class NodeRunner:
                 pass
             self.process.wait()
 
-    def collect(self, checkpoints: bool) -> bytes:
-        """The run folder with the run's stdout and stderr, packed; then removed here."""
+    def collect(self) -> bytes:
+        """The run folder with the run's stdout and stderr, packed (not its
+        checkpoints: the driver mirrors those); then removed here."""
         run = self.folder / "run"
         run.mkdir(exist_ok=True)
         for name in ("stdout.txt", "stderr.txt"):
             shutil.copy(self.folder / name, run / name)
-        archive = pack(run, skip=() if checkpoints else ("checkpoints",))
+        archive = pack(run, skip=(CHECKPOINTS,))
         shutil.rmtree(self.folder, ignore_errors=True)
         return archive

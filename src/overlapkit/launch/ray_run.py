@@ -6,6 +6,8 @@ already has checkpoints is sent back to its machines first, so the run resumes."
 from __future__ import annotations
 
 import json
+import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +15,18 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..folders import new_stamped, stamped, unused
+from ..optimizations.checkpoint.mirror import listed_steps, manifest_text
 from ..runtime.report import print_summary
 from ..scenarios import Scenario, dump_scenario
-from .ray_nodes import RayClusterError, connect, machine_folder, placed_world, run_on_ray
+from .interrupt import RunInterrupted
+from .ray_nodes import (
+    CHECKPOINTS,
+    RayClusterError,
+    connect,
+    machine_folder,
+    placed_world,
+    run_on_ray,
+)
 
 
 class RayRunFailed(RuntimeError):
@@ -29,20 +40,25 @@ def run_on_cluster(
     fresh: bool,
     quiet: bool,
     as_json: bool,
+    on_folder: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     scenario.data.check()
     connect(address)
     world = scenario.world = placed_world(scenario.world)  # one decision for all machines
     scenario.check_setup(world.ranks, gpus_here=False)
     run_dir = run_dir or new_stamped(Path("runs"), scenario.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if on_folder is not None:
+        on_folder(run_dir)
     errors = Console(stderr=True)
     resume = {} if fresh else _earlier_folders(run_dir, world.nodes)
     if fresh:
         _move_aside(run_dir, world.nodes)
     if resume:
         errors.print(f"resuming from the checkpoints in {run_dir} ({len(resume)} machine(s))")
-    progress = None if quiet or as_json else _progress(scenario.train.steps)
-    task = None if progress is None else progress.add_task("steps", total=scenario.train.steps)
+    total = scenario.train.total_steps  # warm-up and measured: the step numbers it shows
+    progress = None if quiet or as_json else _progress(total)
+    task = None if progress is None else progress.add_task("steps", total=total)
 
     def on_lines(text: str) -> bool:
         if progress is not None:
@@ -62,19 +78,37 @@ def run_on_cluster(
             on_lines=on_lines,
             resume=resume,
         )
+    except KeyboardInterrupt:
+        raise RunInterrupted(signal.SIGINT, None, _newest_checkpoint(run_dir)) from None
     finally:
         if progress is not None:
             progress.stop()
     if outcome.lost:
-        raise RayRunFailed(f"{outcome.lost}; the checkpoints written before are in {run_dir}")
+        raise RayRunFailed(f"{outcome.lost}; {_kept(run_dir)}")
     if not outcome.ok:
         tail = "\n".join(outcome.stderr.strip().splitlines()[-15:])
-        raise RayRunFailed(f"exit codes per machine {outcome.returncodes}\n{tail}")
+        raise RayRunFailed(
+            f"exit codes per machine {outcome.returncodes}; {_kept(run_dir)}\n{tail}"
+        )
     summary = json.loads((run_dir / "summary.json").read_text())
     if not (quiet or as_json):
         print_summary(summary)
         errors.print(f"run folder: {run_dir}")
     return summary
+
+
+def _newest_checkpoint(run_dir: Path) -> int | None:
+    """The newest checkpoint that reached the driver (machine 0's mirror)."""
+    text = manifest_text(run_dir / CHECKPOINTS)
+    steps = listed_steps(text) if text else []
+    return max(steps) if steps else None
+
+
+def _kept(run_dir: Path) -> str:
+    newest = _newest_checkpoint(run_dir)
+    if newest is None:
+        return "no checkpoint had reached this machine: the same command starts over"
+    return f"the checkpoints up to step {newest} are in {run_dir}: the same command resumes there"
 
 
 def _earlier_folders(run_dir: Path, nodes: int) -> dict[int, Path]:

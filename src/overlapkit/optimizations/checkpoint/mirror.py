@@ -1,0 +1,69 @@
+"""A copy of another machine's checkpoint folder, kept up to date while it grows.
+
+A run on a cluster writes each machine's checkpoints to that machine's disk; the
+driver keeps a mirror of each, so that a run whose machine, driver or ranks are
+lost resumes from the newest checkpoint that reached it. The manifest says which
+step folders are complete: the mirror fetches the ones it lacks, moves each into
+place whole, then replaces its manifest (atomically), then removes the step
+folders the manifest no longer lists. Killed at any moment, its manifest names
+only complete step folders.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from .store import MANIFEST, _write_json, step_dir
+
+
+def listed_steps(manifest_text: str) -> list[int]:
+    return [int(entry["step"]) for entry in json.loads(manifest_text)["checkpoints"]]
+
+
+def manifest_text(root: Path) -> str | None:
+    """The manifest of the checkpoint folder ``root`` (None: none yet)."""
+    try:
+        return (root / MANIFEST).read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def pack_steps(root: Path, steps: Iterable[int]) -> bytes:
+    """The step folders of ``steps`` that ``root`` still holds, as gzipped tar bytes."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for step in steps:
+            folder = step_dir(root, step)
+            if folder.is_dir():
+                tar.add(folder, arcname=folder.name)
+    return buffer.getvalue()
+
+
+def mirror(root: Path, manifest: str, fetch: Callable[[list[int]], bytes]) -> bool:
+    """Make ``root`` hold the checkpoints ``manifest`` (another folder's manifest text)
+    lists, fetching the step folders it lacks with ``fetch(steps)`` (`pack_steps` of
+    the other folder). False when the other folder no longer had one of them (it
+    moved on since its manifest was read): nothing listed changes then."""
+    steps = listed_steps(manifest)
+    missing = [s for s in steps if not step_dir(root, s).is_dir()]
+    root.mkdir(parents=True, exist_ok=True)
+    if missing:
+        with tempfile.TemporaryDirectory(dir=root, prefix=".incoming-") as incoming:
+            with tarfile.open(fileobj=io.BytesIO(fetch(missing)), mode="r:gz") as tar:
+                tar.extractall(incoming, filter="data")
+            arrived = {s for s in missing if step_dir(Path(incoming), s).is_dir()}
+            for step in sorted(arrived):
+                step_dir(Path(incoming), step).rename(step_dir(root, step))
+        if arrived != set(missing):
+            return False
+    _write_json(root / MANIFEST, json.loads(manifest))
+    for folder in root.glob("step-*"):
+        if folder.name not in {step_dir(root, s).name for s in steps}:
+            shutil.rmtree(folder, ignore_errors=True)
+    return True
