@@ -242,6 +242,20 @@ def test_typos_in_node_types_are_problems_not_internal_errors(tmp_path, capsys):
             "acceleratorCount: must be a whole",
         ),
         (lambda c: nodes(c).update(v100x1=None), "v100x1"),
+        (
+            lambda c: c.update(
+                available_node_types=[{"name": n, **v} for n, v in nodes(c).items()]
+            ),
+            "available_node_types: must be a mapping of node type names",
+        ),
+        (
+            lambda c: nodes(c)["v100x4"]["node_config"].update(scheduling="TERMINATE"),
+            "v100x4.node_config.scheduling: must be a mapping or a list",
+        ),
+        (
+            lambda c: nodes(c)["v100x4"]["node_config"].update(scheduling=["TERMINATE"]),
+            "v100x4.node_config.scheduling: must be a mapping or a list",
+        ),
     ):
         assert main(["cluster", "check", str(edited(change))]) == 2
         err = capsys.readouterr().err

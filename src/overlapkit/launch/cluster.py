@@ -68,14 +68,26 @@ def check_cluster_file(path: Path, ray_version: str | None = None) -> dict[str, 
         raise ClusterConfigError(path, [Problem(where, said)]) from None
     if not isinstance(config, dict):
         raise ClusterConfigError(path, [Problem("(file)", "not a YAML mapping")])
-    if "provider" not in config:  # Ray's own check names only the key, as a bare KeyError
-        said = "required key missing: provider (where the machines come from: gcp, aws, ...)"
-        raise ClusterConfigError(path, [Problem("(top level)", said)])
+    shapes = _top_level_problems(config)
+    if shapes:  # Ray's preparation would fail on them with a Python error of its own
+        raise ClusterConfigError(path, shapes)
     prepared, problems = ray_prepared(config)
     problems += overlapkit_problems(prepared, ray_version or _installed_ray())
     if problems:
         raise ClusterConfigError(path, problems)
     return prepared
+
+
+def _top_level_problems(config: dict[str, Any]) -> list[Problem]:
+    """The top-level keys Ray's preparation and the rules below read, of the type they need."""
+    if "provider" not in config:  # Ray's own check names only the key, as a bare KeyError
+        said = "required key missing: provider (where the machines come from: gcp, aws, ...)"
+        return [Problem("(top level)", said)]
+    nodes = config.get("available_node_types")
+    if nodes is not None and not isinstance(nodes, dict):
+        said = f"must be a mapping of node type names to settings (v100x4: ...), got {_got(nodes)}"
+        return [Problem("available_node_types", said)]
+    return []
 
 
 def ray_prepared(config: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
@@ -180,6 +192,16 @@ def _shape_problems(where: str, node: dict[str, Any]) -> list[Problem]:
             return [
                 Problem(f"{key}.{k}.acceleratorCount", f"must be a whole number, got {count!r}")
             ]
+    scheduling = node_config.get("scheduling") or {}
+    items = scheduling if isinstance(scheduling, list) else [scheduling]
+    if not all(isinstance(item, dict) for item in items):
+        example = "[{onHostMaintenance: TERMINATE}]"
+        return [
+            Problem(
+                f"{where}.node_config.scheduling",
+                f"must be a mapping or a list like {example}, got {scheduling!r}",
+            )
+        ]
     return []
 
 
@@ -262,6 +284,13 @@ def _storage_problems(commands: str) -> list[Problem]:
             )
         ]
     return []
+
+
+def _got(value: Any) -> str:
+    """``value`` as a message shows it: a list or mapping by its kind (it can be long)."""
+    if isinstance(value, list):
+        return "a list"
+    return "a mapping" if isinstance(value, dict) else repr(value)
 
 
 def _installed_ray() -> str | None:
