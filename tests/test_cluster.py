@@ -239,7 +239,7 @@ def test_typos_in_node_types_are_problems_not_internal_errors(tmp_path, capsys):
         (lambda c: nodes(c)["v100x4"].update(node_config="n1-standard-32"), "v100x4.node_config"),
         (
             lambda c: accelerator(c).update(acceleratorCount="four"),
-            "acceleratorCount: must be a whole",
+            "acceleratorCount: must be a positive whole",
         ),
         (lambda c: nodes(c).update(v100x1=None), "v100x1"),
         (
@@ -260,3 +260,34 @@ def test_typos_in_node_types_are_problems_not_internal_errors(tmp_path, capsys):
         assert main(["cluster", "check", str(edited(change))]) == 2
         err = capsys.readouterr().err
         assert said in err and "internal error" not in err and "Traceback" not in err, err
+
+
+def test_a_value_of_the_wrong_kind_is_said_as_such(tmp_path):
+    """Each was said wrongly: "is 4 but 4 GPU(s) are attached", Ray's "can only
+    concatenate str" with a false "Ray is not pinned", "'NoneType' object has no
+    attribute 'get'", and a count of -4 only as a mismatch with resources.GPU."""
+    nodes = lambda c: c["available_node_types"]  # noqa: E731
+    accelerator = lambda c: nodes(c)["v100x4"]["node_config"]["guestAccelerators"][0]  # noqa: E731
+    for change, said, not_said in (
+        (
+            lambda c: nodes(c)["v100x4"]["resources"].update(GPU="4"),
+            "v100x4.resources.GPU: must be a whole number, got '4'",
+            "GPU(s) are attached",
+        ),
+        (
+            lambda c: c.update(setup_commands=" && ".join(c["setup_commands"])),
+            "setup_commands: must be a list of commands",
+            "not pinned",
+        ),
+        (lambda c: c.update(provider=None), "provider: must be a mapping with a type", "NoneType"),
+        (
+            lambda c: accelerator(c).update(acceleratorCount=-4),
+            "v100x4.node_config.guestAccelerators.0.acceleratorCount: must be a positive whole",
+            "GPU(s) are attached",
+        ),
+    ):
+        config = gcp()
+        change(config)
+        message = problems(config, tmp_path)
+        assert said in message and not_said not in message, message
+        assert "concatenate" not in message and "Ray rejects" not in message, message

@@ -31,6 +31,10 @@ import yaml
 # Providers whose nodes all run on this one machine: setup and storage rules do not apply.
 ONE_MACHINE = ("fake_multinode", "local")
 STORAGE_VARIABLE = "OVERLAPKIT_STORAGE"
+COMMAND_KEYS = (
+    "initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+    "head_start_ray_commands", "worker_start_ray_commands",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,15 @@ def _top_level_problems(config: dict[str, Any]) -> list[Problem]:
     if "provider" not in config:  # Ray's own check names only the key, as a bare KeyError
         said = "required key missing: provider (where the machines come from: gcp, aws, ...)"
         return [Problem("(top level)", said)]
+    provider = config["provider"]
+    if not isinstance(provider, dict) or "type" not in provider:
+        said = f"must be a mapping with a type (type: gcp, region: ...), got {_got(provider)}"
+        return [Problem("provider", said)]
+    for key in COMMAND_KEYS:
+        commands = config.get(key)
+        if commands is not None and not isinstance(commands, list):
+            said = f"must be a list of commands (each on a '- ' line), got {_got(commands)}"
+            return [Problem(key, said)]
     nodes = config.get("available_node_types")
     if nodes is not None and not isinstance(nodes, dict):
         said = f"must be a mapping of node type names to settings (v100x4: ...), got {_got(nodes)}"
@@ -160,11 +173,13 @@ def _node_problems(where: str, node: Any, provider: str | None) -> list[Problem]
                 )
             )
     # GCP attaches GPUs as guestAccelerators (elsewhere, e.g. on a fake node, they are labels).
-    if provider == "gcp" and resources.get("GPU") != gpus:
+    gpu = resources.get("GPU")
+    counted = gpu is None or (isinstance(gpu, int) and not isinstance(gpu, bool))
+    if provider == "gcp" and counted and gpu != gpus:  # a GPU not a number: said above
         problems.append(
             Problem(
                 f"{where}.resources.GPU",
-                f"is {resources.get('GPU')} but {gpus} GPU(s) are attached "
+                f"is {gpu} but {gpus} GPU(s) are attached "
                 "(guestAccelerators): Ray places GPU work by this number",
             )
         )
@@ -188,10 +203,9 @@ def _shape_problems(where: str, node: dict[str, Any]) -> list[Problem]:
         return [Problem(key, f"must be a list like {example}, got {accelerators!r}")]
     for k, accelerator in enumerate(accelerators):
         count = accelerator.get("acceleratorCount", 0)
-        if isinstance(count, bool) or not isinstance(count, int):
-            return [
-                Problem(f"{key}.{k}.acceleratorCount", f"must be a whole number, got {count!r}")
-            ]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            said = f"must be a positive whole number (the GPUs attached), got {count!r}"
+            return [Problem(f"{key}.{k}.acceleratorCount", said)]
     scheduling = node_config.get("scheduling") or {}
     items = scheduling if isinstance(scheduling, list) else [scheduling]
     if not all(isinstance(item, dict) for item in items):
@@ -287,7 +301,11 @@ def _storage_problems(commands: str) -> list[Problem]:
 
 
 def _got(value: Any) -> str:
-    """``value`` as a message shows it: a list or mapping by its kind (it can be long)."""
+    """``value`` as a message shows it: a list, mapping or long string by its kind."""
+    if value is None:
+        return "null"
+    if isinstance(value, str) and len(value) > 40:
+        return "a string"
     if isinstance(value, list):
         return "a list"
     return "a mapping" if isinstance(value, dict) else repr(value)
