@@ -16,7 +16,10 @@ CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
 
 
 def gcp() -> dict:
-    return yaml.safe_load((CLUSTER / "gcp-v100.yaml").read_text())
+    """The shipped GCP config, its project ID set (it ships a placeholder)."""
+    config = yaml.safe_load((CLUSTER / "gcp-v100.yaml").read_text())
+    config["provider"]["project_id"] = "overlapkit-study-1"
+    return config
 
 
 def problems(config: dict, tmp_path: Path, ray_version: str = "2.60.0") -> str:
@@ -27,14 +30,25 @@ def problems(config: dict, tmp_path: Path, ray_version: str = "2.60.0") -> str:
     return str(error.value)
 
 
-@pytest.mark.parametrize("name", ["gcp-v100.yaml", "local.yaml"])
-def test_the_shipped_configs_pass(name, capsys):
-    assert main(["cluster", "check", str(CLUSTER / name)]) == 0
+def test_the_shipped_configs_pass(tmp_path, capsys):
+    """local.yaml as it is; gcp-v100.yaml once its project ID is set, and as shipped
+    with that one problem: check must not say ok to a config `ray up` would refuse."""
+    assert main(["cluster", "check", str(CLUSTER / "local.yaml")]) == 0
     assert "ok" in capsys.readouterr().out
+    path = tmp_path / "gcp-v100.yaml"
+    path.write_text(yaml.safe_dump(gcp()))
+    assert main(["cluster", "check", str(path)]) == 0
+    assert "ok" in capsys.readouterr().out
+    assert main(["cluster", "check", str(CLUSTER / "gcp-v100.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "1 problem(s)" in err
+    assert "provider.project_id: your-project-id is a placeholder: set your project's ID" in err
 
 
-def test_the_gcp_config_has_the_node_types_a_study_needs():
-    nodes = check_cluster_file(CLUSTER / "gcp-v100.yaml", "2.60.0")["available_node_types"]
+def test_the_gcp_config_has_the_node_types_a_study_needs(tmp_path):
+    path = tmp_path / "gcp-v100.yaml"
+    path.write_text(yaml.safe_dump(gcp()))
+    nodes = check_cluster_file(path, "2.60.0")["available_node_types"]
     gpus = {name: node["resources"]["GPU"] for name, node in nodes.items()}
     assert gpus == {"head": 0, "v100x1": 1, "v100x4": 4, "v100x8": 8}
     local = yaml.safe_load((CLUSTER / "local.yaml").read_text())["available_node_types"]
@@ -291,3 +305,33 @@ def test_a_value_of_the_wrong_kind_is_said_as_such(tmp_path):
         message = problems(config, tmp_path)
         assert said in message and not_said not in message, message
         assert "concatenate" not in message and "Ray rejects" not in message, message
+
+
+def test_check_refuses_what_a_launch_would(tmp_path):
+    """Each of these passed the check ("ok"), and `ray up` or GCP would refuse it."""
+    nodes = lambda c: c["available_node_types"]  # noqa: E731
+    accelerator = lambda c: nodes(c)["v100x4"]["node_config"]["guestAccelerators"][0]  # noqa: E731
+    for change, said in (
+        (lambda c: c["provider"].pop("project_id"), "provider.project_id: required for GCP"),
+        (
+            lambda c: c["provider"].update(project_id="My Project"),
+            "provider.project_id: not a GCP project ID",
+        ),
+        (
+            lambda c: accelerator(c).pop("acceleratorType"),
+            "v100x4.node_config.guestAccelerators.0.acceleratorType: required",
+        ),
+        (
+            lambda c: nodes(c)["v100x4"].update(min_workers=5),
+            "v100x4.min_workers: 5 is more than max_workers (4)",
+        ),
+        (
+            lambda c: nodes(c)["v100x4"].update(max_workers=-1),
+            "v100x4.max_workers: must be 0 or more, got -1",
+        ),
+        (lambda c: c.update(max_workers=-1), "max_workers: Ray's schema: -1 is less than"),
+    ):
+        config = gcp()
+        change(config)
+        message = problems(config, tmp_path)
+        assert said in message and "1 problem(s)" in message, message

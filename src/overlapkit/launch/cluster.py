@@ -9,6 +9,9 @@ and key:
 - V100s attach only to N1 machines;
 - ``resources.GPU`` equals the accelerators attached (the GCP provider fills in nothing);
 - resources are whole numbers;
+- each accelerator has a type and a positive count;
+- a node type's ``min_workers`` and ``max_workers`` are not negative, min no more than max;
+- on GCP, ``provider.project_id`` is set, and not to the shipped placeholder;
 - Ray and overlapkit are pinned in the setup commands (the driver's Ray must be
   the cluster's, and every node must run the same overlapkit);
 - the study storage is one the workers can reach (a database server on the
@@ -31,6 +34,8 @@ import yaml
 # Providers whose nodes all run on this one machine: setup and storage rules do not apply.
 ONE_MACHINE = ("fake_multinode", "local")
 STORAGE_VARIABLE = "OVERLAPKIT_STORAGE"
+# A GCP project ID, with the domain of a (legacy) domain-scoped project: example.com:my-project.
+PROJECT_ID = r"(?:[a-z0-9.-]+\.[a-z]+:)?[a-z][a-z0-9-]{4,28}[a-z0-9]"
 COMMAND_KEYS = (
     "initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
     "head_start_ray_commands", "worker_start_ray_commands",
@@ -131,11 +136,26 @@ def ray_prepared(config: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]
 def overlapkit_problems(config: dict[str, Any], ray_version: str | None) -> list[Problem]:
     problems: list[Problem] = []
     provider = (config.get("provider") or {}).get("type")
+    if provider == "gcp":
+        problems += _project_problems(config["provider"].get("project_id"))
     for name, node in (config.get("available_node_types") or {}).items():
         problems += _node_problems(f"available_node_types.{name}", node, provider)
     if provider not in ONE_MACHINE:
         problems += _setup_problems(config, ray_version)
     return problems
+
+
+def _project_problems(project: Any) -> list[Problem]:
+    """GCP's project ID: a launch fails without a real one (the shipped config has none)."""
+    where, find = "provider.project_id", "see `gcloud config get-value project`"
+    if project is None or project == "":
+        return [Problem(where, f"required for GCP: set your project's ID ({find})")]
+    if isinstance(project, str) and project.startswith("your-"):
+        return [Problem(where, f"{project} is a placeholder: set your project's ID ({find})")]
+    if not isinstance(project, str) or not re.fullmatch(PROJECT_ID, project):
+        said = "not a GCP project ID (6-30 lowercase letters, digits and hyphens, from a letter)"
+        return [Problem(where, f"{said}: {project!r} ({find})")]
+    return []
 
 
 def _node_problems(where: str, node: Any, provider: str | None) -> list[Problem]:
@@ -151,6 +171,7 @@ def _node_problems(where: str, node: Any, provider: str | None) -> list[Problem]
             problems.append(
                 Problem(f"{where}.resources.{key}", f"must be a whole number, got {value!r}")
             )
+    problems += _worker_count_problems(where, node)
     node_config = node.get("node_config") or {}
     accelerators = node_config.get("guestAccelerators") or []
     gpus = sum(int(a.get("acceleratorCount", 0)) for a in accelerators)
@@ -186,6 +207,24 @@ def _node_problems(where: str, node: Any, provider: str | None) -> list[Problem]
     return problems
 
 
+def _worker_count_problems(where: str, node: dict[str, Any]) -> list[Problem]:
+    """min_workers and max_workers, where whole numbers (Ray's schema says where not)."""
+    counts = {
+        key: value
+        for key in ("min_workers", "max_workers")
+        if isinstance(value := node.get(key), int) and not isinstance(value, bool)
+    }
+    problems = [
+        Problem(f"{where}.{key}", f"must be 0 or more, got {value}")
+        for key, value in counts.items()
+        if value < 0
+    ]
+    if not problems and counts.get("min_workers", 0) > counts.get("max_workers", float("inf")):
+        said = f"{counts['min_workers']} is more than max_workers ({counts['max_workers']})"
+        problems.append(Problem(f"{where}.min_workers", said))
+    return problems
+
+
 def _shape_problems(where: str, node: dict[str, Any]) -> list[Problem]:
     """The parts of a node type the rules below read, each of the type they need."""
     resources = node.get("resources") or {}
@@ -202,7 +241,11 @@ def _shape_problems(where: str, node: dict[str, Any]) -> list[Problem]:
         example = "[{acceleratorType: nvidia-tesla-v100, acceleratorCount: 4}]"
         return [Problem(key, f"must be a list like {example}, got {accelerators!r}")]
     for k, accelerator in enumerate(accelerators):
-        count = accelerator.get("acceleratorCount", 0)
+        for required in ("acceleratorType", "acceleratorCount"):
+            if accelerator.get(required) in (None, ""):
+                said = "required (e.g. acceleratorType: nvidia-tesla-v100, acceleratorCount: 4)"
+                return [Problem(f"{key}.{k}.{required}", said)]
+        count = accelerator["acceleratorCount"]
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             said = f"must be a positive whole number (the GPUs attached), got {count!r}"
             return [Problem(f"{key}.{k}.acceleratorCount", said)]
