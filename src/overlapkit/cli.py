@@ -461,6 +461,11 @@ def _command(
             console.print(comparison_table(document))
             console.print(f"phases: {files['plot']}  (also {files['json'].name})", highlight=False)
         return 0
+    if args.command == "run" and args.ray and (args.node_rank, args.master) != (None, None):
+        raise UsageError(
+            "--ray places every machine itself; --node-rank and --master are for starting "
+            "each machine by hand: use one way or the other"
+        )
     if getattr(args, "tensorboard", None):
         args.overrides.append(f"log.tensorboard={args.tensorboard}")
     scenario = load_scenario(args.scenario, args.overrides)
