@@ -2,6 +2,7 @@
 that breaks it, naming the node type and key. Offline: no cloud, no credentials."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -156,11 +157,53 @@ print("NODE_GPUS", json.dumps(sorted(int(n["Resources"].get("GPU", 0)) for n in 
 """
 
 
+def processes() -> dict[int, tuple[int, int, str]]:
+    """This machine's processes: pid -> (parent pid, process group, state), from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        state, parent, group = stat.rsplit(")", 1)[1].split()[:3]  # after "pid (name)"
+        found[int(entry.name)] = (int(parent), int(group), state)
+    return found
+
+
+def stop_process_group(group: int) -> list[int]:
+    """SIGKILL process group ``group`` and its members' children in groups of their own
+    (Ray's workers), and wait until they are gone; returns those still running. Only
+    the cluster a test started: `ray stop` stops every Ray process on the machine."""
+    import signal
+    import time
+
+    table = processes()
+    doomed = {pid for pid, (_, pgid, _) in table.items() if pgid == group}
+    while more := {pid for pid, (ppid, _, _) in table.items() if ppid in doomed} - doomed:
+        doomed |= more
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 30
+    while True:
+        table = processes()
+        left = [pid for pid in doomed if pid in table and table[pid][2] != "Z"]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_the_local_config_drives_rays_autoscaler_on_this_machine(tmp_path):
     """Two ranks of 2 GPUs each: nothing holds them until the fake autoscaler starts
-    worker nodes of local.yaml's types (the head has no GPU)."""
-    import os
+    worker nodes of local.yaml's types (the head has no GPU). Then the test stops its
+    cluster, all of it, and nothing else: a process `ray stop` would take for Ray's (a
+    user's own cluster beside the tests) still runs."""
+    import shutil
     import socket
     import subprocess
     import sys
@@ -189,24 +232,46 @@ def test_the_local_config_drives_rays_autoscaler_on_this_machine(tmp_path):
         f"--autoscaling-config={tmp_path / 'local.yaml'}",
         "--object-store-memory=100000000", "--include-dashboard=false",
     ]  # fmt: skip
+    # `ray stop` matches Ray's processes by their command lines: this one is among them.
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(900)", "ray.util.client.server"]
+    )
+    # The cluster's processes (the nodes the autoscaler adds too) stay in the process
+    # group of `ray start`, a group of its own.
+    head = subprocess.Popen(
+        start,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        subprocess.run(start, env=env, check=True, capture_output=True, timeout=120)
-        driver = subprocess.run(
-            [sys.executable, "-c", SPREAD_OVER_FAKE_V100_NODES, address],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=150,
-        )
-        assert driver.returncode == 0, driver.stderr[-2000:]
-        # Ray's autoscaler also writes to the driver's stdout ("Resized to ..."), in any order.
-        (line,) = [x for x in driver.stdout.splitlines() if x.startswith("NODE_GPUS ")]
-        gpus = json.loads(line.removeprefix("NODE_GPUS "))
-        assert gpus[0] == 0 and set(gpus[1:]) <= {1, 4, 8} and sum(gpus) >= 4
+        try:
+            _, said = head.communicate(timeout=120)
+            assert head.returncode == 0, said[-2000:]
+            driver = subprocess.run(
+                [sys.executable, "-c", SPREAD_OVER_FAKE_V100_NODES, address],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=150,
+            )
+            assert driver.returncode == 0, driver.stderr[-2000:]
+            # Ray's autoscaler also writes to the driver's stdout ("Resized to ..."), in any order.
+            (line,) = [x for x in driver.stdout.splitlines() if x.startswith("NODE_GPUS ")]
+            gpus = json.loads(line.removeprefix("NODE_GPUS "))
+            assert gpus[0] == 0 and set(gpus[1:]) <= {1, 4, 8} and sum(gpus) >= 4
+        finally:
+            left = stop_process_group(head.pid)
+            shutil.rmtree(temp, ignore_errors=True)
+        assert left == [], f"the test's Ray processes {left} outlived SIGKILL"
+        in_group = [(p, state) for p, (_, pgid, state) in processes().items() if pgid == head.pid]
+        assert [p for p, state in in_group if state != "Z"] == [], "its cluster still runs"
+        assert bystander.poll() is None, "stopping the test's cluster stopped another process"
     finally:
-        # SIGKILL needs no grace; Ray waits for each group of processes (zombies too).
-        stop = [ray, "stop", "--force", "--grace-period", "1"]
-        subprocess.run(stop, env=env, capture_output=True, timeout=60)
+        bystander.kill()
+        bystander.wait()
 
 
 def test_a_config_that_is_not_one_is_said_in_a_line(tmp_path, capsys):
