@@ -207,6 +207,17 @@ def test_malformed_numeric_arguments_name_the_argument(tmp_path, data):
     assert code == 2 and flag in err, err
 
 
+def test_a_numeric_argument_says_what_kind_of_number_it_takes(tmp_path):
+    """It said "'abc' is not a int" (Python's type names)."""
+    for command, flag, value, said in (
+        ("tune", "--max-concurrent", "abc", "'abc' is not a whole number"),
+        ("tune", "--trials", "1.5", "'1.5' is not a whole number"),
+        ("tune", "--timeout", "abc", "'abc' is not a number"),
+    ):
+        code, _, err = cli(command, tmp_path / "scenario.yaml", flag, value)
+        assert code == 2 and f"argument {flag}: {said}" in err, err
+
+
 @FAST
 @given(override=st.text(max_size=20))
 @example(override="0.0=")  # a key only --set made, with a parent it made too (found by CI)

@@ -218,6 +218,11 @@ def test_several_machines_need_a_cluster_or_a_place_each(tiny_scenario, tmp_path
     assert result.returncode == 2 and "--node-rank and --master go together" in result.stderr
     bad = cli_here("run", path, "--set", "world.nodes=2", "--node-rank", "2", "--master", "h:1")
     assert bad.returncode == 2 and "--node-rank must be in 0..1" in bad.stderr
+    # Both ways at once: --node-rank and --master were ignored under --ray.
+    place = ["--node-rank", "1", "--master", "1.2.3.4:5"]
+    both = cli_here("run", path, "--set", "world.nodes=2", "--ray", "127.0.0.1:9", *place)
+    assert both.returncode == 2 and "--node-rank and --master are for starting" in both.stderr
+    assert len(both.stderr.strip().splitlines()) == 1, both.stderr
     result = cli_here("tune", path, "--set", "world.nodes=2", "--out", tmp_path / "t")
     assert result.returncode == 2 and "need --ray" in result.stderr
     assert "Traceback" not in result.stderr

@@ -5,6 +5,7 @@ among them, and the report's files read back."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import optuna
 import pytest
@@ -219,3 +220,13 @@ def test_goodput_that_counts_untaken_checkpoints_as_free_is_named(tmp_path):
     assert "tune.steps" in warning and warning in markdown
     analysis.metric, analysis.objectives = "throughput", ["throughput"]  # not a goodput claim
     assert not any("no checkpoint" in w for w in report_document(analysis)["warnings"])
+
+
+def test_a_metric_at_zero_everywhere_is_plotted_without_a_warning(tmp_path):
+    """Every row at 0 (as goodput is when the MTBF is far below the job) set the
+    overview's axis to (0, 0): matplotlib's UserWarning reached the terminal."""
+    zeros = [(d, p, 0.0) for d, p, _ in PLANTED]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, markdown = report(study_of(zeros, repeats=2), tmp_path)
+    assert (tmp_path / "overview.png").stat().st_size > 10_000 and "(overview.png)" in markdown

@@ -50,7 +50,8 @@ def _at_least(low: float, kind: type = int) -> Any:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+            said = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {said}") from None
         if value != value or value in (float("inf"), float("-inf")):
             raise argparse.ArgumentTypeError(f"{text}: must be a finite number")
         if value < low:
@@ -461,6 +462,11 @@ def _command(
             console.print(comparison_table(document))
             console.print(f"phases: {files['plot']}  (also {files['json'].name})", highlight=False)
         return 0
+    if args.command == "run" and args.ray and (args.node_rank, args.master) != (None, None):
+        raise UsageError(
+            "--ray places every machine itself; --node-rank and --master are for starting "
+            "each machine by hand: use one way or the other"
+        )
     if getattr(args, "tensorboard", None):
         args.overrides.append(f"log.tensorboard={args.tensorboard}")
     scenario = load_scenario(args.scenario, args.overrides)

@@ -9,6 +9,9 @@ and key:
 - V100s attach only to N1 machines;
 - ``resources.GPU`` equals the accelerators attached (the GCP provider fills in nothing);
 - resources are whole numbers;
+- each accelerator has a type and a positive count;
+- a node type's ``min_workers`` and ``max_workers`` are not negative, min no more than max;
+- on GCP, ``provider.project_id`` is set, and not to the shipped placeholder;
 - Ray and overlapkit are pinned in the setup commands (the driver's Ray must be
   the cluster's, and every node must run the same overlapkit);
 - the study storage is one the workers can reach (a database server on the
@@ -31,6 +34,12 @@ import yaml
 # Providers whose nodes all run on this one machine: setup and storage rules do not apply.
 ONE_MACHINE = ("fake_multinode", "local")
 STORAGE_VARIABLE = "OVERLAPKIT_STORAGE"
+# A GCP project ID, with the domain of a (legacy) domain-scoped project: example.com:my-project.
+PROJECT_ID = r"(?:[a-z0-9.-]+\.[a-z]+:)?[a-z][a-z0-9-]{4,28}[a-z0-9]"
+COMMAND_KEYS = (
+    "initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+    "head_start_ray_commands", "worker_start_ray_commands",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -68,14 +77,35 @@ def check_cluster_file(path: Path, ray_version: str | None = None) -> dict[str, 
         raise ClusterConfigError(path, [Problem(where, said)]) from None
     if not isinstance(config, dict):
         raise ClusterConfigError(path, [Problem("(file)", "not a YAML mapping")])
-    if "provider" not in config:  # Ray's own check names only the key, as a bare KeyError
-        said = "required key missing: provider (where the machines come from: gcp, aws, ...)"
-        raise ClusterConfigError(path, [Problem("(top level)", said)])
+    shapes = _top_level_problems(config)
+    if shapes:  # Ray's preparation would fail on them with a Python error of its own
+        raise ClusterConfigError(path, shapes)
     prepared, problems = ray_prepared(config)
     problems += overlapkit_problems(prepared, ray_version or _installed_ray())
     if problems:
         raise ClusterConfigError(path, problems)
     return prepared
+
+
+def _top_level_problems(config: dict[str, Any]) -> list[Problem]:
+    """The top-level keys Ray's preparation and the rules below read, of the type they need."""
+    if "provider" not in config:  # Ray's own check names only the key, as a bare KeyError
+        said = "required key missing: provider (where the machines come from: gcp, aws, ...)"
+        return [Problem("(top level)", said)]
+    provider = config["provider"]
+    if not isinstance(provider, dict) or "type" not in provider:
+        said = f"must be a mapping with a type (type: gcp, region: ...), got {_got(provider)}"
+        return [Problem("provider", said)]
+    for key in COMMAND_KEYS:
+        commands = config.get(key)
+        if commands is not None and not isinstance(commands, list):
+            said = f"must be a list of commands (each on a '- ' line), got {_got(commands)}"
+            return [Problem(key, said)]
+    nodes = config.get("available_node_types")
+    if nodes is not None and not isinstance(nodes, dict):
+        said = f"must be a mapping of node type names to settings (v100x4: ...), got {_got(nodes)}"
+        return [Problem("available_node_types", said)]
+    return []
 
 
 def ray_prepared(config: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
@@ -106,11 +136,26 @@ def ray_prepared(config: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]
 def overlapkit_problems(config: dict[str, Any], ray_version: str | None) -> list[Problem]:
     problems: list[Problem] = []
     provider = (config.get("provider") or {}).get("type")
+    if provider == "gcp":
+        problems += _project_problems(config["provider"].get("project_id"))
     for name, node in (config.get("available_node_types") or {}).items():
         problems += _node_problems(f"available_node_types.{name}", node, provider)
     if provider not in ONE_MACHINE:
         problems += _setup_problems(config, ray_version)
     return problems
+
+
+def _project_problems(project: Any) -> list[Problem]:
+    """GCP's project ID: a launch fails without a real one (the shipped config has none)."""
+    where, find = "provider.project_id", "see `gcloud config get-value project`"
+    if project is None or project == "":
+        return [Problem(where, f"required for GCP: set your project's ID ({find})")]
+    if isinstance(project, str) and project.startswith("your-"):
+        return [Problem(where, f"{project} is a placeholder: set your project's ID ({find})")]
+    if not isinstance(project, str) or not re.fullmatch(PROJECT_ID, project):
+        said = "not a GCP project ID (6-30 lowercase letters, digits and hyphens, from a letter)"
+        return [Problem(where, f"{said}: {project!r} ({find})")]
+    return []
 
 
 def _node_problems(where: str, node: Any, provider: str | None) -> list[Problem]:
@@ -126,6 +171,7 @@ def _node_problems(where: str, node: Any, provider: str | None) -> list[Problem]
             problems.append(
                 Problem(f"{where}.resources.{key}", f"must be a whole number, got {value!r}")
             )
+    problems += _worker_count_problems(where, node)
     node_config = node.get("node_config") or {}
     accelerators = node_config.get("guestAccelerators") or []
     gpus = sum(int(a.get("acceleratorCount", 0)) for a in accelerators)
@@ -148,14 +194,34 @@ def _node_problems(where: str, node: Any, provider: str | None) -> list[Problem]
                 )
             )
     # GCP attaches GPUs as guestAccelerators (elsewhere, e.g. on a fake node, they are labels).
-    if provider == "gcp" and resources.get("GPU") != gpus:
+    gpu = resources.get("GPU")
+    counted = gpu is None or (isinstance(gpu, int) and not isinstance(gpu, bool))
+    if provider == "gcp" and counted and gpu != gpus:  # a GPU not a number: said above
         problems.append(
             Problem(
                 f"{where}.resources.GPU",
-                f"is {resources.get('GPU')} but {gpus} GPU(s) are attached "
+                f"is {gpu} but {gpus} GPU(s) are attached "
                 "(guestAccelerators): Ray places GPU work by this number",
             )
         )
+    return problems
+
+
+def _worker_count_problems(where: str, node: dict[str, Any]) -> list[Problem]:
+    """min_workers and max_workers, where whole numbers (Ray's schema says where not)."""
+    counts = {
+        key: value
+        for key in ("min_workers", "max_workers")
+        if isinstance(value := node.get(key), int) and not isinstance(value, bool)
+    }
+    problems = [
+        Problem(f"{where}.{key}", f"must be 0 or more, got {value}")
+        for key, value in counts.items()
+        if value < 0
+    ]
+    if not problems and counts.get("min_workers", 0) > counts.get("max_workers", float("inf")):
+        said = f"{counts['min_workers']} is more than max_workers ({counts['max_workers']})"
+        problems.append(Problem(f"{where}.min_workers", said))
     return problems
 
 
@@ -175,11 +241,24 @@ def _shape_problems(where: str, node: dict[str, Any]) -> list[Problem]:
         example = "[{acceleratorType: nvidia-tesla-v100, acceleratorCount: 4}]"
         return [Problem(key, f"must be a list like {example}, got {accelerators!r}")]
     for k, accelerator in enumerate(accelerators):
-        count = accelerator.get("acceleratorCount", 0)
-        if isinstance(count, bool) or not isinstance(count, int):
-            return [
-                Problem(f"{key}.{k}.acceleratorCount", f"must be a whole number, got {count!r}")
-            ]
+        for required in ("acceleratorType", "acceleratorCount"):
+            if accelerator.get(required) in (None, ""):
+                said = "required (e.g. acceleratorType: nvidia-tesla-v100, acceleratorCount: 4)"
+                return [Problem(f"{key}.{k}.{required}", said)]
+        count = accelerator["acceleratorCount"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            said = f"must be a positive whole number (the GPUs attached), got {count!r}"
+            return [Problem(f"{key}.{k}.acceleratorCount", said)]
+    scheduling = node_config.get("scheduling") or {}
+    items = scheduling if isinstance(scheduling, list) else [scheduling]
+    if not all(isinstance(item, dict) for item in items):
+        example = "[{onHostMaintenance: TERMINATE}]"
+        return [
+            Problem(
+                f"{where}.node_config.scheduling",
+                f"must be a mapping or a list like {example}, got {scheduling!r}",
+            )
+        ]
     return []
 
 
@@ -262,6 +341,17 @@ def _storage_problems(commands: str) -> list[Problem]:
             )
         ]
     return []
+
+
+def _got(value: Any) -> str:
+    """``value`` as a message shows it: a list, mapping or long string by its kind."""
+    if value is None:
+        return "null"
+    if isinstance(value, str) and len(value) > 40:
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "a mapping" if isinstance(value, dict) else repr(value)
 
 
 def _installed_ray() -> str | None:
