@@ -56,6 +56,7 @@ def test_two_rank_run_gathers_every_ranks_metrics(tiny_scenario, tmp_path):
     assert [p["threads"] for p in probes] == [max(1, (os.cpu_count() or 1) // 2)] * 2
     # Without an overlap optimization the whole all-reduce is exposed, and measured.
     assert summary["grad_sync"]["mode"] == "flat_allreduce"
+    assert not any("DistributedDataParallel" in n for n in summary.get("notes", []))  # a script's
     assert all(s["phases_s"]["comm_exposed"] > 0 for s in steps)
     assert 0 < summary["pop"]["parallel_efficiency"] <= 1
     # The sharded evaluation covers each held-out sample exactly once.

@@ -189,6 +189,7 @@ class ScriptLoader:
         self._stamps: deque[tuple[int, int, int, Any]] = deque(maxlen=STAMPS_KEPT)
         self._shift = 0
         self._start_workers: tuple[dict[int, Any], int] | None = None
+        self.inexact_resume: str | None = None  # why a resume would not be exact, if so
         self._loader: DataLoader | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -289,9 +290,8 @@ class ScriptLoader:
 
     def _count(self, iterator: Iterator[Any], epoch: int) -> Iterator[Any]:
         for batch in iterator:
-            if isinstance(batch, Stamped):
-                worker = (batch.worker + self._shift) % self._workers
-                self._stamps.append((epoch, self.position, worker, batch.state))
+            if isinstance(batch, Stamped):  # by the run's worker it plays (`WorkerStart`)
+                self._stamps.append((epoch, self.position, batch.worker, batch.state))
                 batch = batch.batch
             self.position += 1
             yield batch
@@ -321,6 +321,12 @@ class ScriptLoader:
         """The pass over this epoch was left before its end (a ``break`` in the
         script's loop): the next pass is the next epoch, freshly drawn, as the
         script's own DataLoader's would be."""
+        if self._tracks_workers and self.settings.get("persistent_workers"):
+            self.inexact_resume = (
+                "cannot resume exactly: an epoch was left early (a break) while the "
+                "loader's persistent workers had loaded batches ahead, whose random draws "
+                "never come back to be saved: a resumed run's workers draw otherwise"
+            )
         self._epoch_over()
 
     def __len__(self) -> int:

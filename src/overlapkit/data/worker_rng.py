@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import random
 import sys
+from array import array
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import get_worker_info
 
-# (torch's state bytes, random's state, numpy's global state or None)
+# (torch's state bytes, random's (version, state bytes, gauss), numpy's global state or None)
 State = tuple[bytes, tuple, tuple | None]
 
 
 class Stamped(NamedTuple):
-    """A batch from a worker, with the worker's id and RNG state after it."""
+    """A batch from a worker, with the id of the run's worker it is (after a resume,
+    the one it plays) and its RNG state after the batch."""
 
     batch: Any
     worker: int
@@ -44,13 +46,16 @@ def capture() -> State:
     if numpy is not None:
         name, keys, pos, has_gauss, cached = numpy.random.get_state()
         np_state = (name, keys.tobytes(), int(pos), int(has_gauss), float(cached))
-    return torch.get_rng_state().numpy().tobytes(), random.getstate(), np_state
+    version, internal, gauss = random.getstate()  # 625 ints: bytes travel faster
+    py_state = (version, array("I", internal).tobytes(), gauss)
+    return torch.get_rng_state().numpy().tobytes(), py_state, np_state
 
 
 def restore(state: State) -> None:
     torch_bytes, py_state, np_state = state
     torch.set_rng_state(torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8))
-    random.setstate(py_state)
+    version, internal, gauss = py_state
+    random.setstate((version, tuple(array("I", internal)), gauss))
     if np_state is not None:
         import numpy
 
@@ -99,7 +104,11 @@ class WorkerStart:
         info = get_worker_info()
         plays = (worker_id + self.shift) % info.num_workers
         if plays != worker_id:
-            reseed(info.seed - worker_id, plays)
+            base_seed = info.seed - worker_id
+            reseed(base_seed, plays)
+            # What the script's init function and dataset read: the worker it plays.
+            object.__setattr__(info, "id", plays)
+            object.__setattr__(info, "seed", base_seed + plays)
         if self.init is not None:
             self.init(plays)
         if plays in self.states:
@@ -113,11 +122,7 @@ def to_saved(state: State) -> tuple:
     if np_state is not None:
         name, keys, pos, has_gauss, cached = np_state
         saved_np = (name, _bytes_tensor(keys), pos, has_gauss, cached)
-    return (
-        _bytes_tensor(torch_bytes),
-        (version, torch.tensor(internal, dtype=torch.int64), gauss),
-        saved_np,
-    )
+    return _bytes_tensor(torch_bytes), (version, _bytes_tensor(internal), gauss), saved_np
 
 
 def from_saved(saved: Any) -> State:
@@ -126,7 +131,7 @@ def from_saved(saved: Any) -> State:
     if saved_np is not None:
         name, keys, pos, has_gauss, cached = saved_np
         np_state = (name, keys.numpy().tobytes(), int(pos), int(has_gauss), float(cached))
-    py_state = (int(version), tuple(int(v) for v in internal.tolist()), gauss)
+    py_state = (int(version), internal.numpy().tobytes(), gauss)
     return torch_state.numpy().tobytes(), py_state, np_state
 
 

@@ -128,13 +128,24 @@ class EpochLoop:
                     self._epoch_batches = 0
                     return
                 self._epoch_batches += 1
+                updates = self._optimizer_steps
                 yield self._arrived(batch)
                 if self._in_step:
                     self.end_step()
         except GeneratorExit:
-            # A break in the script's loop: a next pass over the loader is a new epoch,
-            # as over the script's own DataLoader (not the rest of this one).
-            self._left_pass = True
+            peeked = (
+                self._epoch_batches == 1
+                and self._optimizer_steps == updates
+                and not state.update_pending
+            )
+            if peeked and getattr(loader, "position", 0) > 0:
+                # One batch looked at, nothing trained (``next(iter(loader))`` for a
+                # shape): as if not taken, the loader goes on where it was.
+                loader.position -= 1
+            else:
+                # A break in the script's loop: a next pass over the loader is a new
+                # epoch, as over the script's own DataLoader (not the rest of this one).
+                self._left_pass = True
             raise
         finally:
             if self._in_step:  # the step a break (or an error) left
@@ -148,30 +159,27 @@ class EpochLoop:
         self._epoch_batches = 0
         if hasattr(loader, "next_epoch"):
             loader.next_epoch()
+        said = getattr(loader, "inexact_resume", None)
+        if said and self.checkpointing and said not in self.notes:
+            self._note(said)
 
     def progress(self) -> dict[str, Any]:
         """Where a run resumed from a checkpoint taken now goes on: its step, and its
         epoch, the next one when this one's batches were all trained (a loader with no
-        position of its own, a range or a list, can only restart an epoch).
-        ``left_pass``: the script left this epoch's pass (a ``break``), so its next pass
-        is the next epoch, unless the run stops there (the final checkpoint `finish`
-        takes): a resume then continues the epoch, as the run would have."""
+        position of its own, a range or a list, can only restart an epoch). A pass
+        the script left (a ``break``) is resumed where it was left: whether the run
+        would have gone on to the next epoch or stopped there (a break to save and
+        stop, an error), nothing says."""
         try:
             size = len(self.state.loader)
-        except TypeError:  # an iterable of unknown length
+        except Exception:  # noqa: BLE001 - an iterable of unknown length
             size = None
         whole = size is not None and 0 < size <= self._epoch_batches
-        return {
-            "step": self.state.step,
-            "epoch": self._epoch + 1 if whole else self._epoch,
-            "left_pass": self._left_pass and not self._finishing,
-        }
+        return {"step": self.state.step, "epoch": self._epoch + 1 if whole else self._epoch}
 
     def resume_progress(self, progress: dict[str, Any]) -> None:
         self.state.step = progress["step"]
         self._epoch = progress["epoch"]
-        if progress.get("left_pass"):
-            self._next_epoch(self._unwrap_loader(None))
 
     def _end_of_epoch(self) -> None:
         """The step begun for a batch the epoch did not have: nothing ran in it. What

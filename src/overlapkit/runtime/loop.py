@@ -126,6 +126,7 @@ def train(
     """Train ``model`` for ``cfg.total_steps`` steps; return the run summary."""
     optimizer = build_optimizer(cfg.optimizer, model, session.world.device)
     lr_schedule = build_lr_schedule(cfg.lr_schedule, optimizer, cfg.total_steps)
+    session.runs_a_script = False
     model, optimizer, _ = session.prepare(model, optimizer, train_loader, lr_schedule)
     if resume_from is not None:
         session.load(resume_from)

@@ -243,12 +243,19 @@ class PreparedSchedule:
             self.schedule.step()
         self.by_session = False
         steps = self._session_steps
+        # The first update ran before any step; each later one after a session step
+        # the script had not taken then (it takes one now: one per update, none missed).
+        differed = steps - 1 if script_steps < steps else 0
+        already = (
+            f"; but {differed} update(s) before this one used rates the session's steps "
+            "set, not the script's, so the run differs from the script's"
+            if differed
+            else ""
+        )
         warn(
             f"the script steps the LR schedule it gave to session.prepare(), which steps it "
             f"after every optimizer step too: the session's {steps} step(s) were undone "
-            "and the script's own scheduler.step() steps it from now on; but the "
-            f"{steps} update(s) before this one used the learning rates of the session's "
-            "steps, not the script's, so the run differs from the script's (pass the "
+            f"and the script's own scheduler.step() steps it from now on{already} (pass the "
             "schedule to prepare() or step it in the script, not both)"
         )
 

@@ -137,7 +137,8 @@ class Session(EpochLoop, SavedState):
         self._epoch = 0
         self._epoch_batches = 0  # batches of the current epoch the script was handed
         self._left_pass = False  # the script left the epoch's pass (a break)
-        self._finishing = False
+        # False under overlapkit's own loop (`run`): notes about a script's ways stay out.
+        self.runs_a_script = True
         self._started = False
         self._start: Start | None = None
         self._in_step = False
@@ -184,13 +185,13 @@ class Session(EpochLoop, SavedState):
         self._raw_model = state.local_model  # this rank's part of the model, unwrapped
         if state.dp.size > 1 and not self.scheduler.provides("grad_sync"):
             self._grad_sync = GradientSync(state.local_model, state)
-        if state.dp.size > 1 and not came_in_ddp:
+        if state.dp.size > 1 and not came_in_ddp and self.runs_a_script:
             self._note(
                 f"the model came without DistributedDataParallel, on {state.dp.size} ranks: "
-                "overlapkit makes it data-parallel, as DDP would (every rank starts from rank "
-                "0's parameters and buffers, gradients are averaged after each backward, "
-                "batch-norm statistics are rank 0's); a script that keeps its ranks apart "
-                "(local SGD, one model per rank) cannot run them in one session"
+                "overlapkit makes it data-parallel, as DDP would (every rank starts from the "
+                "first rank's parameters and buffers, gradients are averaged after each "
+                "backward, batch-norm statistics are the first rank's); a script that keeps "
+                "its ranks apart (local SGD, one model per rank) cannot run them in one session"
             )
         self._plain_calls.install(state.model, state.optimizer)
         loader = StepLoader(self, state.loader) if state.loader is not None else None
@@ -220,6 +221,8 @@ class Session(EpochLoop, SavedState):
             raise ValueError("steps() has no loader: give one to prepare() or to steps()")
         self.state.total_steps = total_steps
         self._fit_start(total_steps)
+        if self._left_pass:  # an epoch loop's pass left before: steps() starts anew
+            self._next_epoch(loader)
         state = self.state
         iterator: Iterator[Any] | None = None
         try:
@@ -542,7 +545,6 @@ class Session(EpochLoop, SavedState):
         A process group the session started itself is closed: call it last."""
         if self._in_step:  # a loop left mid-step (an exception, a generator not closed)
             self.end_step()
-        self._finishing = True
         self.scheduler.fire(Event.FIT_END, self.state)
         self.scheduler.policy.close()
         self._warn_if_no_steps()
