@@ -335,6 +335,31 @@ def test_a_run_whose_driver_is_killed_resumes_from_the_checkpoints_that_reached_
     assert summary["steps"] == 3 and summary["run_dir"] == str(out)
 
 
+def test_a_trial_the_cluster_has_no_room_for_waits_says_so_and_runs_again_later(
+    cluster, tiny_scenario, tmp_path
+):
+    """Three machines asked of a cluster of two: the tune says none fits now, the run
+    says it waits for room, and when it gives up the trial is not the setting's
+    failure: it is queued again (it was failed for good, with no reason)."""
+    path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (1, 4))
+    out = tmp_path / "tune"
+    env = {**os.environ, "OVERLAPKIT_RAY_ROOM_TIMEOUT_S": "12"}
+    command = ["tune", str(path), "--ray", cluster.address, "--out", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "overlapkit", *command, "--set", "world.nodes=3"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "none fits on its live machines now" in result.stdout + result.stderr
+    assert "waiting for room on the cluster for 3 machine(s)" in result.stderr
+    assert "found no room within 12 s" in result.stderr
+    trials = trials_of(sqlite(out))
+    (tried,) = [t for t in trials if t.state == TrialState.FAIL]
+    assert tried.user_attrs["failure"] == "no_room" and "no room" in tried.user_attrs["reason"]
+    (again,) = [t for t in trials if t.state == TrialState.WAITING]
+    assert again.system_attrs["fixed_params"] == tried.params  # queued: not run yet
+
+
 def test_a_tensorflow_run_on_two_machines_equals_two_local_ranks(cluster, tiny_scenario, tmp_path):
     """MultiWorkerMirroredStrategy across two Ray machines: each machine's rank finds
     its TensorFlow server's address and port, and the result is bit for bit the one

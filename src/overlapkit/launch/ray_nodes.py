@@ -39,7 +39,10 @@ POLL_S = 0.5
 START_ONE = (
     "start one with `ray start --head` or `ray up cluster/gcp-v100.yaml`, then pass its address"
 )
-PLACEMENT_TIMEOUT_S = 900.0  # an autoscaler may have to start VMs first
+# How long a run waits for room on the cluster (an autoscaler may have to start VMs
+# first), and after how long it says that it waits.
+PLACEMENT_TIMEOUT_S = float(os.environ.get("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", "900"))
+ROOM_NOTICE_S = 10.0
 STRAGGLER_S = 20.0  # after one machine's ranks fail, how long the others get to fail too
 NODE_FOLDERS = "nodes"  # machine k > 0's run folder: <run folder>/nodes/node<k>
 CHECKPOINTS = "checkpoints"  # the checkpoint optimization's folder in a run folder
@@ -130,9 +133,16 @@ def node_bundle(world: WorldConfig) -> dict[str, float]:
     return bundle
 
 
-def concurrent_runs(world: WorldConfig) -> int:
-    """How many such runs the cluster's live machines hold at once (at least 1: a
-    cluster that must grow first still runs one, and its autoscaler sees the demand)."""
+def _live_machines() -> str:
+    import ray
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    held = [{k: v for k, v in n.get("Resources", {}).items() if k in ("CPU", "GPU")} for n in alive]
+    return f"{len(alive)} live machine(s): {held}"
+
+
+def runs_that_fit(world: WorldConfig) -> int:
+    """How many such runs the cluster's live machines hold at once (0: none now)."""
     import ray
 
     bundle = node_bundle(world)
@@ -142,13 +152,13 @@ def concurrent_runs(world: WorldConfig) -> int:
             have = node.get("Resources", {})
             fits.append(min(int(have.get(k, 0) // v) for k, v in bundle.items() if v > 0))
     if world.nodes == 1:
-        return max(1, sum(fits))
+        return sum(fits)
     # Each run needs `nodes` different machines: count rounds over the machines.
     runs, fits = 0, sorted(fits, reverse=True)
     while len([f for f in fits if f > 0]) >= world.nodes:
         fits = sorted((f - 1 if i < world.nodes else f for i, f in enumerate(fits)), reverse=True)
         runs += 1
-    return max(1, runs)
+    return runs
 
 
 def run_on_ray(
@@ -181,11 +191,22 @@ def run_on_ray(
     actors: list[Any] = []
     lost: int | None = None  # the machine that was lost: nothing to stop there
     try:
-        ready, _ = ray.wait([group.ready()], timeout=placement_timeout_s)
+        ready, _ = ray.wait([group.ready()], timeout=min(ROOM_NOTICE_S, placement_timeout_s))
+        if not ready and placement_timeout_s > ROOM_NOTICE_S:
+            print(
+                f"overlapkit: waiting for room on the cluster for {world.nodes} machine(s) "
+                f"holding {bundle} each ({strategy}); it has {_live_machines()} (an autoscaler "
+                f"may add machines); giving up after {placement_timeout_s:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            ready, _ = ray.wait([group.ready()], timeout=placement_timeout_s - ROOM_NOTICE_S)
         if not ready:
             raise RayClusterError(
                 f"the cluster found no room within {placement_timeout_s:g} s for "
-                f"{world.nodes} machine(s) holding {bundle} each ({strategy})"
+                f"{world.nodes} machine(s) holding {bundle} each ({strategy}); it has "
+                f"{_live_machines()}: add machines, or ask for fewer (world.nodes, "
+                "world.nprocs, world.threads)"
             )
         runner = ray.remote(NodeRunner)
         for k in range(world.nodes):

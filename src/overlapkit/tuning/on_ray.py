@@ -15,10 +15,10 @@ import yaml
 from ..launch.config import WorldConfig
 from ..launch.ray_nodes import (
     RayClusterError,
-    concurrent_runs,
     connect,
     placed_world,
     run_on_ray,
+    runs_that_fit,
 )
 from .trial import NODE_LOST, StepWatch, TrialFailed, TrialStopped, failure_of
 
@@ -31,17 +31,25 @@ class RayTrials:
         self.world = placed_world(world)
         if max_concurrent is not None and max_concurrent < 1:
             raise RayClusterError("--max-concurrent must be at least 1")
-        self.concurrency = max_concurrent or concurrent_runs(self.world)
+        # A cluster that must grow first still runs one: its autoscaler sees the demand.
+        self.fits_now = runs_that_fit(self.world)
+        self.concurrency = max_concurrent or max(1, self.fits_now)
 
     def describe(self) -> str:
         import ray
 
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         total = ray.cluster_resources()
+        waiting = (
+            "; none fits on its live machines now: trials wait for room (an autoscaler may "
+            "add machines)"
+            if not self.fits_now
+            else ""
+        )
         return (
             f"Ray cluster: {len(nodes)} machines, {total.get('CPU', 0):g} CPUs, "
             f"{total.get('GPU', 0):g} GPUs; up to {self.concurrency} trial(s) in flight, "
-            f"each on {self.world.nodes} machine(s) x {self.world.nprocs} rank(s)"
+            f"each on {self.world.nodes} machine(s) x {self.world.nprocs} rank(s){waiting}"
         )
 
     def run(

@@ -21,6 +21,7 @@ from .progress import StudyPlan, StudyProgress
 from .space import short_setting
 from .study import (
     FINISHED,
+    QUEUED_AGAIN,
     TuneJob,
     analysis_settings,
     confirm_settings,
@@ -74,10 +75,11 @@ def tune(
             f"are searched, but a trial runs {job.tune.trial_steps}: those settings take no checkpoint, "
             "and their goodput counts checkpoints as free (raise tune.steps)"
         )
-    if shown.numbers:
-        console.print(
-            f"study {job.study_name}: {len(shown.numbers)} trials already done, continuing"
-        )
+    # Trials stopped by Ctrl-C, a lost driver or a full cluster ran for nothing: their
+    # settings were queued again, so they are not done.
+    done_before = [t for t in finished if t.user_attrs.get("failure") not in QUEUED_AGAIN]
+    if done_before:
+        console.print(f"study {job.study_name}: {len(done_before)} trials already done, continuing")
     done = sum(1 for t in finished if t.user_attrs.get("role") != UNUSED)
     shown.progress = StudyProgress(plan, done, pool.at_once, console)
     try:

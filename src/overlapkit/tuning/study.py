@@ -41,6 +41,7 @@ import optuna
 import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 
+from ..launch.ray_nodes import RayClusterError
 from ..optimizations import get_optimization
 from ..runtime.hardware import hardware_label
 from ..scenarios.diff import first_difference
@@ -50,6 +51,8 @@ from .config import TuneConfig
 from .goodput import checkpoint_figures, checkpoints_taken, goodput, priced_efficiency
 from .space import SearchSpace, apply_params, build_space
 from .trial import NODE_LOST, TrialFailed, TrialStopped, run_trial, trial_scenario
+
+QUEUED_AGAIN = ("interrupted", "no_room")  # failures whose setting runs again
 
 TUNE_FILE = "tune.json"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -305,10 +308,12 @@ class Objective:
             summary = self.runner(data, folder, job.tune.trial_timeout_s, watch)
         except TrialStopped:
             raise optuna.TrialPruned() from None
-        except KeyboardInterrupt:
-            # Ctrl-C: not the setting's fault; it runs again when the study continues.
-            trial.set_user_attr("failure", "interrupted")
-            trial.set_user_attr("reason", "tune was stopped while it ran")
+        except (KeyboardInterrupt, RayClusterError) as stop:
+            # Ctrl-C, or a cluster with no room for the trial: not the setting's fault;
+            # it runs again when the study continues.
+            room = isinstance(stop, RayClusterError)
+            trial.set_user_attr("failure", "no_room" if room else "interrupted")
+            trial.set_user_attr("reason", str(stop) if room else "tune was stopped while it ran")
             role = trial.user_attrs["role"]
             trial.study.enqueue_trial(params, user_attrs={"role": role})
             raise
@@ -340,9 +345,9 @@ def _over_budget(trial: optuna.Trial, budget: int) -> bool:
 
 
 def _queued_again(trial: FrozenTrial) -> bool:
-    """An interrupted trial or one whose machine was lost: its setting runs again, so
-    it does not count against the search budget."""
-    return trial.user_attrs.get("failure") == "interrupted" or bool(
+    """An interrupted trial, one the cluster had no room for or one whose machine was
+    lost: its setting runs again, so it does not count against the search budget."""
+    return trial.user_attrs.get("failure") in QUEUED_AGAIN or bool(
         trial.user_attrs.get("queued_again")
     )
 
