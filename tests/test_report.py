@@ -140,6 +140,30 @@ def test_a_study_cut_short_is_reported_as_unfinished(tmp_path):
     assert "unfinished" in markdown
 
 
+def test_a_point_with_no_level_measured_above_it_is_not_called_a_contention_point(tmp_path):
+    """ddp_overlap measured at 0 and 0.5 only (1.0 never ran): its best is the highest
+    level measured, so nothing says more overlap stops paying there (the report
+    said so: 1.0 might pay more)."""
+    from rich.console import Console
+
+    from overlapkit.tuning.report import print_report
+
+    measured = [(0.0, 0.0, 300.0), (0.0, 0.0, 302.0), (0.5, 0.0, 400.0), (0.5, 0.0, 404.0)]
+    measured += [(0.0, 0.5, 250.0), (0.0, 0.5, 252.0), (0.5, 0.5, 350.0), (0.5, 0.5, 352.0)]
+    analysis = study_of(measured, repeats=2)
+    document, markdown = report(analysis, tmp_path)
+    curve = document["curves"]["ddp_overlap"]
+    assert curve["contention_point"] == 0.5 and curve["unmeasured_above"] == [1.0]
+    assert "| not measured above 0.5 |" in markdown
+    console = Console(record=True, width=200)
+    print_report(document, {"markdown": tmp_path / "report.md", "html": tmp_path / "r"}, console)
+    said = console.export_text()
+    assert "stops paying beyond ddp_overlap.intensity=0.5" not in said
+    assert (
+        "best at ddp_overlap.intensity=0.5, the highest level measured (1.0 not measured)" in said
+    )
+
+
 def curve_points(levels_values: list[tuple[object, list[float]]]) -> list[dict]:
     return [
         {

@@ -406,11 +406,23 @@ class Analysis:
                 "points": {"alone": alone, "with_others": together},
                 "contention_point": with_point,
                 "flat": flat,
+                "unmeasured_above": self._unmeasured_above(name, with_point, together),
                 "alone_point": alone_point,
                 "alone_flat": alone_flat,
+                "alone_unmeasured_above": self._unmeasured_above(name, alone_point, alone),
                 **self._drop(together),
             }
         return out
+
+    def _unmeasured_above(self, name: str, point: Any, points: list[dict[str, Any]]) -> list[Any]:
+        """The space's levels above ``point`` when none above it was measured: the
+        point is then only the highest level measured, not where more overlap stops
+        paying (a level above might pay more)."""
+        if not _is_number(point):
+            return []
+        if any(_is_number(p["level"]) and p["level"] > point for p in points):
+            return []
+        return [v for v in self._levels(name) if _is_number(v) and v > point]
 
     def _knee(self, points: list[dict[str, Any]]) -> tuple[Any, bool]:
         """(the lowest level the noise cannot tell apart from the peak, whether every
@@ -531,6 +543,20 @@ def _median(same: list[Measurement]) -> Measurement:
     """The median of measurements sorted by the metric (the lower one of an even
     count: a setting does not gain from being measured twice)."""
     return same[(len(same) - 1) // 2]
+
+
+def stops_paying(curve: dict[str, Any], alone: bool = False) -> Any:
+    """Where more overlap stops paying on a curve (with the others at their best, or
+    ``alone``), as every report says it: the level, "within noise" (no level differs
+    from the best), or that the levels above the best measured were not measured."""
+    prefix = "alone_" if alone else ""
+    point = curve[f"{prefix}point" if alone else "contention_point"]
+    if curve[f"{prefix}flat"]:
+        return "within noise"
+    above = curve.get(f"{prefix}unmeasured_above")
+    if above:
+        return f"not measured above {point}"
+    return point
 
 
 def _order(value: Any) -> Any:

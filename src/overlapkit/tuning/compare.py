@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..folders import new_stamped
-from .analysis import Analysis
+from .analysis import Analysis, stops_paying
 from .plots import plt, save_figure
 
 
@@ -68,10 +68,7 @@ def compare_document(entries: list[tuple[str, Analysis]]) -> dict[str, Any]:
                 "tuned_vs_naive": _ratio(tuned[analysis.metric], naive[analysis.metric]),
                 "tuned_vs_baseline": _ratio(tuned[analysis.metric], base[analysis.metric]),
                 "noise": analysis.noise,
-                "contention_points": {
-                    n: "within noise" if c["flat"] else c["contention_point"]
-                    for n, c in curves.items()
-                },
+                "contention_points": {n: stops_paying(c) for n, c in curves.items()},
                 "curves": {n: c["with_others"] for n, c in curves.items()},
             }
         )

@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.table import Table
 
-from .analysis import DISAGREE, NOISE_METHOD, Analysis, Z
+from .analysis import DISAGREE, NOISE_METHOD, Analysis, Z, stops_paying
 from .plots import write_plots
 from .space import apply_params, short_setting
 
@@ -257,6 +257,12 @@ def _curve_text(name: str, curve: dict[str, Any]) -> str | None:
             f"{name}: no level of {curve['level']} differs from the best beyond the noise, "
             "so where more overlap stops paying cannot be told"
         )
+    if curve.get("unmeasured_above"):
+        higher = ", ".join(map(str, curve["unmeasured_above"]))
+        return (
+            f"{name}: best at {curve['level']}={point}, the highest level measured "
+            f"({higher} not measured), so where more overlap stops paying cannot be told"
+        )
     if curve["level"].endswith(".intensity"):
         text = f"{name}: more overlap stops paying beyond {curve['level']}={point}"
     else:
@@ -344,8 +350,7 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
         drop_text = ""
         if drop is not None:
             drop_text = f"-{drop:.0%}" if curve["drop_beyond_noise"] else "within noise"
-        alone = "within noise" if curve["alone_flat"] else curve["alone_point"]
-        together = "within noise" if curve["flat"] else curve["contention_point"]
+        alone, together = stops_paying(curve, alone=True), stops_paying(curve)
         lines.append(f"| {name} | {curve['level']} | {alone} | {together} | {drop_text} |")
         points = ", ".join(
             f"{p['level']}: {p['median']:.1f}"
