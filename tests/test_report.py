@@ -164,6 +164,16 @@ def test_a_point_with_no_level_measured_above_it_is_not_called_a_contention_poin
     )
 
 
+def test_the_best_setting_of_a_study_over_machines_is_run_on_a_cluster(tmp_path):
+    """Its command says --ray (run without it, a scenario of two machines is refused)."""
+    analysis = study_of(PLANTED, repeats=2)
+    document = report_document(analysis)
+    base = {"name": "planted", "optimizations": SPACE_OF, "world": {"nodes": 2}}
+    files = write_report(analysis, document, base, tmp_path)
+    assert f"# Run it: overlapkit run {files['best']} --ray ADDRESS" in files["best"].read_text()
+    assert f"overlapkit run {files['best']} --ray ADDRESS" in files["markdown"].read_text()
+
+
 def curve_points(levels_values: list[tuple[object, list[float]]]) -> list[dict]:
     return [
         {

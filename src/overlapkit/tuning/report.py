@@ -39,7 +39,7 @@ def write_report(
             f"{len(analysis.measurements(analysis.best.params))}: "
             f"{analysis.spread(analysis.best.params, 'throughput').median:.1f} samples/s, "
             f"goodput {analysis.spread(analysis.best.params, 'goodput').median:.1f}).\n"
-            f"# Run it: overlapkit run {files['best']}\n"
+            f"# Run it: {_run_command(files['best'], best)}\n"
         )
         files["best"].write_text(header + yaml.safe_dump(best, sort_keys=False))
     files.update(write_plots(analysis, document, folder))
@@ -273,6 +273,14 @@ def _curve_text(name: str, curve: dict[str, Any]) -> str | None:
     return text
 
 
+def _run_command(best: Path, scenario: dict[str, Any] | None = None) -> str:
+    """The command that runs the best setting: on a Ray cluster when it spans machines
+    (a scenario of several machines needs one)."""
+    scenario = scenario if scenario is not None else yaml.safe_load(best.read_text())
+    nodes = ((scenario or {}).get("world") or {}).get("nodes", 1)
+    return f"overlapkit run {best}" + (" --ray ADDRESS" if nodes and nodes > 1 else "")
+
+
 def print_report(document: dict[str, Any], files: dict[str, Path], console: Console) -> None:
     console.print(comparison_table(document))
     for warning in document["warnings"]:
@@ -284,7 +292,7 @@ def print_report(document: dict[str, Any], files: dict[str, Path], console: Cons
             console.print(text)
     console.print(f"report: {files['markdown']}  (also {files['html'].name}, report.json, plots)")
     if "best" in files:
-        console.print(f"best setting: overlapkit run {files['best']}")
+        console.print(f"best setting: {_run_command(files['best'])}")
 
 
 def _num(value: float | None) -> str:
@@ -338,7 +346,7 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
     if "best" in files:
         lines += [
             "",
-            f"The best setting as a scenario: `{files['best'].name}` (`overlapkit run {files['best']}`).",
+            f"The best setting as a scenario: `{files['best'].name}` (`{_run_command(files['best'])}`).",
         ]
     lines += ["", "## Where more overlap stops paying (contention points)", ""]
     lines += [
