@@ -83,7 +83,7 @@ def test_a_mirror_follows_a_machines_checkpoints_and_names_only_whole_ones(tmp_p
     """The driver's copy of a machine's checkpoint folder (`overlapkit run --ray`): new
     step folders fetched, then the manifest, then the ones it no longer lists removed;
     a step gone before it was fetched leaves the mirror's manifest as it was."""
-    from overlapkit.optimizations.checkpoint.mirror import manifest_text, mirror, pack_steps
+    from overlapkit.runtime.checkpoint_folder import manifest_text, mirror, pack_steps
 
     there, here = tmp_path / "there", tmp_path / "here"
 

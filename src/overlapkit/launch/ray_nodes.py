@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..optimizations.checkpoint.mirror import manifest_text, mirror, pack_steps
+from ..runtime.checkpoint_folder import manifest_text, mirror, pack_steps
 from .config import WorldConfig
 from .local import die_with_parent
 

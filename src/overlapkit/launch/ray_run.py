@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..folders import new_stamped, stamped, unused
-from ..optimizations.checkpoint.mirror import listed_steps, manifest_text
+from ..runtime.checkpoint_folder import listed_steps, manifest_text
 from ..runtime.report import print_summary
 from ..scenarios import Scenario, dump_scenario
 from .interrupt import RunInterrupted

@@ -7,8 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-
 T = TypeVar("T")
 
 
@@ -56,6 +54,8 @@ def _open_for_writing(path: Path, direct: bool) -> int:
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """``torch.save`` to ``path`` atomically and durably (see `atomic_write`)."""
+
+    import torch  # here: the Ray actor that mirrors checkpoint folders imports no torch
 
     def save(fd: int) -> None:
         with os.fdopen(os.dup(fd), "wb") as f:

@@ -19,25 +19,19 @@ name (a crash mid-persist) is ignored and cleaned up later.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...runtime.checkpoint_folder import MANIFEST, step_dir, write_json
 from ...runtime.persist import atomic_write
 from . import fileformat
-
-MANIFEST = "manifest.json"
 
 
 class CheckpointError(RuntimeError):
     """Persisting or resuming a checkpoint failed (and ``on_error`` is ``stop``)."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
 
 
 def rank_file(rank: int) -> str:
@@ -53,17 +47,6 @@ def write_state(path: Path, tree: Any, gate: Callable[[], None] | None = None) -
     """Durably write ``tree`` (see `fileformat`); return its checksum and size.
     ``gate`` is called between chunks (background work yields there)."""
     return atomic_write(path, lambda fd: fileformat.write(fd, tree, gate), direct=True)
-
-
-def _write_json(path: Path, document: Any) -> None:
-    data = memoryview(json.dumps(document, indent=1).encode())
-
-    def write(fd: int) -> None:
-        view = data
-        while view:
-            view = view[os.write(fd, view) :]
-
-    atomic_write(path, write)
 
 
 @dataclass
@@ -101,7 +84,7 @@ class Manifest:
         entries.sort(key=lambda e: e["step"])
         kept = entries[-keep:]
         document = {"format": 1, "checkpoints": kept}
-        _write_json(self.path, document)
+        write_json(self.path, document)
         # Only now that the manifest naming the new checkpoint is durable: clean up
         # older folders (dropped ones, crash leftovers). Newer ones may still be
         # being written by other ranks.

@@ -1,4 +1,6 @@
-"""A copy of another machine's checkpoint folder, kept up to date while it grows.
+"""A checkpoint folder's layout (its manifest, its step folders), and a copy of
+another machine's checkpoint folder, kept up to date while it grows. Torch-free:
+the Ray actor on each machine reads its folder with it.
 
 A run on a cluster writes each machine's checkpoints to that machine's disk; the
 driver keeps a mirror of each, so that a run whose machine, driver or ranks are
@@ -13,13 +15,33 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
-from .store import MANIFEST, _write_json, step_dir
+from .persist import atomic_write
+
+MANIFEST = "manifest.json"  # the complete checkpoints of a checkpoint folder
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def write_json(path: Path, document: Any) -> None:
+    """Durably and atomically (see `atomic_write`)."""
+    data = memoryview(json.dumps(document, indent=1).encode())
+
+    def write(fd: int) -> None:
+        view = data
+        while view:
+            view = view[os.write(fd, view) :]
+
+    atomic_write(path, write)
 
 
 def listed_steps(manifest_text: str) -> list[int]:
@@ -62,7 +84,7 @@ def mirror(root: Path, manifest: str, fetch: Callable[[list[int]], bytes]) -> bo
                 step_dir(Path(incoming), step).rename(step_dir(root, step))
         if arrived != set(missing):
             return False
-    _write_json(root / MANIFEST, json.loads(manifest))
+    write_json(root / MANIFEST, json.loads(manifest))
     for folder in root.glob("step-*"):
         if folder.name not in {step_dir(root, s).name for s in steps}:
             shutil.rmtree(folder, ignore_errors=True)
