@@ -389,6 +389,19 @@ def test_no_cluster_at_the_address_is_a_clear_error_at_once(tiny_scenario):
     assert result.returncode == 2
     assert "no Ray cluster answers at 127.0.0.1:" in result.stderr
     assert "Traceback" not in result.stderr
+    # Something else listening there (a web server): said at once, not retried for minutes.
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        result = run_cli("run", path, "--ray", address, timeout=60)
+    finally:
+        server.shutdown()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"{address} answers, but not as a Ray cluster" in result.stderr
 
 
 def test_the_actor_on_each_machine_imports_no_torch():

@@ -36,6 +36,7 @@ from .config import WorldConfig
 from .local import die_with_parent
 
 POLL_S = 0.5
+GRPC_READY_S = 10.0  # how long a head's gRPC port may take to answer
 START_ONE = (
     "start one with `ray start --head` or `ray up cluster/gcp-v100.yaml`, then pass its address"
 )
@@ -110,6 +111,21 @@ def _reachable(address: str) -> None:
         raise RayClusterError(
             f"no Ray cluster answers at {address} ({error.strerror or error}); {START_ONE}"
         ) from None
+    if os.environ.get("RAY_USE_TLS", "0") not in ("", "0"):
+        return  # a TLS channel needs the cluster's certificates: ray.init checks
+    import grpc  # Ray's own dependency: its GCS (and Ray Client server) speak gRPC
+
+    channel = grpc.insecure_channel(f"{host}:{port}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=GRPC_READY_S)
+    except grpc.FutureTimeoutError:
+        # Something else listens there (ray.init would retry it for minutes).
+        raise RayClusterError(
+            f"{address} answers, but not as a Ray cluster (no gRPC server there): is it "
+            f"the head's GCS port (6379 by default)? {START_ONE}"
+        ) from None
+    finally:
+        channel.close()
 
 
 def placed_world(world: WorldConfig) -> WorldConfig:
