@@ -353,6 +353,31 @@ def test_a_break_with_persistent_workers_is_said_to_resume_inexactly(tmp_path):
     assert any("persistent workers" in n for n in summary["notes"]), summary.get("notes")
 
 
+def test_a_resume_before_the_scripts_schedule_step_gives_no_false_torch_warning(tmp_path):
+    """The checkpoint of step 5 is taken at the step the session opens at epoch 0's
+    end, before the script's scheduler.step(): resumed there, the script's first call
+    is that step, and torch warned that the optimizer never stepped (it had, 5 times,
+    before the checkpoint)."""
+
+    def script(epochs, stop=False):
+        model, optimizer, loader = parts()  # 5 batches an epoch
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        session = Session([Checkpoint(every=5, final=False)], run_dir=tmp_path)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        start = session.start(schedule=schedule)
+        for _epoch in range(start.epoch, epochs):
+            one_epoch(model, loader, optimizer)
+            if stop:
+                break
+            schedule.step()
+        session.finish()
+
+    script(1, stop=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        script(1)
+
+
 def test_a_loader_without_a_position_resumes_after_a_whole_epoch_at_the_next(tmp_path):
     """A list of batches has no position: a run resumed at an epoch's end starts the
     next epoch (it started epoch 0 again: a whole run trained twice)."""

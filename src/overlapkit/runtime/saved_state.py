@@ -76,6 +76,14 @@ class SavedState:
         self._values.load_state_dict(saved.get("values", {}))
         self.resume_progress(saved["progress"])
         restore_rng(saved["rng"])
+        if state.step > 0:
+            # The run's optimizers stepped before the checkpoint. torch's LR schedules
+            # look at this process's calls only (their flag): a script stepping its
+            # schedule first thing after the resume got a false "lr_scheduler.step()
+            # before optimizer.step()" warning.
+            for optimizer in (state.optimizer, *state.other_optimizers):
+                if optimizer is not None:
+                    optimizer._opt_called = True
 
     def save(self, directory: str | Path | None = None) -> Path:
         """Checkpoint now, in the checkpoint optimization's format and folder: the
