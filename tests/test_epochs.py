@@ -332,6 +332,18 @@ def test_a_peek_at_one_batch_takes_nothing_from_the_epoch(tmp_path):
     assert script(True, tmp_path / "a") == plain
     first = script(True, tmp_path / "b", stop_at=7)
     assert first + script(True, tmp_path / "b") == plain
+    # A list of batches: the peek counts no epoch (the resume started an epoch late).
+    batches = [(torch.randn(4, 6), torch.randint(3, (4,))) for _ in range(3)]
+    session = Session([Checkpoint(every=100)], run_dir=tmp_path / "list")
+    model, optimizer, _ = parts()
+    model, optimizer, loader = session.prepare(model, optimizer, batches)
+    next(iter(loader))
+    one_epoch(model, loader, optimizer)
+    session.finish()
+    again = Session([Checkpoint(every=100)], run_dir=tmp_path / "list")
+    again.prepare(*parts()[:2], batches)
+    assert again.start().epoch == 1  # one epoch trained
+    again.finish()
 
 
 def test_a_break_with_persistent_workers_is_said_to_resume_inexactly(tmp_path):

@@ -138,10 +138,12 @@ class EpochLoop:
                 and self._optimizer_steps == updates
                 and not state.update_pending
             )
-            if peeked and getattr(loader, "position", 0) > 0:
+            if peeked:
                 # One batch looked at, nothing trained (``next(iter(loader))`` for a
-                # shape): as if not taken, the loader goes on where it was.
-                loader.position -= 1
+                # shape): as if not taken, the loader goes on where it was (a list
+                # starts again anyway), and no epoch is counted.
+                if getattr(loader, "position", 0) > 0:
+                    loader.position -= 1
             else:
                 # A break in the script's loop: a next pass over the loader is a new
                 # epoch, as over the script's own DataLoader (not the rest of this one).
