@@ -112,3 +112,26 @@ def test_a_mirror_follows_a_machines_checkpoints_and_names_only_whole_ones(tmp_p
     moved_on = json.dumps({"format": 1, "checkpoints": [{"step": 9}, {"step": 11}]})
     assert not mirror(here, moved_on, fetch)
     assert listed(here) == [6, 9] and (here / "step-00000006").is_dir()
+    # A step folder caught while the machine deleted it (a file short): not taken.
+    write([9, 12])
+    cut = {"step": 12, "files": {"rank00000.ckpt": {"bytes": 99}, "shared.ckpt": {"bytes": 1}}}
+    assert not mirror(here, json.dumps({"format": 1, "checkpoints": [{"step": 9}, cut]}), fetch)
+    assert listed(here) == [6, 9] and not (here / "step-00000012").exists()
+    whole = {"step": 12, "files": {"rank00000.ckpt": {"bytes": 2}}}
+    assert mirror(here, json.dumps({"format": 1, "checkpoints": [{"step": 9}, whole]}), fetch)
+    assert listed(here) == [9, 12] and not list(here.glob(".incoming-*"))
+
+
+def test_a_run_on_several_machines_resumes_only_what_every_machine_mirrored(tmp_path):
+    """Machine 0's mirror got step 6, machine 1's only step 3: the failure line names
+    step 3, the newest both hold (it named 6, which the resume then refused)."""
+    from overlapkit.launch.ray_run import _kept, _newest_checkpoint
+
+    for folder, steps in ((tmp_path, [3, 6]), (tmp_path / "nodes" / "node1", [3])):
+        (folder / "checkpoints").mkdir(parents=True)
+        listed = {"format": 1, "checkpoints": [{"step": s} for s in steps]}
+        (folder / "checkpoints" / "manifest.json").write_text(json.dumps(listed))
+    assert _newest_checkpoint(tmp_path, 2) == 3
+    assert "up to step 3" in _kept(tmp_path, 2)
+    assert _newest_checkpoint(tmp_path, 3) is None  # machine 2 sent none
+    assert "starts over" in _kept(tmp_path, 3)

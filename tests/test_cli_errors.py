@@ -324,6 +324,16 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused_before_any_rank_starts(tiny_
     assert taken.read_text() == "mine" and (out / "taken").read_text() == "mine"
 
 
+def test_a_checkpoint_dir_of_its_own_under_ray_is_refused(tiny_scenario):
+    """Under --ray the driver mirrors each machine's run-folder checkpoints/ and sends
+    them back to resume: another folder would be neither (a failed run lost them)."""
+    code, _, err = cli(
+        "run", tiny_scenario(), "--ray", "127.0.0.1:1",
+        "--set", "optimizations.checkpoint.dir=ckpt",
+    )  # fmt: skip
+    assert code == 2 and "checkpoint.dir is 'ckpt'" in err and "leave checkpoint.dir unset" in err
+
+
 def test_an_internal_error_is_one_line_and_its_traceback_goes_to_a_file(tiny_scenario, monkeypatch):
     import overlapkit.cli as cli_module
 

@@ -344,6 +344,7 @@ def test_a_trial_the_cluster_has_no_room_for_waits_says_so_and_runs_again_later(
     path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (1, 4))
     out = tmp_path / "tune"
     env = {**os.environ, "OVERLAPKIT_RAY_ROOM_TIMEOUT_S": "12"}
+    env["http_proxy"] = "http://127.0.0.1:9"  # Ray connects without it: so must the check
     command = ["tune", str(path), "--ray", cluster.address, "--out", str(out)]
     result = subprocess.run(
         [sys.executable, "-m", "overlapkit", *command, "--set", "world.nodes=3"],

@@ -114,8 +114,9 @@ def _reachable(address: str) -> None:
     if os.environ.get("RAY_USE_TLS", "0") not in ("", "0"):
         return  # a TLS channel needs the cluster's certificates: ray.init checks
     import grpc  # Ray's own dependency: its GCS (and Ray Client server) speak gRPC
+    from ray._private.ray_constants import GLOBAL_GRPC_OPTIONS  # as Ray connects (no proxy)
 
-    channel = grpc.insecure_channel(f"{host}:{port}")
+    channel = grpc.insecure_channel(f"{host}:{port}", options=GLOBAL_GRPC_OPTIONS)
     try:
         grpc.channel_ready_future(channel).result(timeout=GRPC_READY_S)
     except grpc.FutureTimeoutError:
@@ -228,6 +229,7 @@ def run_on_ray(
         for k in range(world.nodes):
             actors.append(
                 runner.options(
+                    max_concurrency=4,  # polls go on while a checkpoint is packed
                     num_cpus=bundle["CPU"],
                     num_gpus=bundle.get("GPU", 0),
                     max_restarts=0,
@@ -350,7 +352,9 @@ class _Mirrors:
             root = machine_folder(self.run_dir, k) / CHECKPOINTS
 
             def fetch(steps: list[int], actor: Any = actor) -> bytes:
-                return ray.get(actor.checkpoint_steps.remote(steps), timeout=120)
+                # As long as it takes (gigabytes): the actor answers polls meanwhile,
+                # and a machine lost on the way raises.
+                return ray.get(actor.checkpoint_steps.remote(steps))
 
             try:
                 if mirror(root, manifest, fetch):

@@ -43,6 +43,13 @@ def run_on_cluster(
     on_folder: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     scenario.data.check()
+    folder = (scenario.optimizations.get("checkpoint") or {}).get("dir", CHECKPOINTS)
+    if folder != CHECKPOINTS:
+        raise RayClusterError(
+            f"checkpoint.dir is {folder!r}: under --ray each machine keeps its checkpoints in "
+            f"its run folder's {CHECKPOINTS}/, which this machine mirrors and sends back to "
+            "resume; leave checkpoint.dir unset"
+        )
     connect(address)
     world = scenario.world = placed_world(scenario.world)  # one decision for all machines
     scenario.check_setup(world.ranks, gpus_here=False)
@@ -79,16 +86,17 @@ def run_on_cluster(
             resume=resume,
         )
     except KeyboardInterrupt:
-        raise RunInterrupted(signal.SIGINT, None, _newest_checkpoint(run_dir)) from None
+        newest = _newest_checkpoint(run_dir, world.nodes)
+        raise RunInterrupted(signal.SIGINT, None, newest) from None
     finally:
         if progress is not None:
             progress.stop()
     if outcome.lost:
-        raise RayRunFailed(f"{outcome.lost}; {_kept(run_dir)}")
+        raise RayRunFailed(f"{outcome.lost}; {_kept(run_dir, world.nodes)}")
     if not outcome.ok:
         tail = "\n".join(outcome.stderr.strip().splitlines()[-15:])
         raise RayRunFailed(
-            f"exit codes per machine {outcome.returncodes}; {_kept(run_dir)}\n{tail}"
+            f"exit codes per machine {outcome.returncodes}; {_kept(run_dir, world.nodes)}\n{tail}"
         )
     summary = json.loads((run_dir / "summary.json").read_text())
     if not (quiet or as_json):
@@ -97,17 +105,24 @@ def run_on_cluster(
     return summary
 
 
-def _newest_checkpoint(run_dir: Path) -> int | None:
-    """The newest checkpoint that reached the driver (machine 0's mirror)."""
-    text = manifest_text(run_dir / CHECKPOINTS)
-    steps = listed_steps(text) if text else []
-    return max(steps) if steps else None
+def _newest_checkpoint(run_dir: Path, nodes: int) -> int | None:
+    """The newest checkpoint that reached the driver from every machine (each
+    machine's mirror: a resume needs all of their files)."""
+    held = []
+    for k in range(nodes):
+        text = manifest_text(machine_folder(run_dir, k) / CHECKPOINTS)
+        held.append(set(listed_steps(text)) if text else set())
+    common = set.intersection(*held) if held else set()
+    return max(common) if common else None
 
 
-def _kept(run_dir: Path) -> str:
-    newest = _newest_checkpoint(run_dir)
+def _kept(run_dir: Path, nodes: int) -> str:
+    newest = _newest_checkpoint(run_dir, nodes)
     if newest is None:
-        return "no checkpoint had reached this machine: the same command starts over"
+        return (
+            "no checkpoint of every machine had reached this machine: the same command "
+            "starts over (with --fresh if some machines' checkpoints are there)"
+        )
     return f"the checkpoints up to step {newest} are in {run_dir}: the same command resumes there"
 
 

@@ -21,13 +21,13 @@ from .progress import StudyPlan, StudyProgress
 from .space import short_setting
 from .study import (
     FINISHED,
-    QUEUED_AGAIN,
     TuneJob,
     analysis_settings,
     confirm_settings,
     enqueue,
     fail_orphans,
     open_study,
+    queued_again,
     quiet_optuna,
     reference_settings,
     repeat_settings,
@@ -77,7 +77,7 @@ def tune(
         )
     # Trials stopped by Ctrl-C, a lost driver or a full cluster ran for nothing: their
     # settings were queued again, so they are not done.
-    done_before = [t for t in finished if t.user_attrs.get("failure") not in QUEUED_AGAIN]
+    done_before = [t for t in finished if not queued_again(t)]
     if done_before:
         console.print(f"study {job.study_name}: {len(done_before)} trials already done, continuing")
     done = sum(1 for t in finished if t.user_attrs.get("role") != UNUSED)

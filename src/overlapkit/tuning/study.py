@@ -339,12 +339,12 @@ def _over_budget(trial: optuna.Trial, budget: int) -> bool:
     earlier = sum(
         1
         for t in trial.study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
-        if t.number < trial.number and t.user_attrs.get("role") == "search" and not _queued_again(t)
+        if t.number < trial.number and t.user_attrs.get("role") == "search" and not queued_again(t)
     )
     return earlier >= budget
 
 
-def _queued_again(trial: FrozenTrial) -> bool:
+def queued_again(trial: FrozenTrial) -> bool:
     """An interrupted trial, one the cluster had no room for or one whose machine was
     lost: its setting runs again, so it does not count against the search budget."""
     return trial.user_attrs.get("failure") in QUEUED_AGAIN or bool(
@@ -455,7 +455,7 @@ def search_done(study: optuna.Study, running: bool = False) -> int:
     return sum(
         1
         for t in study.get_trials(deepcopy=False, states=states)
-        if t.user_attrs.get("role") == "search" and not _queued_again(t)
+        if t.user_attrs.get("role") == "search" and not queued_again(t)
     )
 
 

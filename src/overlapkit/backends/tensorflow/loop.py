@@ -320,7 +320,7 @@ class TfLoop:
             None if isinstance(split, str) else [split.steps[0], split.steps[1] - 1]
         )
         fused = [r[FUSED + "_s"] for r in records if not r["warmup"]]
-        summary["compiled_step_s"] = statistics.fmean(fused) if fused else 0.0
+        summary["compiled_step_s"] = statistics.fmean(fused) if fused else None
         summary["hardware"] = {"nodes": nodes_of([node for _, _, node, *_ in gathered])}
         summary["strategy"] = {
             "name": type(self.strategy).__name__,
