@@ -116,12 +116,11 @@ class ResumableLoader:
         for batch in self.loader:
             self.position += 1
             yield batch
-        self.epoch += 1
-        self.position = 0
+        self.next_epoch()
 
     def next_epoch(self) -> None:
-        """The pass over this epoch was left before its end (a ``break`` in the
-        script's loop): the next pass is the next epoch, as a DataLoader's would be."""
+        """The next pass is the next epoch: at this one's end, or when the pass was
+        left before it (a ``break`` in the script's loop), as a DataLoader's would be."""
         self.epoch += 1
         self.position = 0
 

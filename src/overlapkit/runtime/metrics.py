@@ -170,6 +170,9 @@ def _sum_or_none(values: list[float | None]) -> float | None:
     return None if None in values else sum(values)
 
 
+POP_KEYS = ("load_balance", "communication_efficiency", "parallel_efficiency")
+
+
 def pop_metrics(useful_s: list[float | None], runtime_s: float) -> dict[str, float | None]:
     """POP efficiency metrics from each rank's useful compute time.
 
@@ -178,7 +181,7 @@ def pop_metrics(useful_s: list[float | None], runtime_s: float) -> dict[str, flo
     whose useful compute was not measured (None) makes them all None.
     """
     if any(u is None for u in useful_s):
-        return dict.fromkeys(("load_balance", "communication_efficiency", "parallel_efficiency"))
+        return dict.fromkeys(POP_KEYS)
     if not useful_s or runtime_s <= 0 or max(useful_s) <= 0:
         return {"load_balance": 0.0, "communication_efficiency": 0.0, "parallel_efficiency": 0.0}
     load_balance = statistics.fmean(useful_s) / max(useful_s)
@@ -242,7 +245,7 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
         "phase_shares": {
             p: None if t is None else t / mean_step if mean_step else 0.0 for p, t in phases.items()
         },
-        "pop": pop_metrics(useful if measured else [None], runtime),
+        "pop": pop_metrics(useful, runtime) if measured else dict.fromkeys(POP_KEYS),
         "final_loss": statistics.fmean(losses) if losses else None,
         "per_rank": per_rank,
     }

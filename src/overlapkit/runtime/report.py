@@ -80,6 +80,8 @@ class LiveSteps:
 
 def summary_tables(summary: dict[str, Any]) -> list[Table]:
     """Readable tables: throughput and efficiency, where the step time went, extras."""
+    from .metrics import PHASES, POP_KEYS  # torch: not for the Ray actor that reads the live steps
+
     step = summary["step_time_s"]
     pop = summary["pop"]
     overview = Table(title=f"{summary.get('name', 'run')}: {summary['steps']} measured steps")
@@ -94,7 +96,7 @@ def summary_tables(summary: dict[str, Any]) -> list[Table]:
             "step time mean / p50 / p90",
             f"{step['mean'] * 1e3:.1f} / {step['p50'] * 1e3:.1f} / {step['p90'] * 1e3:.1f} ms",
         )
-    for key in ("load_balance", "communication_efficiency", "parallel_efficiency"):
+    for key in POP_KEYS:
         overview.add_row(key.replace("_", " "), _or_not_measured(pop[key], "{:.3f}"))
     if summary.get("final_loss") is not None:
         overview.add_row("final loss", f"{summary['final_loss']:.4f}")
@@ -104,8 +106,6 @@ def summary_tables(summary: dict[str, Any]) -> list[Table]:
             f"accuracy {result['accuracy']:.3f} on {result['samples']} samples "
             f"in {result['time_s']:.2f} s",
         )
-
-    from .metrics import PHASES  # torch: not for the Ray actor that reads the live steps
 
     phases = Table(title="where each step's time went (mean per step, all ranks)")
     phases.add_column("phase")
