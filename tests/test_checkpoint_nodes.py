@@ -79,47 +79,114 @@ def test_ranks_that_would_choose_different_steps_in_auto_mode_checkpoint_togethe
     assert steps[0] == steps[1] and len(steps[0]) >= 2
 
 
-def test_a_mirror_follows_a_machines_checkpoints_and_names_only_whole_ones(tmp_path):
+def test_a_mirror_follows_a_machines_checkpoints_and_names_only_whole_ones(tmp_path, monkeypatch):
     """The driver's copy of a machine's checkpoint folder (`overlapkit run --ray`): new
-    step folders fetched, then the manifest, then the ones it no longer lists removed;
-    a step gone before it was fetched leaves the mirror's manifest as it was."""
-    from overlapkit.runtime.checkpoint_folder import manifest_text, mirror, pack_steps
+    step folders fetched a chunk at a time, then the manifest, then the ones it no
+    longer lists removed; a step gone, cut short or changed before it was fetched
+    leaves the mirror's manifest as it was."""
+    import crc32c
 
+    from overlapkit.runtime import checkpoint_folder
+    from overlapkit.runtime.checkpoint_folder import manifest_text, mirror, read_chunk
+
+    monkeypatch.setattr(checkpoint_folder, "CHUNK_BYTES", 1000)
     there, here = tmp_path / "there", tmp_path / "here"
+
+    def content(step):  # 2.5 chunks: a file of several chunks, the last one short
+        return bytes((step * 7 + i) % 251 for i in range(2500))
+
+    def record(data):
+        return {"bytes": len(data), "crc32c": f"{crc32c.crc32c(data):08x}"}
 
     def write(steps):
         there.mkdir(exist_ok=True)
         for step in steps:
             folder = there / f"step-{step:08d}"
             folder.mkdir(exist_ok=True)
-            (folder / "rank00000.ckpt").write_text(str(step))
-        listed = {"format": 1, "checkpoints": [{"step": s} for s in steps]}
+            (folder / "rank00000.ckpt").write_bytes(content(step))
+            (folder / "empty.ckpt").write_bytes(b"")
+        files = {
+            s: {"rank00000.ckpt": record(content(s)), "empty.ckpt": record(b"")} for s in steps
+        }
+        listed = {"format": 1, "checkpoints": [{"step": s, "files": files[s]} for s in steps]}
         (there / "manifest.json").write_text(json.dumps(listed))
+        return listed
 
     def listed(root):
         return [e["step"] for e in json.loads((root / "manifest.json").read_text())["checkpoints"]]
 
-    def fetch(steps):
-        return pack_steps(there, steps)
+    asked = []
+
+    def fetch(step, name, offset, size):
+        asked.append(size)
+        return read_chunk(there, step, name, offset, size)
 
     for steps in ([3], [3, 6], [6, 9]):
         write(steps)
         assert mirror(here, manifest_text(there), fetch)
         assert sorted(p.name for p in here.glob("step-*")) == [f"step-{s:08d}" for s in steps]
         assert listed(here) == steps
-        assert (here / f"step-{steps[-1]:08d}" / "rank00000.ckpt").read_text() == str(steps[-1])
+        newest = here / f"step-{steps[-1]:08d}"
+        assert (newest / "rank00000.ckpt").read_bytes() == content(steps[-1])
+        assert (newest / "empty.ckpt").read_bytes() == b""
+    assert max(asked) == 1000 and 500 in asked  # never more than a chunk at once
     # A manifest read just before the machine dropped one of its steps (11: gone).
-    moved_on = json.dumps({"format": 1, "checkpoints": [{"step": 9}, {"step": 11}]})
-    assert not mirror(here, moved_on, fetch)
+    moved_on = write([9, 11])
+    (there / "step-00000011" / "rank00000.ckpt").unlink()
+    assert not mirror(here, json.dumps(moved_on), fetch)
     assert listed(here) == [6, 9] and (here / "step-00000006").is_dir()
+    assert not (here / "step-00000011").exists()
     # A step folder caught while the machine deleted it (a file short): not taken.
-    write([9, 12])
-    cut = {"step": 12, "files": {"rank00000.ckpt": {"bytes": 99}, "shared.ckpt": {"bytes": 1}}}
-    assert not mirror(here, json.dumps({"format": 1, "checkpoints": [{"step": 9}, cut]}), fetch)
+    cut = write([9, 12])
+    with open(there / "step-00000012" / "rank00000.ckpt", "r+b") as f:
+        f.truncate(1500)
+    assert not mirror(here, json.dumps(cut), fetch)
     assert listed(here) == [6, 9] and not (here / "step-00000012").exists()
-    whole = {"step": 12, "files": {"rank00000.ckpt": {"bytes": 2}}}
-    assert mirror(here, json.dumps({"format": 1, "checkpoints": [{"step": 9}, whole]}), fetch)
+    # A file of the right size that is not what was checkpointed: not taken either.
+    changed = write([9, 12])
+    (there / "step-00000012" / "rank00000.ckpt").write_bytes(content(13))
+    assert not mirror(here, json.dumps(changed), fetch)
+    assert listed(here) == [6, 9] and not (here / "step-00000012").exists()
+    write([9, 12])
+    assert mirror(here, manifest_text(there), fetch)
     assert listed(here) == [9, 12] and not list(here.glob(".incoming-*"))
+
+
+def test_an_earlier_runs_checkpoints_are_sent_back_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """What `overlapkit run --ray` sends each machine to resume: the files its manifest
+    lists, written chunk by chunk in any order, then the manifest."""
+    from overlapkit.runtime import checkpoint_folder
+    from overlapkit.runtime.checkpoint_folder import (
+        finish_files,
+        listed_files,
+        manifest_text,
+        read_chunk,
+        write_chunk,
+    )
+
+    monkeypatch.setattr(checkpoint_folder, "CHUNK_BYTES", 1000)
+    here, there = tmp_path / "mirror", tmp_path / "machine"
+    (here / "step-00000004").mkdir(parents=True)
+    data = bytes(range(256)) * 10
+    (here / "step-00000004" / "rank00000.ckpt").write_bytes(data)
+    (here / "step-00000004" / "stray.tmp").write_bytes(b"not listed")
+    files = {"rank00000.ckpt": {"bytes": len(data)}}
+    (here / "manifest.json").write_text(json.dumps({"checkpoints": [{"step": 4, "files": files}]}))
+    text = manifest_text(here)
+    chunks = [
+        (step, name, offset, read_chunk(here, step, name, offset, 1000))
+        for step, name, size in listed_files(text)
+        for offset in range(0, size, 1000)
+    ]
+    assert len(chunks) == 3
+    for chunk in reversed(chunks):
+        write_chunk(there, *chunk)
+    finish_files(there, text)
+    assert (there / "step-00000004" / "rank00000.ckpt").read_bytes() == data
+    assert not (there / "step-00000004" / "stray.tmp").exists()
+    assert manifest_text(there) == text or json.loads(manifest_text(there)) == json.loads(text)
+    with pytest.raises(ValueError, match="not a checkpoint file name"):
+        read_chunk(here, 4, "../manifest.json", 0, 10)
 
 
 def test_a_run_on_several_machines_resumes_only_what_every_machine_mirrored(tmp_path):

@@ -31,7 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..runtime.checkpoint_folder import manifest_text, mirror, pack_steps
+from ..runtime.checkpoint_folder import (
+    CHUNK_BYTES,
+    finish_files,
+    listed_files,
+    manifest_text,
+    mirror,
+    read_chunk,
+    write_chunk,
+)
 from .config import WorldConfig
 from .local import die_with_parent
 
@@ -229,7 +237,7 @@ def run_on_ray(
         for k in range(world.nodes):
             actors.append(
                 runner.options(
-                    max_concurrency=4,  # polls go on while a checkpoint is packed
+                    max_concurrency=4,  # polls go on while checkpoint chunks travel
                     num_cpus=bundle["CPU"],
                     num_gpus=bundle.get("GPU", 0),
                     max_restarts=0,
@@ -243,10 +251,14 @@ def run_on_ray(
         try:
             places = ray.get([a.where.remote() for a in actors])
             master = f"{places[0]['ip']}:{places[0]['port']}"
-            # Machine 0's folder holds the others' under nodes/: not sent to it (they
-            # came back from it at the end, over their newer mirrors).
+            # Each machine's checkpoints go first, chunk by chunk; then the rest of its
+            # folder with its start. Machine 0's folder holds the others' under nodes/:
+            # not sent to it (they came back from it at the end, over newer mirrors).
+            for k, folder in (resume or {}).items():
+                _send_checkpoints(folder / CHECKPOINTS, actors[k])
             earlier = {
-                k: pack(folder, skip=(NODE_FOLDERS,)) for k, folder in (resume or {}).items()
+                k: pack(folder, skip=(NODE_FOLDERS, CHECKPOINTS))
+                for k, folder in (resume or {}).items()
             }
             ray.get(
                 [
@@ -351,16 +363,40 @@ class _Mirrors:
                 continue
             root = machine_folder(self.run_dir, k) / CHECKPOINTS
 
-            def fetch(steps: list[int], actor: Any = actor) -> bytes:
-                # As long as it takes (gigabytes): the actor answers polls meanwhile,
-                # and a machine lost on the way raises.
-                return ray.get(actor.checkpoint_steps.remote(steps))
+            def fetch(
+                step: int, name: str, offset: int, size: int, actor: Any = actor
+            ) -> bytes | None:
+                # The actor answers polls meanwhile; a machine lost on the way raises.
+                return ray.get(actor.checkpoint_chunk.remote(step, name, offset, size))
 
             try:
                 if mirror(root, manifest, fetch):
                     self.seen[k] = manifest
             except RayError:  # the machine is gone: the next poll says so
                 continue
+
+
+def _send_checkpoints(root: Path, actor: Any) -> None:
+    """The checkpoints the manifest under ``root`` lists, to the machine of ``actor``
+    (a resumed run's), a chunk at a time: two in flight, so that the network and
+    the disks on both ends are busy together."""
+    import ray
+
+    text = manifest_text(root)
+    if text is None:
+        return
+    in_flight: list[Any] = []
+    for step, name, size in listed_files(text):
+        for offset in range(0, size, CHUNK_BYTES) if size else [0]:
+            data = read_chunk(root, step, name, offset, CHUNK_BYTES)
+            if data is None or len(data) != min(CHUNK_BYTES, size - offset):
+                raise RayClusterError(f"{root}'s step {step} lost its file {name} while sent")
+            in_flight.append(actor.receive_chunk.remote(step, name, offset, data))
+            del data
+            if len(in_flight) >= 2:
+                ray.get(in_flight.pop(0))
+    ray.get(in_flight)
+    ray.get(actor.receive_manifest.remote(text))
 
 
 def _gather(actors: list[Any], run_dir: Path) -> None:
@@ -488,8 +524,16 @@ class NodeRunner:
     def manifest(self) -> str | None:
         return manifest_text(self.folder / "run" / CHECKPOINTS)
 
-    def checkpoint_steps(self, steps: list[int]) -> bytes:
-        return pack_steps(self.folder / "run" / CHECKPOINTS, steps)
+    def checkpoint_chunk(self, step: int, name: str, offset: int, size: int) -> bytes | None:
+        return read_chunk(self.folder / "run" / CHECKPOINTS, step, name, offset, size)
+
+    def receive_chunk(self, step: int, name: str, offset: int, data: bytes) -> None:
+        """A chunk of an earlier run's checkpoint (before `start`)."""
+        write_chunk(self.folder / "run" / CHECKPOINTS, step, name, offset, data)
+
+    def receive_manifest(self, text: str) -> None:
+        """The earlier run's manifest, once its files are all here."""
+        finish_files(self.folder / "run" / CHECKPOINTS, text)
 
     def stderr(self) -> str:
         return (self.folder / "stderr.txt").read_text(errors="replace")
