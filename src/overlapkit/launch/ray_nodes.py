@@ -92,6 +92,7 @@ def connect(address: str | None) -> None:
         return
     if address and address != "auto":
         _reachable(address)  # ray.init retries an unreachable address for minutes
+    _cluster_errors_to_stderr()
     try:
         ray.init(
             address=address or "auto",
@@ -107,6 +108,31 @@ def connect(address: str | None) -> None:
     # Leave the cluster before Ray's own exit hook, which first sleeps half a second
     # for worker logs to reach the driver (there are none: log_to_driver=False).
     atexit.register(ray.shutdown)
+
+
+def _cluster_errors_to_stderr() -> None:
+    """The errors the cluster publishes, one line each on stderr. Ray's driver prints
+    them whole to stdout, where ``--json`` puts its document: a lost machine's raylet
+    sent ~50 lines of its state dump there, ahead of the study's JSON. overlapkit
+    says itself which machine was lost; the rest stays in Ray's logs on that machine
+    (/tmp/ray/session_latest/logs)."""
+    from ray._private import worker
+
+    printer = getattr(worker, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "one_line", False):
+        return
+
+    def one_line(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if data.get("pid") != "raylet":
+            printer(data, ignore_prefix)
+            return
+        for message in data.get("lines", []):
+            first = next((line.strip() for line in str(message).splitlines() if line.strip()), "")
+            if first:
+                print(f"(ray) {first}", file=sys.stderr, flush=True)
+
+    one_line.one_line = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = one_line
 
 
 def _reachable(address: str) -> None:
