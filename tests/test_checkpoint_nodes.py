@@ -189,6 +189,114 @@ def test_an_earlier_runs_checkpoints_are_sent_back_a_chunk_at_a_time(tmp_path, m
         read_chunk(here, 4, "../manifest.json", 0, 10)
 
 
+def machine_folder_with(root, steps):
+    """A machine's checkpoint folder holding ``steps`` (one small file each)."""
+    import crc32c
+
+    root.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for step in steps:
+        data = f"step {step}".encode()
+        (root / f"step-{step:08d}").mkdir(exist_ok=True)
+        (root / f"step-{step:08d}" / "rank00000.ckpt").write_bytes(data)
+        record = {"bytes": len(data), "crc32c": f"{crc32c.crc32c(data):08x}"}
+        entries.append({"step": step, "files": {"rank00000.ckpt": record}})
+    (root / "manifest.json").write_text(json.dumps({"format": 1, "checkpoints": entries}))
+    return (root / "manifest.json").read_text()
+
+
+def test_mirrors_follow_machines_in_a_thread_of_their_own(tmp_path):
+    """`run --ray` notes each machine's newest manifest and goes on watching the run
+    while a checkpoint arrives: a machine whose copy is slow (here: held until the
+    test lets it go) holds up neither the caller nor the other machine's copy."""
+    import threading
+
+    from overlapkit.runtime.checkpoint_folder import manifest_text, read_chunk
+    from overlapkit.runtime.checkpoint_mirrors import Mirrors
+
+    there = [tmp_path / "machine0", tmp_path / "machine1"]
+    here = [tmp_path / "mirror0", tmp_path / "mirror1"]
+    manifests = [machine_folder_with(there[0], [2]), machine_folder_with(there[1], [2])]
+    held, asked = threading.Event(), threading.Event()
+
+    def slow(step, name, offset, size):
+        asked.set()
+        assert held.wait(120), "never let go"
+        return read_chunk(there[0], step, name, offset, size)
+
+    def fast(step, name, offset, size):
+        return read_chunk(there[1], step, name, offset, size)
+
+    mirrors = Mirrors([slow, fast], here)
+    updated = threading.Thread(target=mirrors.update, args=(manifests,))
+    updated.start()
+    updated.join(60)
+    assert not updated.is_alive(), "update waited for a copy"
+    assert asked.wait(60)
+    for _ in range(600):  # machine 1's copy goes on while machine 0's is held
+        if manifest_text(here[1]) is not None:
+            break
+        threading.Event().wait(0.1)
+    assert json.loads(manifest_text(here[1])) == json.loads(manifests[1])
+    assert manifest_text(here[0]) is None  # nothing named before it is whole
+    manifests[1] = machine_folder_with(there[1], [2, 4])
+    mirrors.update([None, manifests[1]])
+    held.set()
+    mirrors.finish()  # what the newest manifests list, then the thread ends
+    assert [json.loads(manifest_text(h)) for h in here] == [json.loads(m) for m in manifests]
+    assert (here[1] / "step-00000004" / "rank00000.ckpt").read_bytes() == b"step 4"
+
+
+def test_mirrors_stop_gives_up_a_copy_and_a_disk_error_is_raised_to_the_caller(
+    tmp_path, monkeypatch
+):
+    import threading
+
+    from overlapkit.runtime import checkpoint_folder
+    from overlapkit.runtime.checkpoint_folder import manifest_text, read_chunk
+    from overlapkit.runtime.checkpoint_mirrors import Mirrors
+
+    monkeypatch.setattr(checkpoint_folder, "CHUNK_BYTES", 3)  # two chunks a file
+
+    there, here = tmp_path / "machine", tmp_path / "mirror"
+    manifest = machine_folder_with(there, [2])
+    held, asked = threading.Event(), threading.Event()
+
+    def slow(step, name, offset, size):
+        asked.set()
+        assert held.wait(120)
+        return read_chunk(there, step, name, offset, size)
+
+    mirrors = Mirrors([slow], [here])
+    mirrors.update([manifest])
+    assert asked.wait(60)
+    mirrors.stop()  # Ctrl-C while a checkpoint arrives: given up at its next chunk
+    held.set()
+    mirrors.finish()  # its thread has ended: nothing to wait for
+    assert manifest_text(here) is None and not list(here.glob("step-*"))
+
+    def full(step, name, offset, size):
+        raise OSError(28, "No space left on device")
+
+    mirrors = Mirrors([full], [here])
+    mirrors.update([manifest])
+    with pytest.raises(OSError, match="No space left"):
+        mirrors.finish()
+
+    class Gone(Exception):
+        pass
+
+    def lost(step, name, offset, size):
+        raise Gone
+
+    fetchers = [lost, lambda *chunk: read_chunk(there, *chunk)]
+    mirrors = Mirrors(fetchers, [here, tmp_path / "m1"], gone=(Gone,))
+    mirrors.update([manifest, manifest])
+    mirrors.finish()  # no error: machine 0 is gone (the run says so), machine 1 copied
+    assert json.loads(manifest_text(tmp_path / "m1")) == json.loads(manifest)
+    assert manifest_text(here) is None
+
+
 def test_a_run_on_several_machines_resumes_only_what_every_machine_mirrored(tmp_path):
     """Machine 0's mirror got step 6, machine 1's only step 3: the failure line names
     step 3, the newest both hold (it named 6, which the resume then refused)."""

@@ -33,13 +33,14 @@ from typing import Any
 
 from ..runtime.checkpoint_folder import (
     CHUNK_BYTES,
+    Fetch,
     finish_files,
     listed_files,
     manifest_text,
-    mirror,
     read_chunk,
     write_chunk,
 )
+from ..runtime.checkpoint_mirrors import Mirrors
 from .config import WorldConfig
 from .local import die_with_parent
 
@@ -241,6 +242,7 @@ def run_on_ray(
     group = placement_group([bundle] * world.nodes, strategy=strategy)
     actors: list[Any] = []
     lost: int | None = None  # the machine that was lost: nothing to stop there
+    mirrors: Mirrors | None = None
     try:
         ready, _ = ray.wait([group.ready()], timeout=min(ROOM_NOTICE_S, placement_timeout_s))
         if not ready and placement_timeout_s > ROOM_NOTICE_S:
@@ -296,15 +298,20 @@ def run_on_ray(
             )
         except (RayActorError, ActorUnavailableError) as error:  # lost while starting
             return RayOutcome(lost=f"a machine was lost while the run started: {error}"[:600])
-        mirrors = _Mirrors(actors, run_dir) if checkpoints else None
+        mirrors = _mirrors(actors, run_dir) if checkpoints else None
         outcome = _watch(actors, places, timeout_s, on_lines, mirrors)
         lost = outcome.lost_machine
-        if outcome.lost is None and not outcome.stopped:
-            if mirrors is not None:
+        if mirrors is not None and not outcome.stopped:
+            # What reached this machine stays whatever happened: a failed run resumes.
+            if outcome.lost is None:
                 mirrors.update(ray.get([a.manifest.remote() for a in actors]))
+            mirrors.finish(lost=lost)
+        if outcome.lost is None and not outcome.stopped:
             _gather(actors, run_dir)
         return outcome
     finally:
+        if mirrors is not None:
+            mirrors.stop()  # an error or Ctrl-C: a copy under way is given up
         # The ranks of every machine still there stopped at once; not the lost one's:
         # gone with it, and Ray takes seconds to say that its actor does not answer.
         stops = [a.stop.remote() for k, a in enumerate(actors) if k != lost]
@@ -323,7 +330,7 @@ def _watch(
     places: list[dict[str, Any]],
     timeout_s: float | None,
     on_lines: Callable[[str], bool] | None,
-    mirrors: _Mirrors | None = None,
+    mirrors: Mirrors | None = None,
 ) -> RayOutcome:
     import ray
     from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
@@ -373,33 +380,20 @@ def _watch(
     return outcome
 
 
-class _Mirrors:
+def _mirrors(actors: list[Any], run_dir: Path) -> Mirrors:
     """On the driver, each machine's checkpoint folder as of its newest manifest."""
+    import ray
+    from ray.exceptions import RayError
 
-    def __init__(self, actors: list[Any], run_dir: Path) -> None:
-        self.actors, self.run_dir = actors, run_dir
-        self.seen: list[str | None] = [None] * len(actors)
+    def fetcher(actor: Any) -> Fetch:
+        def fetch(step: int, name: str, offset: int, size: int) -> bytes | None:
+            # The actor answers polls meanwhile; a machine lost on the way raises.
+            return ray.get(actor.checkpoint_chunk.remote(step, name, offset, size))
 
-    def update(self, manifests: list[str | None]) -> None:
-        import ray
-        from ray.exceptions import RayError
+        return fetch
 
-        for k, (actor, manifest) in enumerate(zip(self.actors, manifests, strict=True)):
-            if manifest is None or manifest == self.seen[k]:
-                continue
-            root = machine_folder(self.run_dir, k) / CHECKPOINTS
-
-            def fetch(
-                step: int, name: str, offset: int, size: int, actor: Any = actor
-            ) -> bytes | None:
-                # The actor answers polls meanwhile; a machine lost on the way raises.
-                return ray.get(actor.checkpoint_chunk.remote(step, name, offset, size))
-
-            try:
-                if mirror(root, manifest, fetch):
-                    self.seen[k] = manifest
-            except RayError:  # the machine is gone: the next poll says so
-                continue
+    roots = [machine_folder(run_dir, k) / CHECKPOINTS for k in range(len(actors))]
+    return Mirrors([fetcher(a) for a in actors], roots, gone=(RayError,))
 
 
 def _send_checkpoints(root: Path, actor: Any) -> None:
@@ -426,7 +420,7 @@ def _send_checkpoints(root: Path, actor: Any) -> None:
 
 
 def _gather(actors: list[Any], run_dir: Path) -> None:
-    """Every machine's run folder (its checkpoints apart: see `_Mirrors`), with the
+    """Every machine's run folder (its checkpoints apart: see `_mirrors`), with the
     summary's ``run_dir`` saying where it is now."""
     import ray
 
