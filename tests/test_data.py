@@ -189,3 +189,40 @@ def test_missing_local_data_is_a_clear_error(tmp_path, make, fragment):
     with pytest.raises(DataNotFoundError, match=fragment) as error:
         make(tmp_path)
     assert "never downloads" in str(error.value) or "expected" in str(error.value)
+
+
+def test_batches_of_named_tuples_mappings_and_own_classes_move_whole():
+    """What a GPU step does to each batch (`to_device`; skipped on a CPU, so shown
+    here moving to the meta device): a named tuple crashed ('missing 1 required
+    positional argument'), a mapping that is not a dict (UserDict, Hugging Face's
+    BatchEncoding) and a batch class with its own ``to`` stayed on the CPU."""
+    from collections import UserDict, namedtuple
+
+    from overlapkit.runtime.batch import batch_size, tensors_in, to_device
+
+    meta = torch.device("meta")
+    Pair = namedtuple("Pair", "inputs labels")
+    moved = to_device(Pair(torch.zeros(4, 3), torch.zeros(4)), meta)
+    assert type(moved) is Pair and moved.inputs.device == meta and moved.labels.device == meta
+
+    class Encoding(UserDict):
+        pass
+
+    encoded = to_device(Encoding(input_ids=torch.zeros(5, 2), mask=[torch.ones(5)]), meta)
+    assert type(encoded) is Encoding and encoded["input_ids"].device == meta
+    assert encoded["mask"][0].device == meta
+    assert [t.shape for t in tensors_in(Encoding(a=torch.zeros(2), b=(torch.zeros(3),)))] == [
+        (2,),
+        (3,),
+    ]
+    assert batch_size(Encoding(a=torch.zeros(7, 2))) == 7
+
+    class Graph:
+        def __init__(self, x):
+            self.x = x
+
+        def to(self, device, non_blocking=False):
+            return Graph(self.x.to(device, non_blocking=non_blocking))
+
+    assert to_device({"graph": Graph(torch.zeros(2))}, meta)["graph"].x.device == meta
+    assert to_device(("text", 3, None), meta) == ("text", 3, None)

@@ -1,35 +1,58 @@
-"""Helpers for batches of any nesting: tensors, tuples, lists, dicts."""
+"""Helpers for batches of any nesting: tensors, tuples, lists, mappings."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of ``batch`` on ``device``, the containers rebuilt as they were
+    (lists, tuples, named tuples, dicts and other mappings); another object with a
+    ``to`` method of its own (a graph, a batch class) is moved by it."""
     if isinstance(batch, torch.Tensor):
         if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
             # A copy from pageable memory makes the host wait for the device.
             batch = batch.pin_memory()
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple, Mapping)):
+        return _rebuilt(batch, [to_device(item, device) for item in _items(batch)])
+    if callable(getattr(batch, "to", None)) and not isinstance(batch, (str, bytes)):
+        try:
+            return batch.to(device, non_blocking=True)
+        except TypeError:  # a `to` that takes no non_blocking
+            return batch.to(device)
     return batch
 
 
 def tensors_in(batch: Any) -> Iterator[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         yield batch
-    elif isinstance(batch, (list, tuple)):
-        for item in batch:
+    elif isinstance(batch, (list, tuple, Mapping)):
+        for item in _items(batch):
             yield from tensors_in(item)
-    elif isinstance(batch, dict):
-        for item in batch.values():
-            yield from tensors_in(item)
+
+
+def _items(batch: list[Any] | tuple[Any, ...] | Mapping[Any, Any]) -> list[Any]:
+    return list(batch.values()) if isinstance(batch, Mapping) else list(batch)
+
+
+def _rebuilt(batch: Any, items: list[Any]) -> Any:
+    """A container like ``batch`` holding ``items`` (its values, for a mapping)."""
+    if isinstance(batch, Mapping):
+        moved = dict(zip(batch.keys(), items, strict=True))
+        try:
+            return type(batch)(moved)
+        except TypeError:  # a mapping that cannot be built from a dict
+            return moved
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*items)
+    try:
+        return type(batch)(items)
+    except TypeError:
+        return tuple(items) if isinstance(batch, tuple) else items
 
 
 def batch_size(batch: Any) -> int:
@@ -37,6 +60,6 @@ def batch_size(batch: Any) -> int:
         return batch.shape[0] if batch.dim() else 1
     if isinstance(batch, (list, tuple)) and batch:
         return batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
+    if isinstance(batch, Mapping) and batch:
         return batch_size(next(iter(batch.values())))
     return 1
