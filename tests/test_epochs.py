@@ -4,6 +4,7 @@ resumed exactly, plain values, session.paused(), save/load in one format."""
 
 import json
 import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -792,6 +793,205 @@ def test_a_loop_fetching_its_next_batch_before_it_updates_is_told(tmp_path):
     summary = session.finish()
     assert summary["optimizations"]["checkpoint"]["checkpoints"] == 0
     assert not Manifest(tmp_path / "checkpoints").read()
+
+
+def test_a_loop_fetching_ahead_gets_no_final_checkpoint_that_would_lose_a_batch(tmp_path):
+    """nanoGPT's shape ends holding the batch it fetched for the next iteration: a final
+    checkpoint after it (taken before) resumed with that batch lost, unlike the run never
+    stopped. None is taken, and the checkpoint's notes say why."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    loader = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=4)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = Session([Checkpoint(every=100)], run_dir=tmp_path, progress=False)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    batches = iter(loader)
+    inputs, targets = next(batches)
+    with pytest.warns(LoopWarning, match="fetches its next batch"):
+        for _ in range(5):
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+            inputs, targets = next(batches)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    summary = session.finish()
+    assert not Manifest(tmp_path / "checkpoints").read()  # was: one at step 6, 5 trained
+    (said,) = summary["optimizations"]["checkpoint"]["notes"]
+    assert "no final checkpoint" in said and "never trained" in said
+
+
+def accumulating_script(run_dir, stop_at=None, save_on="update", resumed_skip=None):
+    """run_clm_no_trainer's loop: 3 batches an update (the first update after one:
+    ``step % 3 == 0``), a save every 2 updates by session.save(), a stop (a kill: no
+    finish) after update ``stop_at``. ``save_on="batch"`` saves on every batch while the
+    count of updates stays at a multiple of 2, as the script does. After a resume the
+    script counts batches from start.batch, or skips them by hand
+    (``resumed_skip="hand"``). Returns the losses, the parameters and the session."""
+    model, optimizer, loader = parts(samples=96)  # 12 batches an epoch
+    session = Session([Checkpoint(every=1000, final=False)], run_dir=run_dir)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    updates = 0
+    start = session.start(updates=lambda: updates)
+    updates = start.values["updates"]
+    losses = []
+    for epoch in range(start.epoch, 2):
+        first = start.batch if epoch == start.epoch and resumed_skip != "hand" else 0
+        for step, (x, y) in enumerate(loader, first):
+            if resumed_skip == "hand" and epoch == start.epoch and step < start.batch:
+                continue
+            loss = nn.functional.cross_entropy(model(x), y)
+            (loss / 3).backward()
+            losses.append(loss.item())
+            sync = step % 3 == 0 or step == len(loader) - 1
+            if sync:
+                optimizer.step()
+                optimizer.zero_grad()
+                updates += 1
+            if updates % 2 == 0 and (sync or save_on == "batch"):
+                session.save()
+            if updates == stop_at:
+                return losses, None, session
+    session.finish()
+    return losses, [p.detach().clone() for p in model.parameters()], session
+
+
+def test_a_save_after_the_update_in_the_loop_body_resumes_at_the_next_batch(tmp_path):
+    """session.save() in the loop body after optimizer.step() is the step's end: it was
+    labelled with the step's own number, so a resume started one step early (its
+    step count one short: one step more under steps(n), a checkpoint's number one
+    below the batches trained). Resumed, the run equals the one never stopped."""
+    straight, params, _ = accumulating_script(tmp_path / "a")
+    first, _, _ = accumulating_script(tmp_path / "b", stop_at=9)
+    steps = [entry["step"] for entry in Manifest(tmp_path / "b" / "checkpoints").read()]
+    assert steps == [13, 19]  # updates 8 at batch 18 (epoch 1, batch 6): 19 batches trained
+    rest, resumed, session = accumulating_script(tmp_path / "b")
+    assert (session._start.step, session._start.epoch, session._start.batch) == (19, 1, 7)
+    assert first[:19] + rest == straight
+    assert all(torch.equal(a, b) for a, b in zip(params, resumed, strict=True))
+
+    def steps_of_six(resume=False, stop=None):
+        model, optimizer, loader = parts()
+        session = Session(run_dir=tmp_path / "c")
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        if resume:
+            session.load(tmp_path / "c" / "checkpoints")
+        trained = 0
+        for x, y in session.steps(6):
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            trained += 1
+            if session.state.step == stop:
+                session.save()
+                return trained
+        session.finish()
+        return trained
+
+    assert steps_of_six(stop=2) + steps_of_six(resume=True) == 6  # was 3 + 4
+
+
+def test_a_save_inside_an_update_or_before_a_forward_is_told(tmp_path):
+    """A save between a forward and its optimizer step leaves out the gradients
+    accumulated so far; one before the step's forward has its batch taken from the
+    loader: neither resumes exactly, and both were silent."""
+    with pytest.warns(LoopWarning, match="between a forward and its optimizer step") as said:
+        *_, session = accumulating_script(tmp_path / "a", save_on="batch")
+    assert said[0].filename == __file__
+    assert any("cannot resume exactly: session.save()" in n for n in session.notes)
+    model, optimizer, loader = parts()
+    session = Session(run_dir=tmp_path / "b")
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    with pytest.warns(LoopWarning, match="before its forward: its batch"):
+        for x, y in loader:
+            session.save()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    session.finish()
+
+
+def test_skipping_the_resumed_batches_by_hand_too_is_told(tmp_path):
+    """run_clm_no_trainer skips the first batches of the resumed epoch by hand (``if
+    step < resume_step: continue``); the loader already goes on after them, so they
+    were skipped twice, silently. A LoopWarning at the script's loop says so."""
+    accumulating_script(tmp_path / "a", stop_at=9)
+    with pytest.warns(LoopWarning, match="skips them twice") as said:
+        *_, session = accumulating_script(tmp_path / "a", resumed_skip="hand")
+    assert said[0].filename == __file__
+    assert any("enumerate(loader, start.batch)" in n for n in session.notes)
+    accumulating_script(tmp_path / "b", stop_at=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoopWarning)
+        accumulating_script(tmp_path / "b")  # counted from start.batch: nothing to tell
+
+
+def test_an_object_registered_after_load_is_restored(tmp_path, capfd):
+    """session.load() and then session.start(scheduler=...) left the scheduler as new
+    (the saved one was never applied), silently, and said the resume twice."""
+    model, optimizer, loader = parts()
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    session = Session(run_dir=tmp_path)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    session.start(schedule=schedule)
+    one_epoch(model, loader, optimizer)
+    schedule.step()
+    schedule.step()
+    session.save()
+    session.finish()
+    model, optimizer, loader = parts()
+    again = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    session = Session()
+    session.prepare(model, optimizer, loader)
+    capfd.readouterr()
+    session.load(tmp_path / "checkpoints")
+    session.start(schedule=again)
+    assert again.last_epoch == 2 and optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert capfd.readouterr().err.count("resumed at step 5") == 1
+    with pytest.raises(CheckpointError, match=r"no checkpoint at step 3 .* lists step\(s\) 5"):
+        Session().load(tmp_path / "checkpoints" / "step-00000003")
+
+
+def test_a_script_keeping_its_last_loss_has_its_files_flushed_at_exit(tmp_path):
+    """The hook on a forward's output held the session; the autograd graph holding the
+    hook is out of the garbage collector's sight, so a script keeping its last
+    ``loss`` (any module-level loop) kept the session alive, and through a
+    ``lambda: value`` registered with it the module's globals: past the exit, and a
+    log file the script never closed lost what it had written (empty here)."""
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import torch
+            from torch import nn
+            from torch.utils.data import DataLoader, TensorDataset
+            import overlapkit
+
+            model = nn.Linear(3, 2)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            data = TensorDataset(torch.randn(8, 3), torch.randint(2, (8,)))
+            session = overlapkit.Session()
+            model, optimizer, loader = session.prepare(model, optimizer, DataLoader(data, 4))
+            steps = 0
+            session.start(steps=lambda: steps)
+            log = open({str(tmp_path / "log.txt")!r}, "w")
+            for x, y in loader:
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+                steps += 1
+                log.write(f"step {{steps}}\\n")
+            session.finish()
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "log.txt").read_text() == "step 1\nstep 2\n"
 
 
 class NativeScaler:

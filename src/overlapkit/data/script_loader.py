@@ -69,8 +69,9 @@ def resume_problem(loader: Any) -> str | None:
     if not isinstance(loader, DataLoader):
         return (
             f"the loader ({type(loader).__name__}) has no state_dict: a resumed run starts "
-            "its epoch again at batch 0. Pass a map-style torch DataLoader, or give the loader "
-            "state_dict/load_state_dict"
+            "its epoch again at batch 0 (the same batches again, unless each is drawn from "
+            "the global RNG, which is restored: nanoGPT's get_batch resumes exactly). Pass "
+            "a map-style torch DataLoader, or give the loader state_dict/load_state_dict"
         )
     if isinstance(loader.dataset, IterableDataset):
         return (

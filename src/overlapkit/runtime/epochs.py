@@ -130,6 +130,8 @@ class EpochLoop:
                 self._epoch_batches += 1
                 updates = self._optimizer_steps
                 yield self._arrived(batch)
+                if self._resumed_mid_epoch is not None:
+                    self._check_first_resumed_batch(updates)
                 if self._in_step:
                     self.end_step()
         except GeneratorExit:
@@ -152,6 +154,26 @@ class EpochLoop:
         finally:
             if self._in_step:  # the step a break (or an error) left
                 self.end_step()
+
+    def _watch_resumed_batch(self, start: Start) -> None:
+        """A resume mid-epoch: what the script does with its first batch is checked."""
+        self._resumed_mid_epoch = (start.epoch, start.batch) if start.batch > 0 else None
+
+    def _check_first_resumed_batch(self, updates: int) -> None:
+        """The first batch after a resume mid-epoch is done: a script that went past it
+        without training skips, by hand, the batches the loader already skipped."""
+        (epoch, batch), self._resumed_mid_epoch = self._resumed_mid_epoch, None
+        if self._forwards_in_step or self._optimizer_steps != updates:
+            return
+        message = (
+            f"the first batch after the resume (epoch {epoch}, batch {batch}) "
+            "went by with no training forward: the loader already goes on at that batch, so "
+            "a script skipping the batches trained before the checkpoint (`if step < "
+            "resume_step: continue`, accelerate's skip_first_batches) skips them twice. Drop "
+            "the skip; count batches from start.batch: enumerate(loader, start.batch)"
+        )
+        self.notes.append(message)
+        warn(message)
 
     def _next_epoch(self, loader: Any) -> None:
         """A pass the script left (a ``break``) is over: the loader moves on to the

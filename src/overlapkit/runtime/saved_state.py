@@ -10,7 +10,8 @@ import torch
 
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng
-from .script import Start, note
+from .script import Start, note, warn
+from .state import temporarily
 
 
 class SavedState:
@@ -40,6 +41,10 @@ class SavedState:
                 f"cannot checkpoint {name}={obj!r}: pass a function that returns it "
                 f"({name}=lambda: {name}), a dict, or an object with state_dict()"
             )
+        if name in self._stateful and name in self._loaded_user:
+            # Registered after session.load() (start(scheduler=...) after it): restored
+            # now, as if registered before (it kept its fresh state, silently).
+            self._stateful[name].load_state_dict(self._loaded_user[name])
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly, under one key per component."""
@@ -70,9 +75,10 @@ class SavedState:
                 component.load_state_dict(saved[key])
         self.precision.load_state_dict(saved.get("precision", {}))
         self.scheduler.load_state_dict(saved.get("optimizations", {}))
+        self._loaded_user = dict(saved.get("user", {}))
         for name, obj in self._stateful.items():
-            if name in saved.get("user", {}):
-                obj.load_state_dict(saved["user"][name])
+            if name in self._loaded_user:
+                obj.load_state_dict(self._loaded_user[name])
         self._values.load_state_dict(saved.get("values", {}))
         self.resume_progress(saved["progress"])
         restore_rng(saved["rng"])
@@ -89,7 +95,50 @@ class SavedState:
         """Checkpoint now, in the checkpoint optimization's format and folder: the
         optimization's own folder by default (``run_dir/checkpoints`` without it), or
         ``directory``. Durable when it returns; call it on every rank. Returns the
-        checkpoint's step folder."""
+        checkpoint's step folder.
+
+        Inside a step, after its optimizer step (a script saving every N updates in
+        its loop body), the checkpoint is the step's end: a resume goes on with the
+        next step. Before it (the step's batch fetched, or its gradients accumulated
+        but not applied), a resume cannot be exact: a `LoopWarning` says so."""
+        state = self.state
+        trained = self._in_step and state.optimizer is not None and not state.update_pending
+        if trained and self._forwards_in_step > 0:
+            # The step's batch is trained and applied: saved as after the step, as the
+            # checkpoint at the next step's start would be (labelled one step early, a
+            # resume ran that step's batch count again: one step more in steps(n)).
+            with temporarily(state, "step", state.step + 1):
+                return self._save(directory)
+        if self._in_step and state.optimizer is not None:
+            self._warn_save_inside_update()
+        return self._save(directory)
+
+    def _warn_save_inside_update(self) -> None:
+        state = self.state
+        if state.update_pending:
+            kind = "inside an update"
+            why = (
+                "between a forward and its optimizer step: the gradients accumulated since "
+                "the last optimizer step are not saved"
+            )
+        else:
+            kind = "before the step's forward"
+            why = (
+                "before its forward: its batch, already taken from the loader, would be "
+                "skipped by a resume"
+            )
+        if kind in self._save_warned:
+            return
+        self._save_warned.add(kind)
+        message = (
+            f"session.save() in step {state.step} falls {why}, so a resume from it cannot be "
+            "exact. Save after optimizer.step() (a script saving every N updates: on the "
+            "batch that updates, not on every batch while its count stays at N)"
+        )
+        self.notes.append(f"cannot resume exactly: {message}")
+        warn(message)
+
+    def _save(self, directory: str | Path | None) -> Path:
         checkpointer = optimization_class("checkpoint")
         own = self.checkpoint
         if (
@@ -111,6 +160,7 @@ class SavedState:
         path = optimization_class("checkpoint").load_from(self.state, Path(directory))
         self.state.resumed_from = str(path)
         where = self._where()
+        self._watch_resumed_batch(where)
         if self.world.is_main:
             note(where.describe())
         return where

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,8 +151,7 @@ class PlainCalls:
         session.scheduler.fire(Event.AFTER_FORWARD, session.state)
         tensor = _first_tensor_with_grad(output)
         if tensor is not None:
-            step = session.state.step
-            tensor.register_hook(lambda grad: self._backward_reaches_output(step))
+            tensor.register_hook(_OutputReached(self, session.state.step))
 
     def _backward_reaches_output(self, forward_step: int) -> None:
         session = self.session
@@ -197,6 +197,24 @@ class PlainCalls:
         if self.in_session_call or not self.session.in_step:
             return
         self.session.after_optimizer_step()
+
+
+class _OutputReached:
+    """The hook on a training forward's output: backward has reached it. It holds the
+    session's `PlainCalls` weakly. The autograd graph it sits in is C++, where the
+    garbage collector cannot see: a strong hold kept the session, and through a value
+    registered as ``lambda: value`` the script's module globals, alive past the
+    interpreter's exit while the script kept its last ``loss`` (a log file it never
+    closed was never flushed, and came out empty)."""
+
+    def __init__(self, calls: PlainCalls, forward_step: int) -> None:
+        self._calls = weakref.ref(calls)
+        self._forward_step = forward_step
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        calls = self._calls()
+        if calls is not None:
+            calls._backward_reaches_output(self._forward_step)
 
 
 class PreparedSchedule:

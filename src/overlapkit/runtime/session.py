@@ -132,6 +132,9 @@ class Session(EpochLoop, SavedState):
         self._tensorboard = tensorboard
         self._logs: list[LiveSteps | TensorBoardSteps] = []  # rank 0's step logs
         self._stateful: dict[str, Any] = {}
+        # What the last restored checkpoint saved of registered objects: one registered
+        # after session.load() is restored from it.
+        self._loaded_user: dict[str, Any] = {}
         self._raw_model: nn.Module | None = None
         self._grad_sync: GradientSync | None = None
         self._epoch = 0
@@ -148,6 +151,10 @@ class Session(EpochLoop, SavedState):
         self._labelled_in_gap = 0.0
         self._steps_this_run = 0
         self._optimizer_steps = 0  # this run's
+        self._forwards_in_step = 0  # training forwards of the step now open
+        self._save_warned: set[str] = set()  # kinds of session.save() told inexact
+        # (epoch, batch) of a resume mid-epoch, until its first batch is done (watched)
+        self._resumed_mid_epoch: tuple[int, int] | None = None
         self._values = PlainValues()
         self._plain_calls = PlainCalls(self)
         self._schedule: PreparedSchedule | None = None
@@ -281,12 +288,15 @@ class Session(EpochLoop, SavedState):
         if self._started:
             return
         self._started = True
+        loaded = self.state.resumed_from  # by session.load(), which said so
         self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
         self.state.first_step = self.state.step
         self.scheduler.arrange(self.state)
         self._start = self._where()
-        if self._start.resumed_from is not None and self.world.is_main:
-            note(self._start.describe())
+        if self._start.resumed_from is not None and self._start.resumed_from != loaded:
+            self._watch_resumed_batch(self._start)
+            if self.world.is_main:
+                note(self._start.describe())
         if self._show_progress and ProgressBar.wanted():
             self._progress = ProgressBar(self.name, total_steps, done=self.state.step)
         if self.world.is_main and self.state.run_dir is not None:
@@ -309,6 +319,7 @@ class Session(EpochLoop, SavedState):
         self.state.clock.start_step()
         self._in_step = True
         self._step_samples = 0
+        self._forwards_in_step = 0
         self._micro_losses.clear()
         self.scheduler.fire(Event.STEP_START, self.state)
 
@@ -328,6 +339,7 @@ class Session(EpochLoop, SavedState):
         """An update begins (see `State.update_pending`); whether its backward syncs
         is read now, as DDP reads its flag at the forward (`State.sync_wanted`)."""
         state = self.state
+        self._forwards_in_step += 1
         state.update_pending = state.optimizer is not None
         state.sync_on_backward = not state.in_no_sync  # read at the forward, as DDP's flag
 

@@ -276,6 +276,13 @@ class Checkpoint(Optimization):
         if step is None:
             step = newest_common_step(root, state.world, shard)
         elif step not in valid_steps(root, state.world.rank, state.world.world_size, shard):
+            listed = [entry["step"] for entry in Manifest(root).read()]
+            if step not in listed:
+                held = ", ".join(map(str, listed)) or "none"
+                raise CheckpointError(
+                    f"no checkpoint at step {step} in {root}: its manifest lists step(s) "
+                    f"{held} (older ones are removed: keep)"
+                )
             raise CheckpointError(f"the checkpoint at step {step} in {root} is not intact")
         if step is None:
             raise CheckpointError(f"no intact checkpoint in {root}")
@@ -357,9 +364,17 @@ class Checkpoint(Optimization):
                 "optimizer step" + ("; none came, so none was taken" if self._owed else "")
             )
         inside = state.update_pending  # the loop ended between a forward and its update
+        # A loop fetching its next batch before it updates (nanoGPT's) ends holding a
+        # batch it never trained: a final checkpoint after it, resumed, lost that batch.
+        ahead = state.fetches_ahead and not inside
         if inside and self.settings["final"]:
             self.errors.append("no final checkpoint: the loop ended inside an update")
-        final = self.settings["final"] and not inside
+        elif ahead and self.settings["final"]:
+            self.errors.append(
+                "no final checkpoint: the loop fetches its next batch before it updates, so "
+                "it ended holding a batch it never trained, which a resume would skip"
+            )
+        final = self.settings["final"] and not inside and not ahead
         if final and (state.step != self._last_step or pending is not None):
             self._drop_pending()  # the state moved on since: the final one replaces it
             snapshot = self._snapshotter.take(state.step, self._capture(state), set())
