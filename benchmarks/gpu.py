@@ -213,6 +213,31 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def fresh_host_cache(device: torch.device) -> None:
+    """The pinned memory earlier runs left in torch's caching host allocator (it keeps
+    freed pinned blocks) given back, and its peak reset: each run's first checkpoint
+    pays for its host buffers as in a new process."""
+    gc.collect()
+    if device.type != "cuda":
+        return
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    empty = empty or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+    reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+    if reset is not None:
+        reset()
+
+
+def pinned_peak_bytes(device: torch.device) -> int | None:
+    """The most pinned memory the host allocator held since `fresh_host_cache` (None:
+    no GPU, or a torch without host memory statistics)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if device.type != "cuda" or stats is None:
+        return None
+    return stats().get("allocated_bytes.peak")
+
+
 @register_optimization
 class Stopwatch(Optimization):
     """Benchmark only: the wall clock from the first measured step's start to fit end,
@@ -679,6 +704,7 @@ def part_b_measure(ctx: Context, wl: Workload, max_overhead: float) -> dict[str,
 
     def runner(make: Callable[[Path], list[Optimization]]) -> Callable[[int, int], dict[str, Any]]:
         def go(warmup: int, steps: int) -> dict[str, Any]:
+            fresh_host_cache(device)
             result = builtin_loop(ctx, wl.reset(), wl.batches, warmup, steps, optimizations=make)
             checkpointer = result["optimizations"][0] if result["optimizations"] else None
             section = result["summary"]["optimizations"].get("checkpoint", {})
@@ -704,6 +730,8 @@ def part_b_measure(ctx: Context, wl: Workload, max_overhead: float) -> dict[str,
                 "interval": (section.get("auto_policy") or {}).get("interval"),
                 "policy_estimate": (section.get("auto_policy") or {}).get("measured_overhead"),
                 "dcp_mode": getattr(checkpointer, "mode", None),
+                "pinned_bytes": section.get("pinned_bytes"),
+                "pinned_peak_bytes": pinned_peak_bytes(device),
             }
 
         return go
@@ -749,6 +777,8 @@ def part_b_measure(ctx: Context, wl: Workload, max_overhead: float) -> dict[str,
             "policy_estimate": median(estimates) if estimates else None,
             "checkpoint_section": runs[-1]["checkpoint_section"],
             "dcp_mode": runs[-1]["dcp_mode"],
+            "pinned_bytes": runs[-1]["pinned_bytes"],
+            "pinned_peak_bytes": runs[-1]["pinned_peak_bytes"],
         }
     return {
         "model": wl.name,
@@ -779,6 +809,7 @@ def print_b(ctx: Context, console: Console, b: dict[str, Any]) -> None:
             "later",
             "host wait ms",
             "policy's estimate",
+            "pinned MiB: summary / allocator peak",
         ],
     )
 
@@ -799,6 +830,10 @@ def print_b(ctx: Context, console: Console, b: dict[str, Any]) -> None:
             ms(row["later_ckpt_stall_ms"]),
             ms(row["host_wait_ms_per_ckpt"]),
             f"{row['policy_estimate']:.1%}" if row["policy_estimate"] is not None else "",
+            " / ".join(
+                f"{row[key] / 2**20:.0f}" if row[key] is not None else "-"
+                for key in ("pinned_bytes", "pinned_peak_bytes")
+            ),
         )
     modes = [row["dcp_mode"] for row in b["rows"].values() if row["dcp_mode"]]
     table.caption = modes[0] if modes else None
