@@ -582,20 +582,25 @@ def test_one_line_warnings_leave_recording_and_other_warnings_alone():
     assert "f.py:1: UserWarning: y" in warnings.formatwarning("y", UserWarning, "f.py", 1)
 
 
-def test_an_internal_error_on_one_of_two_ranks_is_one_line_and_a_file(tiny_scenario, tmp_path):
+@pytest.mark.parametrize("at", ["step_start", "step_end"])
+def test_a_plugins_error_on_one_of_two_ranks_is_one_line_naming_it_and_a_file(
+    tiny_scenario, tmp_path, at
+):
     """It printed "run failed: rank 1" and the rank's whole traceback (~60 lines on
-    TensorFlow); one rank alone gets one line and error.txt."""
+    TensorFlow); one rank alone gets one line and error.txt. The error is the plugin's
+    (it was called a bug in overlapkit), and one raised in a STEP_END hook is raised
+    once (the loop's generator ended the step again as it closed, printing "Exception
+    ignored in: <generator object Session.steps>" and a second traceback)."""
     out = tmp_path / "run"
     result = run_cli(
         "run", tiny_scenario(), "--out", out, "--set", "world.nprocs=2",
-        "--set", "optimizations.toy_fail={rank: 1, step: 1}",
+        "--set", f"optimizations.toy_fail={{rank: 1, step: 1, at: {at}}}",
     )  # fmt: skip
     assert result.returncode == 1
     said = [line for line in result.stderr.splitlines() if line.startswith("run failed")]
     assert len(said) == 1, result.stderr[-3000:]
-    assert said[0].startswith(
-        "run failed: rank 1: internal error (a bug in overlapkit; please report it): "
-    )
+    assert said[0].startswith("run failed: rank 1: error in the plugin toy_plugins (")
+    assert "toy_plugins.py:" in said[0] and "Exception ignored" not in result.stderr
     assert "RuntimeError: toy failure on rank 1 at step 1" in said[0]
     assert said[0].endswith(f"; the traceback is in {out / 'error.txt'}")
     assert "Traceback" not in result.stderr

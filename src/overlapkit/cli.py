@@ -31,7 +31,7 @@ from .launch.local import NodePlace, RankFailedError
 from .launch.ray_nodes import RayClusterError
 from .launch.ray_run import RayRunFailed
 from .models import MODEL_NAMES
-from .optimizations import PluginError, registered_optimizations
+from .optimizations import PluginError, plugin_blamed, registered_optimizations
 from .optimizations.checkpoint import CheckpointError
 from .runtime import POLICIES, CombinationError
 from .runtime.gpus import GPUSetupError
@@ -668,11 +668,17 @@ def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
 
 
 def _internal_error(error: Exception, folder: Path | None) -> str:
-    saved = _save_traceback("".join(traceback.format_exception(error)), folder)
-    return (
-        f"internal error (a bug in overlapkit; please report it): "
-        f"{type(error).__name__}: {error}; {saved}"
-    )
+    text = "".join(traceback.format_exception(error))
+    saved = _save_traceback(text, folder)
+    return f"{_whose(text)}: {type(error).__name__}: {error}; {saved}"
+
+
+def _whose(traceback_text: str) -> str:
+    """Who an unexpected error is for: a plugin whose own code raised, or overlapkit."""
+    plugin = plugin_blamed(traceback_text)
+    if plugin is not None:
+        return f"error in the plugin {plugin}"
+    return "internal error (a bug in overlapkit; please report it)"
 
 
 def _rank_failed(error: RankFailedError, folder: Path | None) -> str:
@@ -684,8 +690,8 @@ def _rank_failed(error: RankFailedError, folder: Path | None) -> str:
         return f"run failed: rank {error.rank}: {head}{saved}"
     kind = error.raised["type"].rpartition(":")[2].rpartition(".")[2]
     return (
-        f"run failed: rank {error.rank}: internal error (a bug in overlapkit; please report "
-        f"it): {kind}: {error.raised['message']}; {_save_traceback(error.details, folder)}"
+        f"run failed: rank {error.rank}: {_whose(error.details)}: {kind}: "
+        f"{error.raised['message']}; {_save_traceback(error.details, folder)}"
     )
 
 

@@ -92,9 +92,18 @@ class ToyFail(Optimization):
         Knob(
             name="how", type=str, default="raise", choices=("raise", "sigkill", "sigint", "sigterm")
         ),
+        Knob(name="at", type=str, default="step_start", choices=("step_start", "step_end")),
     )
 
     def on_step_start(self, state):
+        if self.settings["at"] == "step_start":
+            self._fail(state)
+
+    def on_step_end(self, state):
+        if self.settings["at"] == "step_end":
+            self._fail(state)
+
+    def _fail(self, state):
         if state.world.rank != self.settings["rank"] or state.step != self.settings["step"]:
             return
         how = self.settings["how"]

@@ -12,7 +12,10 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+import re
+import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from ..runtime.optimization import REGISTRY, KnobError, Optimization
 
@@ -62,3 +65,26 @@ def get_optimization(name: str) -> type[Optimization]:
         allowed = list(available)
         raise KnobError(name, message + f"; available: {', '.join(allowed) or 'none yet'}", allowed)
     return available[name]
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)', re.MULTILINE)
+
+
+def plugin_blamed(traceback_text: str) -> str | None:
+    """The plugin whose code raised, as "module (file:line)", when the innermost frame
+    of the traceback that is overlapkit's or a plugin's (an optimization registered
+    from a module outside overlapkit) is the plugin's; None: overlapkit's own code."""
+    ours = str(Path(__file__).resolve().parent.parent)
+    plugins = {}
+    for cls in REGISTRY.values():
+        module = sys.modules.get(cls.__module__)
+        path = getattr(module, "__file__", None)
+        if path and not cls.__module__.startswith("overlapkit."):
+            plugins[str(Path(path).resolve())] = cls.__module__
+    for frame in reversed(list(_FRAME.finditer(traceback_text))):
+        path = str(Path(frame["file"]).resolve())
+        if path in plugins:
+            return f"{plugins[path]} ({frame['file']}:{frame['line']})"
+        if path.startswith(ours):
+            return None
+    return None

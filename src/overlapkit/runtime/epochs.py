@@ -152,7 +152,7 @@ class EpochLoop:
                 self._left_pass = True
             raise
         finally:
-            if self._in_step:  # the step a break (or an error) left
+            if self._in_step and not self._end_failed:  # the step a break (or an error) left
                 self.end_step()
 
     def _watch_resumed_batch(self, start: Start) -> None:

@@ -152,6 +152,7 @@ class Session(EpochLoop, SavedState):
         self._steps_this_run = 0
         self._optimizer_steps = 0  # this run's
         self._forwards_in_step = 0  # training forwards of the step now open
+        self._end_failed = False  # a STEP_END hook raised: the step is not ended again
         self._save_warned: set[str] = set()  # kinds of session.save() told inexact
         # (epoch, batch) of a resume mid-epoch, until its first batch is done (watched)
         self._resumed_mid_epoch: tuple[int, int] | None = None
@@ -243,7 +244,7 @@ class Session(EpochLoop, SavedState):
                 if self._in_step:
                     self.end_step()
         except GeneratorExit:
-            if self._in_step:  # a break in the script's loop: the step it finished
+            if self._in_step and not self._end_failed:  # a break: the step it finished
                 self.end_step()
             raise
         except BaseException:
@@ -320,6 +321,7 @@ class Session(EpochLoop, SavedState):
         self._in_step = True
         self._step_samples = 0
         self._forwards_in_step = 0
+        self._end_failed = False
         self._micro_losses.clear()
         self.scheduler.fire(Event.STEP_START, self.state)
 
@@ -460,7 +462,13 @@ class Session(EpochLoop, SavedState):
         Nothing here waits for the device: the step's times and loss are read when
         they are ready (a few steps later on a GPU; `finish` reads the rest)."""
         state = self.state
-        self.scheduler.fire(Event.STEP_END, state)
+        try:
+            self.scheduler.fire(Event.STEP_END, state)
+        except BaseException:
+            # The step stays open (it did not happen), but is not ended again when the
+            # script's loop closes its generator: the error is raised once.
+            self._end_failed = True
+            raise
         timing = state.clock.close_step()
         if loss is None and self._micro_losses:
             loss = torch.stack(self._micro_losses).mean()
