@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, cli_here, run_cli
+from conftest import ROOT, cli_here, free_port, run_cli
 from overlapkit.runtime.distributed import init_world
 
 # How long a rank waits in a collective for a peer that is gone: the process group's timeout.
@@ -248,3 +248,34 @@ def test_resuming_a_run_folder_with_another_rank_count_is_a_clear_error(tiny_sce
     assert "internal error" not in again.stderr and "Traceback" not in again.stderr
     assert "written by 1 ranks; this run has 2" in again.stderr and "--fresh" in again.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
+
+
+@pytest.mark.slow
+def test_torchrun_without_a_run_id_refuses_to_resume_another_setup(tiny_scenario, tmp_path):
+    """Without --standalone or --rdzv-id, every torchrun launch on one port names the
+    same folder (runs/<name>-port<PORT>): a second launch with another seed resumed
+    the first one's checkpoints silently (the refusals ran only for --out). Each rank
+    printed the summary (with --json: two documents, not one)."""
+    port = str(free_port())
+    scenario = tiny_scenario()
+
+    def torchrun(*settings):
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0"]
+            + ["--master-addr", "127.0.0.1", "--master-port", port, "--nproc-per-node", "2"]
+            + ["-m", "overlapkit", "run", str(scenario), "--json"]
+            + ["--set", "optimizations.checkpoint={every: 1}", *settings],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=tmp_path,
+        )
+
+    first = torchrun()
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads(first.stdout)["world_size"] == 2
+    assert (tmp_path / "runs" / f"tiny-port{port}" / "checkpoints").is_dir()
+    second = torchrun("--set", "train.seed=1", "--set", "train.steps=8")
+    assert second.returncode != 0
+    assert "holds checkpoints of another setup" in second.stderr, second.stderr[-3000:]
+    assert "train.seed" in second.stderr

@@ -27,7 +27,13 @@ from .data import DataError, DataNotFoundError
 from .earlier_run import EarlierRunError, check_earlier_run, scenario_in
 from .launch.cluster import ClusterConfigError
 from .launch.interrupt import RunInterrupted, exit_now
-from .launch.local import NodePlace, RankFailedError
+from .launch.local import (
+    NodePlace,
+    RankFailedError,
+    is_rank_zero,
+    torchrun_run_dir,
+    under_torchrun,
+)
 from .launch.ray_nodes import RayClusterError
 from .launch.ray_run import RayRunFailed
 from .models import MODEL_NAMES
@@ -495,7 +501,7 @@ def _run_command(
     out = _run_folder(scenario, args)
     with _stdout_to_stderr(args.json):
         summary = _run(scenario, args, out, where)
-    if summary is None:  # a machine other than node 0: its part is in its run folder
+    if summary is None or not is_rank_zero():  # another machine, or torchrun's rank > 0
         return 0
     if "run_dir" in summary:
         errors.print(f"overlapkit: results in {summary['run_dir']}", highlight=False)
@@ -587,6 +593,8 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
     if args.out is not None:
         _check_not_foreign(args.out, args.scenario)
         check_earlier_run(args.out, scenario, fresh=args.fresh)
+    elif under_torchrun():  # a folder every rank names: a rerun finds the earlier run's
+        check_earlier_run(torchrun_run_dir(scenario.name), scenario, fresh=args.fresh)
     if args.out is None and not args.fresh:
         earlier = [run for run in _earlier_runs(scenario.name) if (run / "checkpoints").is_dir()]
         if earlier and "checkpoint" in scenario.optimizations:

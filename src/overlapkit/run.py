@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .folders import claim, stamped
 from .launch.interrupt import RunInterrupted, await_signal, peer_left, stop_on_signals
-from .launch.local import NodePlace, launch_local, under_torchrun
+from .launch.local import NodePlace, is_rank_zero, launch_local, torchrun_run_dir, under_torchrun
 from .runtime import CombinationError, Session
 from .runtime.distributed import close_world, init_world
 from .runtime.loop import train
@@ -31,9 +31,7 @@ def default_run_dir(scenario: Scenario, root: Path = Path("runs")) -> Path:
     ``runs/<scenario>-<run id>``, which every rank can name without talking to the others
     (and a restarted job finds again)."""
     if under_torchrun():
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        suffix = run_id if run_id != "none" else f"port{os.environ.get('MASTER_PORT', '0')}"
-        return root / f"{scenario.name}-{suffix}"
+        return torchrun_run_dir(scenario.name, root)
     return stamped(root, scenario.name)
 
 
@@ -169,7 +167,7 @@ def run_scenario(
         run_dir.mkdir(parents=True, exist_ok=True)
     if on_folder is not None:
         on_folder(run_dir)
-    if not under_torchrun() or int(os.environ.get("RANK", 0)) == 0:
+    if is_rank_zero():
         (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
         print(f"overlapkit: run folder {run_dir}", file=sys.stderr, flush=True)
     if under_torchrun() or world.ranks == 1:

@@ -67,6 +67,20 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
+def torchrun_run_dir(name: str, root: Path = Path("runs")) -> Path:
+    """A torchrun rank's run folder when none is named: ``root/<name>-<run id>``, which
+    every rank can name without talking to the others (and a restarted job finds
+    again); ``-port<MASTER_PORT>`` without a rendezvous id (``--rdzv-id``)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    suffix = run_id if run_id != "none" else f"port{os.environ.get('MASTER_PORT', '0')}"
+    return root / f"{name}-{suffix}"
+
+
+def is_rank_zero() -> bool:
+    """Whether this process speaks for the run: always, but under torchrun rank 0 only."""
+    return not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
+
+
 def die_with_parent() -> None:
     """Linux kills this process when its parent dies: ranks never outlive their
     launcher, nor a launcher the Ray actor that started it (a lost machine, a killed
