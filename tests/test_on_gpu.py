@@ -192,6 +192,48 @@ def test_a_session_in_a_nccl_group_evaluates_and_checkpoints(tmp_path):
         dist.destroy_process_group()
 
 
+def test_bucket_timing_on_nccl_reads_cuda_events_of_the_work():
+    """The exposed-communication figure on NCCL: DDP's buckets, timed by the comm
+    hook's CUDA events (launch on the backward's stream, completion in the future's
+    callback, whose streams wait for the all-reduce), read after the work without
+    an error, in the order the buckets ran, from a pool of events reused."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from conftest import free_port
+    from overlapkit.optimizations.ddp_overlap.hooks import BucketTimer, SyncTiming, make_hook
+    from overlapkit.runtime.distributed import process_group_backend
+    from overlapkit.runtime.timing import Marks
+
+    device = torch.device("cuda", 0)
+    dist.init_process_group(
+        process_group_backend("nccl"),
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        device_id=device,
+    )
+    try:
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).to(device)
+        ddp = DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=4)
+        marks = Marks(device)
+        state, hook = make_hook("none", {}, None)
+        timer = BucketTimer(hook, marks)
+        ddp.register_comm_hook(state, timer.hook)
+        for _ in range(4):
+            timer.calls = []
+            ddp(torch.randn(256, 1024, device=device)).sum().backward()
+            timing = SyncTiming(timer.calls, marks)
+            torch.cuda.synchronize()
+            assert timing.ready()
+            exposed, busy, calls = timing.values()  # gives its events back to the pool
+            assert len(calls) >= 2 and all(latency >= 0 for _, latency in calls)
+            assert 0 <= exposed <= busy
+        assert marks.created == 2 * len(calls)  # the first step's events, reused since
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_deterministic_resnet_run_on_the_gpu_repeats_itself(tmp_path):
     """``train.deterministic`` on CUDA: the built-in ResNet has no operation torch
     refuses there (adaptive pooling's backward was one), and two runs agree."""
