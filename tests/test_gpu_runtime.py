@@ -208,24 +208,36 @@ class FakeDevice:
 
 
 class FakeEvent:
+    """As strict as a CUDA event: ``elapsed_time`` needs both events made with
+    ``enable_timing``, recorded and completed (CUDAEvent::elapsed_time raises
+    otherwise); ``query`` of an event never recorded is True."""
+
     device: FakeDevice
 
     def __init__(self, enable_timing: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.recorded = False
         self.time: float | None = None
 
     def record(self, stream=None) -> None:
+        self.recorded = True
         self.time = None
         self.device.pending.append(self)
 
     def query(self) -> bool:
-        return self.time is not None
+        return not self.recorded or self.time is not None
 
     def synchronize(self) -> None:
-        if self.time is None:
+        if self.recorded and self.time is None:
             self.device.waits += 1
             self.device.run(0.001)
 
     def elapsed_time(self, end: FakeEvent) -> float:
+        for event in (self, end):
+            if not event.enable_timing:
+                raise RuntimeError("Both events must be created with argument 'enable_timing=True'")
+            if event.time is None:
+                raise RuntimeError("Both events must be recorded and completed")
         return (end.time - self.time) * 1000.0
 
 

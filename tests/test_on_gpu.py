@@ -262,6 +262,7 @@ def test_the_layer_profile_times_compute_not_kernel_launches():
     # One large matmul against one tiny: their launches cost the same, their work not.
     device = torch.device("cuda", torch.cuda.current_device())
     layers = [("large", nn.Linear(4096, 4096)), ("small", nn.Linear(4096, 8))]
+    layers = [(name, layer.to(device)) for name, layer in layers]  # as the model is, prepared
     costs = profile_layers(layers, torch.randn(8192, 4096, device=device), device)
     large, small = (c.compute_s for c in costs)
     assert large > 5 * small, (large, small)

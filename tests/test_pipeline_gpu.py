@@ -226,6 +226,7 @@ def test_on_a_gpu_the_step_never_waits_for_the_device(clock, monkeypatch):
 
     class FakeEvent:  # a CUDA event on the fake clock's timeline
         def __init__(self, enable_timing=False) -> None:
+            self.enable_timing = enable_timing
             self.time = None
 
         def record(self, stream=None) -> None:
@@ -238,7 +239,9 @@ def test_on_a_gpu_the_step_never_waits_for_the_device(clock, monkeypatch):
         def synchronize(self) -> None:
             waits.append("synchronize")
 
-        def elapsed_time(self, end) -> float:
+        def elapsed_time(self, end) -> float:  # as strict as CUDAEvent::elapsed_time
+            assert self.enable_timing and end.enable_timing, "made without enable_timing"
+            assert self.time is not None and end.time is not None, "not recorded"
             return (end.time - self.time) * 1000.0
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)

@@ -63,7 +63,7 @@ def profile_layers(
     costs = []
     x = sample
     for name, layer in layers:
-        clone = copy.deepcopy(layer).to(device)
+        clone = copy.deepcopy(layer)
         seconds, out = _time_layer(clone, x, repeats, device)
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
         costs.append(LayerCost(name, seconds, tensor_bytes(out), params))
