@@ -1011,6 +1011,23 @@ def environment(device: torch.device, quick: bool) -> dict[str, Any]:
     return env
 
 
+def disk_write_mb_s(folder: Path, nbytes: int) -> float:
+    """This folder's write rate, fsync included (part (b) writes ~22 GB there: below
+    ~400 MB/s the persists queue up and its overheads measure the disk)."""
+    chunk = bytes(16 << 20)
+    path = folder / "write-rate.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // len(chunk))):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    written = path.stat().st_size
+    path.unlink()
+    return written / seconds / 1e6
+
+
 def header(console: Console, env: dict[str, Any]) -> None:
     if env["device"] == "cuda":
         console.print(
@@ -1030,6 +1047,11 @@ def header(console: Console, env: dict[str, Any]) -> None:
             f"no GPU (compute capability n/a); torch {env['torch']}, CUDA {env['cuda']}; "
             f"{env['cpu_cores']} CPU cores; {env['optimizer']}"
         )
+    console.print(
+        f"checkpoints written to {env['scratch']} ({env['disk_write_mb_s']} MB/s with fsync; "
+        "--dir chooses another disk)",
+        highlight=False,
+    )
 
 
 def main() -> None:
@@ -1083,8 +1105,10 @@ def main() -> None:
             "[yellow]a CPU run at GPU sizes takes very long: --quick is the CPU smoke test[/yellow]"
         )
     env = environment(device, args.quick)
-    header(console, env)
     scratch = Path(tempfile.mkdtemp(prefix="overlapkit-gpu-bench-", dir=args.dir))
+    env["scratch"] = str(scratch)
+    env["disk_write_mb_s"] = round(disk_write_mb_s(scratch, (16 if args.quick else 512) << 20))
+    header(console, env)
     ctx = Context(device, sizes, scratch, log, args.quick)
     results: dict[str, Any] = {"environment": env, "sizes": asdict(sizes)}
     started = time.perf_counter()
