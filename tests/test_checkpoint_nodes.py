@@ -150,6 +150,32 @@ def test_a_mirror_follows_a_machines_checkpoints_and_names_only_whole_ones(tmp_p
     write([9, 12])
     assert mirror(here, manifest_text(there), fetch)
     assert listed(here) == [9, 12] and not list(here.glob(".incoming-*"))
+    # The machine wrote step 12 again (resumed from an older step): fetched again, not
+    # kept with the new manifest's checksums describing the old bytes.
+    again = write([9, 12])
+    (there / "step-00000012" / "rank00000.ckpt").write_bytes(content(99))
+    again["checkpoints"][1]["files"]["rank00000.ckpt"] = record(content(99))
+    assert mirror(here, json.dumps(again), fetch)
+    assert (here / "step-00000012" / "rank00000.ckpt").read_bytes() == content(99)
+    assert listed(here) == [9, 12]
+
+
+def test_a_run_folder_is_sent_without_the_checkpoints_moved_aside(tmp_path):
+    """A resume under --ray sends each machine its run folder apart from its
+    checkpoints (those travel in chunks); the ones a --fresh start moved aside
+    (checkpoints.old-<time>) went along, gzipped in memory, and came back again."""
+    import io
+    import tarfile
+
+    from overlapkit.launch.ray_nodes import pack
+
+    for name in ("checkpoints", "checkpoints.old-20261124-074500", "nodes"):
+        (tmp_path / name / "step-00000009").mkdir(parents=True)
+        (tmp_path / name / "step-00000009" / "rank00000.ckpt").write_bytes(b"x" * 1000)
+    (tmp_path / "summary.json").write_text("{}")
+    archive = pack(tmp_path, skip=("nodes", "checkpoints"))
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        assert tar.getnames() == ["summary.json"]
 
 
 def test_an_earlier_runs_checkpoints_are_sent_back_a_chunk_at_a_time(tmp_path, monkeypatch):

@@ -226,3 +226,15 @@ def test_batches_of_named_tuples_mappings_and_own_classes_move_whole():
 
     assert to_device({"graph": Graph(torch.zeros(2))}, meta)["graph"].x.device == meta
     assert to_device(("text", 3, None), meta) == ("text", 3, None)
+
+
+def test_a_packed_sequence_moves_by_its_own_to():
+    """A named tuple with its own ``to``: rebuilt field by field, its batch_sizes went
+    to the device ('batch_sizes should always be on CPU')."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    from overlapkit.runtime.batch import to_device
+
+    packed = pack_padded_sequence(torch.zeros(3, 2, 4), [3, 2])
+    moved = to_device({"text": packed}, torch.device("meta"))["text"]
+    assert moved.data.device == torch.device("meta") and moved.batch_sizes.device.type == "cpu"

@@ -160,6 +160,12 @@ def test_the_overrides_each_scenario_header_gives_load_as_written():
         ROOT / "scenarios" / "resnet18-cifar.yaml", ["data.name=cifar10", "data.root=/x"]
     )
     assert cifar.data.model_dump(mode="json") == {"name": "cifar10", "root": "/x"}
+    # Only the earlier kind's own keys go: a typo set before the name is still named.
+    with pytest.raises(ScenarioError, match="szie"):
+        load_scenario(
+            ROOT / "scenarios" / "resnet18-imagenet.yaml",
+            ["data.root=/x", "data.szie=64", "data.name=imagefolder"],
+        )
     # The same kind again keeps what the file says.
     same = load_scenario(ROOT / "scenarios" / "resnet18-cifar.yaml", ["data.name=synthetic-images"])
     assert same.data.num_samples == 50000

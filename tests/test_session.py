@@ -294,3 +294,25 @@ def test_batchnorm_statistics_are_rank_zeros_as_under_ddp():
         for way in ("port", "no_overlap"):
             assert torch.equal(rank[f"{way}/eval"], rank["ddp/eval"]), way
     assert torch.equal(ranks[0]["ddp/eval"], ranks[1]["ddp/eval"])
+
+
+def test_a_step_whose_end_failed_is_not_ended_again_by_finish():
+    """A hook failing at a step's end (a plugin's on_step_end), caught by the script,
+    which then calls finish(): the failed step was ended again there, firing the
+    hook a second time (and raising again)."""
+    from overlapkit import get_optimization
+
+    fail = get_optimization("toy_fail")(rank=0, step=1, at="step_end")
+    seed_everything(0)
+    data = SyntheticImages((3, 8, 8), num_classes=4, num_samples=64, seed=0)
+    session = Session([fail], progress=False)
+    model, optimizer, loader = session.prepare(
+        nn.Sequential(nn.Flatten(), nn.Linear(192, 4)),
+        None,
+        ResumableLoader(data, 16, ShardedSampler(len(data), seed=0)),
+    )
+    with pytest.raises(RuntimeError, match="toy failure on rank 0 at step 1"):
+        for inputs, targets in session.steps(3):
+            nn.functional.cross_entropy(model(inputs), targets).backward()
+    summary = session.finish()
+    assert summary["steps"] == 1  # step 0; step 1 never ended

@@ -443,11 +443,13 @@ def machine_folder(run_dir: Path, k: int) -> Path:
 
 
 def pack(folder: Path, skip: tuple[str, ...] = ()) -> bytes:
-    """A folder's files as gzipped tar bytes (those named in ``skip`` left out)."""
+    """A folder's files as gzipped tar bytes, those named in ``skip`` left out, with
+    their siblings ``NAME.*`` (the checkpoints a fresh start moved aside,
+    ``checkpoints.old-<time>``, stay where they are)."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
         for path in sorted(folder.iterdir()):
-            if path.name not in skip:
+            if not any(path.name == s or path.name.startswith(f"{s}.") for s in skip):
                 tar.add(path, arcname=path.name)
     return buffer.getvalue()
 

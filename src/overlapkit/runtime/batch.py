@@ -17,13 +17,15 @@ def to_device(batch: Any, device: torch.device) -> Any:
             # A copy from pageable memory makes the host wait for the device.
             batch = batch.pin_memory()
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple, Mapping)):
-        return _rebuilt(batch, [to_device(item, device) for item in _items(batch)])
     if callable(getattr(batch, "to", None)) and not isinstance(batch, (str, bytes)):
+        # Its own way first, containers included: a PackedSequence (a named tuple whose
+        # batch_sizes stay on the CPU), Hugging Face's BatchEncoding (its encodings kept).
         try:
             return batch.to(device, non_blocking=True)
         except TypeError:  # a `to` that takes no non_blocking
             return batch.to(device)
+    if isinstance(batch, (list, tuple, Mapping)):
+        return _rebuilt(batch, [to_device(item, device) for item in _items(batch)])
     return batch
 
 

@@ -115,10 +115,21 @@ def mirror(root: Path, manifest: str, fetch: Fetch) -> bool:
     moved on since its manifest was read): nothing listed changes then."""
     entries = {int(e["step"]): e for e in json.loads(manifest)["checkpoints"]}
     steps = sorted(entries)
-    missing = [s for s in steps if not step_dir(root, s).is_dir()]
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".incoming-*"):  # a copy a killed driver left half done
         shutil.rmtree(stale, ignore_errors=True)
+    # A step folder held for another entry than this one (the machine wrote that step
+    # again after a resume from an older one; or a killed copy's, never listed here):
+    # unlisted first, then removed, then fetched again.
+    held_text = manifest_text(root)
+    held = {int(e["step"]): e for e in json.loads(held_text)["checkpoints"]} if held_text else {}
+    stale = [s for s in steps if step_dir(root, s).is_dir() and held.get(s) != entries[s]]
+    if stale:
+        kept = [e for step, e in sorted(held.items()) if step not in stale]
+        write_json(root / MANIFEST, {**json.loads(held_text or "{}"), "checkpoints": kept})
+        for step in stale:
+            shutil.rmtree(step_dir(root, step))
+    missing = [s for s in steps if not step_dir(root, s).is_dir()]
     for step in missing:
         with tempfile.TemporaryDirectory(dir=root, prefix=".incoming-") as incoming:
             folder = Path(incoming) / step_dir(root, step).name

@@ -563,7 +563,7 @@ class Session(EpochLoop, SavedState):
         """Drain background work (FIT_END), gather metrics from all ranks, write
         ``steps.jsonl`` and ``summary.json`` to the run folder; return the summary.
         A process group the session started itself is closed: call it last."""
-        if self._in_step:  # a loop left mid-step (an exception, a generator not closed)
+        if self._in_step and not self._end_failed:  # a loop left mid-step (an exception...)
             self.end_step()
         self.scheduler.fire(Event.FIT_END, self.state)
         self.scheduler.policy.close()

@@ -120,8 +120,9 @@ def apply_override(data: dict[str, Any], override: str) -> Path_:
     target[keys[-1]] = value
     if kind is not None and (now := _model_at(keys[:-1], data)) not in (None, kind):
         # Another kind of the section (data.name=cifar10 over synthetic images): the
-        # keys only the earlier kind takes (shape, num_samples) go with it.
-        for key in [k for k in target if k not in now.model_fields]:
+        # keys only the earlier kind takes (shape, num_samples) go with it; any other
+        # unknown key (a typo) stays, to be named.
+        for key in [k for k in target if k in kind.model_fields and k not in now.model_fields]:
             del target[key]
     return keys
 
