@@ -304,7 +304,10 @@ def run_on_ray(
         if mirrors is not None and not outcome.stopped:
             # What reached this machine stays whatever happened: a failed run resumes.
             if outcome.lost is None:
-                mirrors.update(ray.get([a.manifest.remote() for a in actors]))
+                try:
+                    mirrors.update(ray.get([a.manifest.remote() for a in actors]))
+                except (RayActorError, ActorUnavailableError):
+                    pass  # a machine lost just now: the manifests seen before stand
             mirrors.finish(lost=lost)
         if outcome.lost is None and not outcome.stopped:
             _gather(actors, run_dir)
