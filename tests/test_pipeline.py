@@ -6,7 +6,16 @@ import json
 
 import pytest
 import torch
-from rank_programs import SHAPE, first_batch, pipeline_runs, unequal_mlp, v_schedule_link_warmup
+from rank_programs import (
+    SHAPE,
+    batchnorm_mlp,
+    first_batch,
+    pipeline_batchnorm,
+    pipeline_runs,
+    pipeline_script_mistakes,
+    unequal_mlp,
+    v_schedule_link_warmup,
+)
 from torch.distributed.pipelining import PipelineStage
 
 from conftest import cli_here, run_cli
@@ -232,6 +241,109 @@ def test_ddp_inside_a_pipeline_overlaps_only_the_last_microbatch(mesh_results):
     # The share of backward time in which that all-reduce can overlap: a measured
     # figure (a timing band here would be a race on 4 ranks sharing 2 cores).
     assert summary["optimizations"]["pipeline"]["measured"]["ddp_window_fraction"] > 0
+
+
+# ------------------------------------------------------------- batch norm, evaluation
+def batchnorm_reference(evaluate):
+    """The unsplit batch-norm model, each batch run as the pipeline's 4 micro-batches
+    (its loss their mean), on the batches `pipeline_batchnorm` trains on."""
+    seed_everything(0)
+    model = batchnorm_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=512, seed=0)
+    order = ShardedSampler(len(dataset), 0, 1).indices()
+    cross_entropy = torch.nn.functional.cross_entropy
+
+    def train(step):
+        batch = [dataset[i] for i in order[step * BATCH : (step + 1) * BATCH]]
+        inputs, targets = torch.utils.data.default_collate(batch)
+        optimizer.zero_grad()
+        micro = zip(inputs.chunk(4), targets.chunk(4), strict=True)
+        (sum(cross_entropy(model(x), y) for x, y in micro) / 4).backward()
+        optimizer.step()
+
+    def state():
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    train(0)
+    train(1)
+    result = {"after 2 steps": state()}
+    if evaluate:
+        eval_set = SyntheticImages(SHAPE, num_classes=4, num_samples=40, seed=1)
+        inputs, targets = torch.utils.data.default_collate([eval_set[i] for i in range(40)])
+        model.eval()
+        with torch.no_grad():
+            outputs = model(inputs)
+        model.train()
+        result["evaluation"] = {
+            "accuracy": (outputs.argmax(-1) == targets).float().mean().item(),
+            "loss": cross_entropy(outputs, targets).item(),
+        }
+        train(2)
+    result["end"] = state()
+    return result
+
+
+def assert_stages_match(results, reference, when):
+    seen = set()
+    for rank_result in results.values():
+        for key, value in rank_result[when].items():
+            name = key.removeprefix("layers.")  # a StageModule's names: layers.<layer>.<...>
+            seen.add(name)
+            torch.testing.assert_close(value, reference[when][name], rtol=1e-4, atol=1e-5)
+    assert seen == reference[when].keys()
+
+
+@pytest.mark.slow
+@needs_runnable_torch
+def test_batch_norm_statistics_are_those_of_the_microbatches_alone():
+    """torch sets a stage up by running its forward once, in training mode: that pass
+    updated the first stage's batch-norm statistics once more than its micro-batches,
+    and a later stage's with uninitialised memory (NaN statistics: the pipedream
+    scenario evaluated at chance, loss NaN). The stages' buffers are put back."""
+    results = launch_local(pipeline_batchnorm, 2, False)
+    reference = batchnorm_reference(evaluate=False)
+    for rank_result in results.values():
+        tracked = [v for k, v in rank_result["end"].items() if k.endswith("num_batches_tracked")]
+        assert [int(t) for t in tracked] == [2 * 4]  # 2 steps of 4 micro-batches
+    assert_stages_match(results, reference, "end")
+
+
+@pytest.mark.slow
+@needs_runnable_torch
+def test_evaluation_takes_batches_of_any_size_and_training_goes_on_as_before():
+    """Evaluation batches larger than a training batch, and a short last one, are
+    evaluated in pieces of the training batch's size (torch fixes the shapes the stages
+    send at the first step: a short batch failed in the loss); the step after it trains
+    as the unsplit model does, statistics included."""
+    results = launch_local(pipeline_batchnorm, 2, True)
+    reference = batchnorm_reference(evaluate=True)
+    assert_stages_match(results, reference, "after 2 steps")
+    for rank_result in results.values():
+        evaluation = rank_result["evaluation"]
+        assert evaluation["samples"] == 40
+        assert evaluation["accuracy"] == pytest.approx(reference["evaluation"]["accuracy"])
+        assert evaluation["loss"] == pytest.approx(reference["evaluation"]["loss"], rel=1e-5)
+    assert_stages_match(results, reference, "end")
+
+
+@pytest.mark.slow
+@needs_runnable_torch
+def test_a_scripts_mistakes_under_pipeline_are_errors_that_say_what_to_do():
+    said = launch_local(pipeline_script_mistakes, 2)
+    for rank in (0, 1):
+        # A DistributedSampler over both ranks paired rank 0's inputs with rank 1's
+        # targets, silently.
+        sampler = said[rank]["sampler"]
+        assert (
+            f"reads shard {rank} of 2; under pipeline this rank must read shard 0 of 1" in sampler
+        )
+        assert "session.data_shard" in sampler
+        # The first stage's rank went on with its activations; the last failed on a shape.
+        assert "instead of model(inputs)" in said[rank]["model(x)"]
+        # 40 samples in batches of 16: the last, 8, failed inside torch's loss call.
+        assert "this batch has 8 samples, the first had 16" in said[rank]["short batch"]
+        assert "drop_last=True" in said[rank]["short batch"]
 
 
 # ------------------------------------------------------------- bad settings

@@ -171,7 +171,7 @@ def clock(monkeypatch):
 def timed_pipeline(device: torch.device, clock: FakeClock):
     """A pipeline's first stage of two, past its first step, on a fake schedule."""
     pipe = pipeline(microbatches=4)
-    pipe.microbatches, pipe.stage_ids = 4, [0]
+    pipe.microbatches, pipe.batch, pipe.stage_ids = 4, 8, [0]
     pipe.meter = StepMeter(device)
     stage = TimedStage.__new__(TimedStage)  # the timing only: no process group
     stage.stage_index, stage.num_stages = 0, 2

@@ -435,6 +435,113 @@ def pipeline_runs(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         torch.distributed.destroy_process_group()
 
 
+def batchnorm_mlp() -> nn.Module:
+    """Eight layers, a batch norm in each half (split equally: one on each stage)."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(192, 32),
+        nn.BatchNorm1d(32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.BatchNorm1d(32),
+        nn.ReLU(),
+        nn.Linear(32, 4),
+    )
+
+
+def pipeline_batchnorm(evaluate: bool) -> dict[str, Any]:
+    """The batch-norm MLP in 2 GPipe stages of 4 micro-batches, batches of 16: 2 steps,
+    then (``evaluate``) `Session.evaluate` over 40 samples in batches of 24 (larger than
+    a training batch, and a short last one) and one more step. Returns this rank's stage
+    (parameters and buffers) after the first 2 steps and at the end, and the evaluation."""
+    world = init_world("cpu", "gloo")
+    try:
+        seed_everything(0)
+        model = batchnorm_mlp()
+        pipe = get_optimization("pipeline")(
+            stages=2, microbatches=4, schedule="gpipe", split="equal"
+        )
+        session = Session([pipe], world=world, device="cpu")
+        dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=512, seed=0)
+        loader = ResumableLoader(dataset, 16, ShardedSampler(len(dataset), 0, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, optimizer, _ = session.prepare(model, optimizer, loader)
+        eval_set = SyntheticImages(SHAPE, num_classes=4, num_samples=40, seed=1)
+
+        def stage() -> dict[str, torch.Tensor]:
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+        result: dict[str, Any] = {}
+        for inputs, targets in session.steps(3 if evaluate else 2):
+            session.forward_backward(inputs, targets, nn.functional.cross_entropy)
+            session.optimizer_step()
+            session.end_step()
+            if session.state.step == 2:
+                result["after 2 steps"] = stage()
+                if evaluate:
+                    eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=24)
+                    result["evaluation"] = session.evaluate(eval_loader)
+        result["end"] = stage()
+        session.finish()
+        return result
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def pipeline_script_mistakes() -> dict[str, str]:
+    """A script's mistakes under pipeline, each caught where it is made (on every rank
+    alike): a sampler sharded over all ranks, its own model(x), a short last batch."""
+    world = init_world("cpu", "gloo")
+    said: dict[str, str] = {}
+    dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=40, seed=0)
+
+    def session_for(sampler: Any, drop_last: bool) -> tuple[Session, nn.Module, Any]:
+        seed_everything(0)
+        model = unequal_mlp()
+        pipe = get_optimization("pipeline")(
+            stages=2, microbatches=4, schedule="gpipe", split="equal"
+        )
+        session = Session([pipe], world=world, device="cpu")
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=16, sampler=sampler, drop_last=drop_last
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        model, _, loader = session.prepare(model, optimizer, loader)
+        return session, model, loader
+
+    try:
+        try:  # the data-parallel way: every rank a shard of its own
+            sampler = torch.utils.data.DistributedSampler(
+                dataset, world.world_size, world.rank, shuffle=False
+            )
+            session, model, loader = session_for(sampler, drop_last=True)
+            for inputs, targets in loader:
+                session.forward_backward(inputs, targets, nn.functional.cross_entropy)
+                session.optimizer_step()
+            said["sampler"] = "no error"
+        except Exception as error:  # noqa: BLE001
+            said["sampler"] = str(error)
+        try:
+            session, model, loader = session_for(None, drop_last=True)
+            for inputs, _targets in loader:
+                model(inputs)
+                said["model(x)"] = "no error"
+                break
+        except Exception as error:  # noqa: BLE001
+            said["model(x)"] = str(error)
+        try:  # 40 samples in batches of 16: the last has 8
+            session, model, loader = session_for(None, drop_last=False)
+            for inputs, targets in loader:
+                session.forward_backward(inputs, targets, nn.functional.cross_entropy)
+                session.optimizer_step()
+            said["short batch"] = "no error"
+        except Exception as error:  # noqa: BLE001
+            said["short batch"] = str(error)
+        return said
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def node_local_checkpoints(
     roots: list[str], steps: int, knobs: dict[str, Any], overheads: list[float] | None = None
 ) -> dict[str, Any]:

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import default_collate
+from torch.utils.data import DistributedSampler, default_collate
 
+from ...data.sampler import ShardedSampler
 from ...runtime import (
     CombinationError,
     DataParallel,
@@ -117,6 +118,7 @@ class Pipeline(Optimization):
         self.meter: Any = None  # a StepMeter, on the first step
         self.notes: list[str] = []
         self.microbatches: int | None = None
+        self.batch: int | None = None  # samples per step: the first batch's, fixed from then on
         self.stage_ids: list[int] = []
         self.partition: list[dict[str, Any]] = []
         self.layer_costs: list[dict[str, Any]] = []
@@ -267,6 +269,7 @@ class Pipeline(Optimization):
         self.check(world.world_size, world.device.type, world.backend)
         replicas = world.world_size // self.pp
         pp_rank, dp_rank = divmod(world.rank, replicas)
+        self._check_sampler(state.loader, dp_rank, replicas)
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(world.device.type, (self.pp, replicas), mesh_dim_names=("pp", "dp"))
@@ -283,6 +286,29 @@ class Pipeline(Optimization):
         state.feeds_inputs = self.holds_first
         state.counts_samples = state.feeds_inputs
         return self._parts[0] if len(self._parts) == 1 else nn.ModuleList(self._parts)
+
+    @staticmethod
+    def _check_sampler(loader: Any, shard: int, shards: int) -> None:
+        """The ranks of one pipeline must read the same batches (the first stage takes the
+        inputs, the last the targets): a sampler sharded over all ranks, as a script
+        builds it for data parallelism, would pair one rank's inputs with another's
+        targets, silently."""
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, DistributedSampler):
+            got = (sampler.rank, sampler.num_replicas)
+        elif isinstance(sampler, ShardedSampler):
+            got = (sampler.rank, sampler.world_size)
+        else:
+            return
+        if got != (shard, shards):
+            raise PipelineError(
+                f"pipeline: the loader's {type(sampler).__name__} reads shard {got[0]} of "
+                f"{got[1]}; under pipeline this rank must read shard {shard} of {shards}: "
+                "the ranks of one pipeline read the same batches (the first stage takes "
+                "the inputs, the last the targets). Build the sampler from "
+                "session.data_shard: index, count = session.data_shard; "
+                "DistributedSampler(dataset, num_replicas=count, rank=index)"
+            )
 
     def wrap_optimizer(self, optimizer: Any, state: State) -> Any:
         # The optimizer was built over the whole model: keep this rank's parameters only.
@@ -416,9 +442,19 @@ class Pipeline(Optimization):
         batch = int(targets.shape[0])
         if self._schedule is None:
             self.microbatches = self.resolve_microbatches(batch)
+            self.batch = batch
             self._build_schedule(state, loss_fn)
-        elif batch % self.microbatches:
-            self._check_microbatches(self.microbatches, batch)
+        elif batch != self.batch:
+            # torch's schedule keeps the shapes of what a stage receives from its first
+            # step: a later stage would run on the first batch's shape and meet targets
+            # of another (a cryptic error in the loss, or, with a loss that broadcasts,
+            # wrong gradients).
+            raise PipelineError(
+                f"pipeline: this batch has {batch} samples, the first had {self.batch}; "
+                "torch's pipeline schedules fix the shapes the stages send at the first "
+                "step, so every training batch must have the first one's size (a "
+                "DataLoader's short last batch: drop_last=True)"
+            )
         last = self.holds_last
         losses: list[torch.Tensor] = []
         self.meter.reset()
@@ -441,18 +477,22 @@ class Pipeline(Optimization):
     @torch.no_grad()
     def evaluate_batch(self, state: State, inputs: Any, targets: Any) -> Any:
         """The last stage's outputs for ``inputs`` (None on other ranks)."""
-        if self._schedule is None:
+        if self._schedule is None or self.batch is None:
             raise PipelineError("pipeline evaluates after the first training step")
-        # The schedule splits into a fixed number of micro-batches: pad a short last
-        # batch with copies of its last sample, and drop their outputs.
-        size = int(targets.shape[0])
-        padding = -size % self.microbatches
-        if padding:
-            inputs, targets = (
-                torch.cat([t, t[-1:].expand(padding, *t.shape[1:])]) for t in (inputs, targets)
-            )
-        outputs = self._schedule.eval(*((inputs,) if self.holds_first else ()), target=targets)
-        return outputs[:size] if self.holds_last else None
+        # The schedule runs batches of the training batch's shape only (torch fixes what
+        # the stages send at its first step): a batch is evaluated in pieces of that
+        # size, a short piece padded with copies of its last sample, their outputs dropped.
+        outputs = []
+        for start in range(0, int(targets.shape[0]), self.batch):
+            piece = [t[start : start + self.batch] for t in (inputs, targets)]
+            size = int(piece[1].shape[0])
+            padding = self.batch - size
+            if padding:
+                piece = [torch.cat([t, t[-1:].expand(padding, *t.shape[1:])]) for t in piece]
+            out = self._schedule.eval(*(piece[:1] if self.holds_first else ()), target=piece[1])
+            if self.holds_last:
+                outputs.append(out[:size])
+        return torch.cat(outputs) if self.holds_last else None
 
     def on_fit_end(self, state: State) -> None:
         steps = [times.result() for times in self._steps]  # read now, at the latest

@@ -98,6 +98,23 @@ class TimedStage(PipelineStage):
         ops = super()._get_init_p2p_neighbors_ops()
         return [op for op in ops if getattr(op, "group_peer", None) != self.group_rank]
 
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        """torch sets a stage up (at the first step, and again at each switch between
+        training and ``eval``) by running its forward once: on the first micro-batch on
+        the first stage, on uninitialised tensors on the others, in the module's mode.
+        In training mode that pass updated batch-norm statistics: once more than the
+        micro-batches on the first stage, and with garbage on the others (NaN running
+        statistics, an evaluation at chance). The stage's buffers are put back, through
+        ``.data``: torch's backward set-up differentiates that same pass next (for the
+        gradients' shapes only), and autograd would refuse a buffer it saved changed in
+        place."""
+        saved = [(buffer, buffer.detach().clone()) for buffer in self.submod.buffers()]
+        try:
+            return super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            for buffer, value in saved:
+                buffer.data.copy_(value)
+
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         received = self.part.bytes_in
         begin = self.meter.marks.mark()
