@@ -32,6 +32,14 @@ def test_the_design_example_loads_with_overrides(tiny_scenario):
 def test_intensity_zero_turns_an_optimization_off(tiny_scenario):
     scenario = load_scenario(tiny_scenario(), ["optimizations.toy_probe.intensity=0"])
     assert scenario.build_optimizations() == []
+    # Also one the file configures (--set optimizations.pipeline.intensity=0 over a
+    # pipeline with stages set kept it running), as a tune's trials do.
+    configured = ["optimizations.checkpoint={every: 5, keep: 3}"]
+    scenario = load_scenario(tiny_scenario(), [*configured, "optimizations.checkpoint.intensity=0"])
+    assert scenario.build_optimizations() == []
+    # A mode at 0 (ddp_overlap's no-overlap baseline) stays.
+    scenario = load_scenario(tiny_scenario(), ["optimizations.ddp_overlap={intensity: 0}"])
+    assert [o.name for o in scenario.build_optimizations()] == ["ddp_overlap"]
 
 
 @pytest.mark.parametrize(

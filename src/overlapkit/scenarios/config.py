@@ -185,14 +185,15 @@ class Scenario(Config):
         )
 
     def build_optimizations(self) -> list[Optimization]:
-        """The enabled optimizations (intensity 0 means off, unless it is a mode of
-        the optimization's own), in the order listed."""
+        """The enabled optimizations (intensity 0 means off, whatever else is set, as
+        in a tune's trials, unless it is a mode of the optimization's own), in the
+        order listed."""
         built = []
         for name, settings in self.optimizations.items():
             settings = dict(settings or {})
             intensity = settings.pop("intensity", 1.0)
             cls = get_optimization(name)
-            if intensity == 0 and not settings and cls.off_at_zero:
+            if intensity == 0 and cls.off_at_zero:
                 continue
             built.append(cls(intensity, **settings))
         return built
