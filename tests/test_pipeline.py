@@ -340,7 +340,11 @@ def test_a_scripts_mistakes_under_pipeline_are_errors_that_say_what_to_do():
         )
         assert "session.data_shard" in sampler
         # The first stage's rank went on with its activations; the last failed on a shape.
-        assert "instead of model(inputs)" in said[rank]["model(x)"]
+        assert "session.forward_backward(inputs, targets, loss_fn)" in said[rank]["model(x)"]
+        # Outside a step (its own evaluation after training): rank 0 got its stage's
+        # activations as if they were the model's outputs.
+        assert "gives that stage's activations" in said[rank]["model(x) after"]
+        assert "session.evaluate(loader)" in said[rank]["model(x) after"]
         # 40 samples in batches of 16: the last, 8, failed inside torch's loss call.
         assert "this batch has 8 samples, the first had 16" in said[rank]["short batch"]
         assert "drop_last=True" in said[rank]["short batch"]

@@ -529,6 +529,17 @@ def pipeline_script_mistakes() -> dict[str, str]:
                 break
         except Exception as error:  # noqa: BLE001
             said["model(x)"] = str(error)
+        try:  # after training, the script's own evaluation with model(x)
+            session, model, loader = session_for(None, drop_last=True)
+            for inputs, targets in loader:
+                session.forward_backward(inputs, targets, nn.functional.cross_entropy)
+                session.optimizer_step()
+            model.eval()
+            with torch.no_grad():
+                model(next(iter(loader))[0])
+            said["model(x) after"] = "no error"
+        except Exception as error:  # noqa: BLE001
+            said["model(x) after"] = str(error)
         try:  # 40 samples in batches of 16: the last has 8
             session, model, loader = session_for(None, drop_last=False)
             for inputs, targets in loader:

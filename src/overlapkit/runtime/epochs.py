@@ -277,14 +277,8 @@ class EpochLoop:
             )
 
     def check_plain_forward(self) -> None:
-        """A script's own ``model(x)`` inside a step: autocast needs `forward`, and a
-        pipeline stage is not the model (the first stage's rank would go on with its
-        activations as outputs, a later stage's fail on the inputs' shape)."""
-        if self.scheduler.provider("forward_backward") is not None:
-            raise RuntimeError(
-                "under pipeline call session.forward_backward(inputs, targets, loss_fn) "
-                "instead of model(inputs): each rank holds only some layers"
-            )
+        """A script's own ``model(x)`` inside a step: autocast needs `forward` (under
+        pipeline, the stage refuses it itself: see `Pipeline._only_in_schedule`)."""
         if self.precision.name != "fp32":
             raise RuntimeError(
                 f"precision {self.precision.name}: run the forward pass inside "

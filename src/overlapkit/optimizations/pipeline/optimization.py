@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -119,6 +120,7 @@ class Pipeline(Optimization):
         self.notes: list[str] = []
         self.microbatches: int | None = None
         self.batch: int | None = None  # samples per step: the first batch's, fixed from then on
+        self._scheduling = False  # the schedule runs the stages now (see _only_in_schedule)
         self.stage_ids: list[int] = []
         self.partition: list[dict[str, Any]] = []
         self.layer_costs: list[dict[str, Any]] = []
@@ -279,6 +281,8 @@ class Pipeline(Optimization):
         ends = [*starts[1:], len(layers)]
         self.stage_ids = self.kind.stage_ids(pp_rank, self.pp, self.per_rank)
         self._parts = [StageModule(layers[starts[s] : ends[s]]) for s in self.stage_ids]
+        for part in self._parts:
+            part.register_forward_pre_hook(self._only_in_schedule)
         state.data_parallel = DataParallel(
             dp_rank, replicas, mesh["dp"].get_group(), src=pp_rank * replicas
         )
@@ -286,6 +290,26 @@ class Pipeline(Optimization):
         state.feeds_inputs = self.holds_first
         state.counts_samples = state.feeds_inputs
         return self._parts[0] if len(self._parts) == 1 else nn.ModuleList(self._parts)
+
+    def _only_in_schedule(self, module: nn.Module, inputs: Any) -> None:
+        """A stage runs inside the schedule only: a script's own ``model(x)`` (an
+        evaluation of its own, after training) got this rank's stage's activations,
+        not the model's outputs, silently on the first stage's rank."""
+        if not self._scheduling:
+            raise PipelineError(
+                "under pipeline this rank holds only some layers (its stage), so model(x) "
+                "gives that stage's activations, not the model's outputs: train with "
+                "session.forward_backward(inputs, targets, loss_fn), evaluate with "
+                "session.evaluate(loader)"
+            )
+
+    @contextmanager
+    def _scheduled(self) -> Iterator[None]:
+        self._scheduling = True
+        try:
+            yield
+        finally:
+            self._scheduling = False
 
     @staticmethod
     def _check_sampler(loader: Any, shard: int, shards: int) -> None:
@@ -443,7 +467,8 @@ class Pipeline(Optimization):
         if self._schedule is None:
             self.microbatches = self.resolve_microbatches(batch)
             self.batch = batch
-            self._build_schedule(state, loss_fn)
+            with self._scheduled():
+                self._build_schedule(state, loss_fn)
         elif batch != self.batch:
             # torch's schedule keeps the shapes of what a stage receives from its first
             # step: a later stage would run on the first batch's shape and meet targets
@@ -459,12 +484,13 @@ class Pipeline(Optimization):
         losses: list[torch.Tensor] = []
         self.meter.reset()
         begin = self.meter.marks.mark()
-        self._schedule.step(
-            *((inputs,) if self.holds_first else ()),
-            target=targets if last else None,
-            losses=losses if last else None,
-            return_outputs=False,
-        )
+        with self._scheduled():
+            self._schedule.step(
+                *((inputs,) if self.holds_first else ()),
+                target=targets if last else None,
+                losses=losses if last else None,
+                return_outputs=False,
+            )
         # On a GPU the marks are events the device has not reached yet: the clock reads
         # these callables once the step is done, without making the host wait now.
         times = self.meter.close(begin, self.meter.marks.mark())
@@ -489,7 +515,8 @@ class Pipeline(Optimization):
             padding = self.batch - size
             if padding:
                 piece = [torch.cat([t, t[-1:].expand(padding, *t.shape[1:])]) for t in piece]
-            out = self._schedule.eval(*(piece[:1] if self.holds_first else ()), target=piece[1])
+            with self._scheduled():
+                out = self._schedule.eval(*(piece[:1] if self.holds_first else ()), target=piece[1])
             if self.holds_last:
                 outputs.append(out[:size])
         return torch.cat(outputs) if self.holds_last else None
