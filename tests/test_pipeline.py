@@ -371,6 +371,16 @@ def test_a_schedule_newer_than_this_torch_is_refused_naming_both(monkeypatch):
         pipeline(schedule="gpipe").check(2, "cpu", "gloo")
 
 
+def test_too_few_layers_for_the_stages_counts_them_as_asked():
+    """With several stages per rank it said 'pipeline has 4 stages' to a user who
+    asked for 2."""
+    from overlapkit.optimizations.pipeline.layers import SplitError
+
+    interleaved = pipeline(stages=2, schedule="interleaved_1f1b", stages_per_rank=2, split="equal")
+    with pytest.raises(SplitError, match=r"4 stages .*\(2 stages x 2 stages per rank\)"):
+        interleaved._starts(["a", "b", "c"], None)
+
+
 def test_one_rank_is_refused():
     with pytest.raises(CombinationError, match="at least 2 ranks"):
         pipeline().check(1, "cpu", "gloo")

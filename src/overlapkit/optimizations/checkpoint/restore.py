@@ -24,8 +24,9 @@ def check_rank_count(root: Path, world_size: int) -> list[dict]:
             raise CheckpointError(
                 f"the checkpoint at step {entry['step']} in {root} was written by "
                 f"{entry['world_size']} ranks; this run has {world_size}: resume it with "
-                f"{entry['world_size']} ranks, or start over with --fresh (the old "
-                "checkpoints are kept aside)"
+                f"{entry['world_size']} ranks, or start over with overlapkit run --fresh (the "
+                "old checkpoints are kept aside; in a script of your own, another checkpoint "
+                "folder or checkpoint resume: false)"
             )
     return entries
 

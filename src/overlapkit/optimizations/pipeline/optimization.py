@@ -187,7 +187,8 @@ class Pipeline(Optimization):
         fixed, asked = self.kind.stages_per_rank, self.settings["stages_per_rank"]
         if fixed and asked and asked != fixed:
             raise PipelineError(
-                f"pipeline schedule {self.kind.name} runs {fixed} stages per rank, "
+                f"pipeline schedule {self.kind.name} runs {fixed} stage"
+                f"{'s' if fixed != 1 else ''} per rank, "
                 f"not stages_per_rank={asked}"
             )
         if not self.kind.multi and asked > 1:
@@ -342,6 +343,15 @@ class Pipeline(Optimization):
         return optimizer
 
     def _starts(self, names: list[str], costs: list[partition.LayerCost] | None) -> list[int]:
+        try:
+            return self._split(names, costs)
+        except SplitError as error:
+            if self.per_rank == 1:
+                raise
+            counted = f"{self.pp} stages x {self.per_rank} stages per rank"
+            raise SplitError(f"{error} ({counted})") from None
+
+    def _split(self, names: list[str], costs: list[partition.LayerCost] | None) -> list[int]:
         split = self.settings["split"]
         stages = self.total_stages
         if split == "equal":
