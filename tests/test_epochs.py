@@ -474,6 +474,35 @@ def test_paused_time_is_outside_every_step_and_reported(fake_clock):
     assert summary["outside_steps_s"].get("between_epochs", 0.0) < 1e-3  # nor between epochs
 
 
+def test_a_pause_inside_another_counts_under_its_own_label_only(fake_clock):
+    """outside_steps_s counted a nested pause twice (an 'evaluation' inside a 'rest'
+    was in both): the labels added up to more than the time outside the steps."""
+    fake_clock.tick = 1e-6
+    model, optimizer, loader = parts()
+    session = Session()
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    for i, (x, y) in enumerate(loader):
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i == 1:  # inside a step
+            with session.paused("rest"):
+                fake_clock.sleep(0.25)
+                with session.paused("evaluation"):
+                    fake_clock.sleep(1.0)
+    with session.paused("rest"):  # between epochs
+        with session.paused("evaluation"):
+            fake_clock.sleep(0.5)
+        fake_clock.sleep(0.125)
+    one_epoch(model, loader, optimizer)
+    summary = session.finish()
+    outside = summary["outside_steps_s"]
+    assert outside["evaluation"] == pytest.approx(1.5, abs=1e-3)
+    assert outside["rest"] == pytest.approx(0.375, abs=1e-3)
+    assert max(r["step_time_s"] for r in session.records) < 1e-3
+    assert outside.get("between_epochs", 0.0) < 1e-3
+
+
 def test_save_and_load_use_the_checkpoint_format_and_folder(tmp_path):
     model, optimizer, loader = parts()
     session = Session([Checkpoint(every=2, keep=10)], run_dir=tmp_path)

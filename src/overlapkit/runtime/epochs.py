@@ -216,18 +216,24 @@ class EpochLoop:
     @contextmanager
     def paused(self, label: str = "evaluation") -> Iterator[None]:
         """Leave the time inside out of every step (the script's own evaluation, a
-        save...) and report it in the summary under ``outside_steps_s[label]``."""
+        save...) and report it in the summary under ``outside_steps_s[label]``. A
+        pause inside another counts under its own label only (the outer one's
+        figure is its time outside the inner ones): the labels add up."""
         start = perf_counter()
+        outermost = self._paused == 0
         self._paused += 1
+        self._nested_s.append(0.0)  # the time of the pauses inside this one
         clock = self.state.clock
-        previous = clock.switch("paused") if self._in_step else None
+        previous = clock.switch("paused") if self._in_step and outermost else None
         try:
             yield
         finally:
             self._paused -= 1
             seconds = perf_counter() - start
-            self._outside_s[label] += seconds
-            if previous is not None:
+            self._outside_s[label] += seconds - self._nested_s.pop()
+            if self._nested_s:
+                self._nested_s[-1] += seconds
+            elif previous is not None:
                 clock.switch(previous)
             else:
                 clock.pause()

@@ -146,6 +146,7 @@ class Session(EpochLoop, SavedState):
         self._start: Start | None = None
         self._in_step = False
         self._paused = 0
+        self._nested_s: list[float] = []  # per open pause, the time of pauses inside it
         self._outside_s: dict[str, float] = defaultdict(float)  # time outside any step
         self._gap_since: float | None = None  # between epochs, since
         self._labelled_in_gap = 0.0
