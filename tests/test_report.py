@@ -264,3 +264,24 @@ def test_a_metric_at_zero_everywhere_is_plotted_without_a_warning(tmp_path):
         warnings.simplefilter("error")
         _, markdown = report(study_of(zeros, repeats=2), tmp_path)
     assert (tmp_path / "overview.png").stat().st_size > 10_000 and "(overview.png)" in markdown
+
+
+def test_studies_side_by_side_give_the_best_settings_median_as_its_report_does():
+    """The best of two measurements (410 and 415) is their median, 412.5, as in the
+    study's own report and in the ratios beside it (compare said 410: one trial)."""
+    from overlapkit.tuning.compare import compare_document
+
+    analysis = study_of(PLANTED, repeats=2)
+    tuned = {row["row"]: row for row in analysis.comparison()}["tuned best"]
+    best = compare_document([("planted", analysis)])["studies"][0]["best"]
+    assert best["value"] == pytest.approx(tuned["throughput"]) == pytest.approx(412.5)
+
+
+def test_a_knob_no_measured_trial_varied_gets_no_importance():
+    """prefetch held at 0 in every trial: Optuna's PED-ANOVA still ranked it first
+    (tied with another that never varied), above the knob that did vary."""
+    measured = [(0.0, 0.0, 300.0), (0.0, 0.0, 302.0), (0.5, 0.0, 400.0), (0.5, 0.0, 404.0)]
+    measured += [(1.0, 0.0, 350.0), (1.0, 0.0, 352.0)]
+    importances = study_of(measured, repeats=2).importances()
+    assert "prefetch.intensity" not in importances
+    assert importances == {"ddp_overlap.intensity": pytest.approx(1.0)}

@@ -487,13 +487,22 @@ class Analysis:
 
     def importances(self) -> dict[str, float]:
         """Optuna's importance evaluator (PED-ANOVA by default) on the metric (negated:
-        the evaluator ranks what makes its target low)."""
+        the evaluator ranks what makes its target low). Only the knobs that took more
+        than one value among the measured trials: PED-ANOVA ranks one that never varied
+        (its every trial refused, say) above those that did."""
         value = {m.number: m.value(self.metric) for m in self.measured}
+        seen: dict[str, set[str]] = {}
+        for m in self.measured:
+            for name, v in m.params.items():
+                seen.setdefault(name, set()).add(repr(v))
+        varied = [name for name, values in seen.items() if len(values) > 1]
+        if not varied:
+            return {}
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "achieve low target": negated
                 return optuna.importance.get_param_importances(
-                    self.study, target=lambda t: -value[t.number]
+                    self.study, params=varied, target=lambda t: -value[t.number]
                 )
         except (RuntimeError, ValueError, ZeroDivisionError):
             return {}  # too few trials, or a parameter that never varied
