@@ -164,6 +164,47 @@ def test_a_point_with_no_level_measured_above_it_is_not_called_a_contention_poin
     )
 
 
+def test_a_curve_still_rising_at_the_top_of_the_range_has_no_contention_point(tmp_path):
+    """ddp_overlap best at 1.0, the highest level there is, and every lower level worse
+    beyond the noise: the report said 'more overlap stops paying beyond 1.0' (and drew a
+    contention point there) for a curve still climbing at the top of its range."""
+    from rich.console import Console
+
+    from overlapkit.tuning.report import print_report
+
+    measured = [(0.0, 0.0, 300.0), (0.0, 0.0, 302.0), (0.5, 0.0, 350.0), (0.5, 0.0, 352.0)]
+    measured += [(1.0, 0.0, 400.0), (1.0, 0.0, 404.0), (1.0, 0.5, 380.0), (1.0, 0.5, 381.0)]
+    measured += [(1.0, 1.0, 360.0), (1.0, 1.0, 362.0)]
+    document, markdown = report(study_of(measured, repeats=2), tmp_path)
+    curve = document["curves"]["ddp_overlap"]
+    assert curve["contention_point"] == 1.0 and curve["at_top"]
+    assert "| not in the range: best at its top, 1.0 |" in markdown
+    console = Console(record=True, width=200)
+    print_report(document, {"markdown": tmp_path / "report.md", "html": tmp_path / "r"}, console)
+    said = console.export_text()
+    assert "stops paying beyond ddp_overlap.intensity=1.0" not in said
+    assert "best at ddp_overlap.intensity=1.0, the top of the range searched" in said
+    # prefetch peaks at 0 and falls beyond the noise: a contention point as before.
+    assert not document["curves"]["prefetch"]["at_top"]
+
+
+def test_a_contention_point_below_the_peak_names_the_peak(tmp_path):
+    """The lowest level within the noise of the peak is the contention point; the peak
+    (0.5) was not named, so 'stops paying beyond 0.0' read as contradicting the curve."""
+    from rich.console import Console
+
+    from overlapkit.tuning.report import print_report
+
+    measured = [(0.0, 0.0, 330.0), (0.0, 0.0, 420.0), (0.5, 0.0, 400.0), (0.5, 0.0, 404.0)]
+    measured += [(1.0, 0.0, 300.0), (1.0, 0.0, 301.0), (0.0, 0.5, 250.0), (0.0, 0.5, 251.0)]
+    document, _ = report(study_of(measured, repeats=2), tmp_path)
+    curve = document["curves"]["ddp_overlap"]
+    assert curve["contention_point"] == 0.0 and curve["peak"] == 0.5
+    console = Console(record=True, width=200)
+    print_report(document, {"markdown": tmp_path / "report.md", "html": tmp_path / "r"}, console)
+    assert "(its peak, at 0.5, is within the noise of 0.0)" in console.export_text()
+
+
 def test_the_best_setting_of_a_study_over_machines_is_run_on_a_cluster(tmp_path):
     """Its command says --ray (run without it, a scenario of two machines is refused)."""
     analysis = study_of(PLANTED, repeats=2)

@@ -407,9 +407,12 @@ class Analysis:
                 "contention_point": with_point,
                 "flat": flat,
                 "unmeasured_above": self._unmeasured_above(name, with_point, together),
+                "at_top": self._at_top(name, with_point, together),
+                "peak": _peak_level(together),
                 "alone_point": alone_point,
                 "alone_flat": alone_flat,
                 "alone_unmeasured_above": self._unmeasured_above(name, alone_point, alone),
+                "alone_at_top": self._at_top(name, alone_point, alone),
                 **self._drop(together),
             }
         return out
@@ -423,6 +426,14 @@ class Analysis:
         if any(_is_number(p["level"]) and p["level"] > point for p in points):
             return []
         return [v for v in self._levels(name) if _is_number(v) and v > point]
+
+    def _at_top(self, name: str, point: Any, points: list[dict[str, Any]]) -> bool:
+        """Whether ``point`` is the highest level the space has, below which every
+        measured level was worse beyond the noise: the curve still rose at the top of
+        the range, so it shows no level where more stops paying."""
+        if not _is_number(point) or len(points) < 2:
+            return False
+        return not [v for v in self._levels(name) if _is_number(v) and v > point]
 
     def _knee(self, points: list[dict[str, Any]]) -> tuple[Any, bool]:
         """(the lowest level the noise cannot tell apart from the peak, whether every
@@ -565,7 +576,14 @@ def stops_paying(curve: dict[str, Any], alone: bool = False) -> Any:
     above = curve.get(f"{prefix}unmeasured_above")
     if above:
         return f"not measured above {point}"
+    if curve.get(f"{prefix}at_top"):
+        return f"not in the range: best at its top, {point}"
     return point
+
+
+def _peak_level(points: list[dict[str, Any]]) -> Any:
+    """The level of a curve's highest median (None: no points)."""
+    return max(points, key=lambda p: p["median"])["level"] if points else None
 
 
 def _order(value: Any) -> Any:

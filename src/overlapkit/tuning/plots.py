@@ -112,6 +112,8 @@ def contention(curves: dict[str, dict[str, Any]], metric: str) -> Any:
             ax.set_title(f"{name}: within noise at every level", fontsize=9)
         elif curve.get("unmeasured_above"):
             ax.set_title(f"{name}: best at {point}, higher levels not measured", fontsize=9)
+        elif curve.get("at_top"):
+            ax.set_title(f"{name}: best at {point}, the top of the range searched", fontsize=9)
         else:
             ax.set_title(f"{name}: stops paying beyond {point}", fontsize=9)
             if point in where:

@@ -263,10 +263,19 @@ def _curve_text(name: str, curve: dict[str, Any]) -> str | None:
             f"{name}: best at {curve['level']}={point}, the highest level measured "
             f"({higher} not measured), so where more overlap stops paying cannot be told"
         )
+    if curve.get("at_top"):
+        return (
+            f"{name}: best at {curve['level']}={point}, the top of the range searched, every "
+            "lower level worse beyond the noise: no point where more stops paying in this "
+            "range (search beyond it to find one)"
+        )
     if curve["level"].endswith(".intensity"):
         text = f"{name}: more overlap stops paying beyond {curve['level']}={point}"
     else:
         text = f"{name}: as good as its best (within noise) from {curve['level']}={point}"
+    peak = curve.get("peak")
+    if peak is not None and peak != point:
+        text += f" (its peak, at {peak}, is within the noise of {point})"
     drop = curve.get("drop_at_max")
     if drop and curve.get("drop_beyond_noise"):
         text += f" ({drop:.0%} lower at the maximum)"
