@@ -70,6 +70,7 @@ def compare_document(entries: list[tuple[str, Analysis]]) -> dict[str, Any]:
                 "noise": analysis.noise,
                 "contention_points": {n: stops_paying(c) for n, c in curves.items()},
                 "curves": {n: c["with_others"] for n, c in curves.items()},
+                "levels": {n: c["level"] for n, c in curves.items()},  # each curve's knob
             }
         )
     names = sorted({n for s in studies for n in s["contention_points"]})
@@ -186,7 +187,9 @@ def _plot(document: dict[str, Any], path: Path) -> Path | None:
                 label=f"{study['label']}: {study['hardware'].split(';')[0]}",
             )
         ax.set_title(name)
-        ax.set_xlabel("intensity (the others at their best)")
+        knobs = {s.get("levels", {}).get(name) for s in document["studies"]} - {None}
+        knob = knobs.pop().removeprefix(f"{name}.") if len(knobs) == 1 else "level"
+        ax.set_xlabel(f"{knob} (the others at the search's best)")
         ax.set_ylabel(f"{document['studies'][0]['metric']}, share of the study's peak")
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize=6, loc="lower left")

@@ -24,7 +24,7 @@ from .analysis import Analysis  # noqa: E402
 
 STYLES = {
     "alone": ("alone (the others off)", "tab:blue", "o", -0.08),
-    "with_others": ("with the others at the best setting", "tab:orange", "s", 0.08),
+    "with_others": ("with the others at the search's best setting", "tab:orange", "s", 0.08),
 }
 
 

@@ -359,7 +359,7 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
         ]
     lines += ["", "## Where more overlap stops paying (contention points)", ""]
     lines += [
-        "| optimization | level | alone: stops paying at | with the others at best: stops paying at | at the maximum vs peak |",
+        "| optimization | level | alone: stops paying at | with the others at the search's best: stops paying at | at the maximum vs peak |",
         "|---|---|---:|---:|---:|",
     ]
     for name, curve in document["curves"].items():
@@ -412,7 +412,8 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
     else:
         lines.append("Too few trials to rank the knobs.")
     if document["policy"]:
-        lines += ["", "## Scheduler policy at the best setting", ""]
+        where = f" (trial {center['trial']})" if center is not None else ""
+        lines += ["", f"## Scheduler policy at the search's best setting{where}", ""]
         lines += [f"- {k}: {v:.1f}" for k, v in document["policy"].items()]
     if document["pareto"]:
         lines += [
