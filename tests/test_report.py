@@ -128,6 +128,20 @@ def test_with_one_measurement_per_setting_nothing_is_confirmed(tmp_path):
     assert "noise unknown" in markdown
 
 
+def test_repeats_of_one_with_a_setting_the_search_ran_twice_says_where_its_noise_is_from(
+    tmp_path,
+):
+    """tune.repeats 1, and the search sampled one setting twice: the warning said the
+    noise was unknown while the table gave one from that setting."""
+    twice = [(d, p, v) for d, p, v in PLANTED[::2]] + [PLANTED[3]]  # (0.5, 0) again
+    analysis = study_of(twice, repeats=1)
+    document, _ = report(analysis, tmp_path)
+    assert analysis.noise is not None
+    said = [w for w in document["warnings"] if w.startswith("tune.repeats is 1")]
+    assert said and "the noise is unknown" not in said[0]
+    assert "happened to run twice" in said[0]
+
+
 def test_a_study_cut_short_is_reported_as_unfinished(tmp_path):
     analysis = study_of(PLANTED, repeats=2)
     document, _ = report(analysis, tmp_path)

@@ -129,14 +129,17 @@ def _warnings(analysis: Analysis, comparison: list[dict[str, Any]]) -> list[str]
             "follows is of the trials done so far"
         )
     if analysis.repeats < 3:
-        out.append(
-            f"tune.repeats is {analysis.repeats}: "
-            + (
-                "nothing was measured again, so nothing is confirmed and the noise is unknown"
-                if analysis.repeats < 2
-                else "the median of 2 is their mean, and one slow run moves it by half"
+        if analysis.repeats >= 2:
+            said = "the median of 2 is their mean, and one slow run moves it by half"
+        elif analysis.noise is None:
+            said = "nothing was measured again, so nothing is confirmed and the noise is unknown"
+        else:  # the search happened to run a setting twice: a noise from that alone
+            said = (
+                "no setting was measured again on purpose, so nothing is confirmed, and the "
+                "noise comes only from the settings the search happened to run twice"
             )
-            + "; use 3 or more for figures you act on"
+        out.append(
+            f"tune.repeats is {analysis.repeats}: {said}; use 3 or more for figures you act on"
         )
     if analysis.noise is None:
         out.append(
