@@ -302,3 +302,15 @@ def test_check_shows_every_auto_as_auto_not_the_interval_it_replaces(tiny_scenar
         if line.count("│") == 3
     }
     assert rows["every"] == "auto  (set)" and rows["auto"] == "yes"
+
+
+def test_optimizations_that_cannot_run_together_are_not_both_searched():
+    """quickstart (2 ranks, no optimizations listed): tune searched pipeline beside
+    ddp_overlap, and every trial with both was refused ('ddp_overlap needs at least 2
+    replicas of each pipeline stage'): the study's trials wasted."""
+    two = load_scenario(ROOT / "scenarios" / "quickstart.yaml")
+    chosen, left_out = two.applicable_optimizations()
+    assert "ddp_overlap" in chosen and "pipeline" not in chosen
+    assert "cannot run beside" in left_out["pipeline"] and "2 replicas" in left_out["pipeline"]
+    four = load_scenario(ROOT / "scenarios" / "quickstart.yaml", ["world.nprocs=4"])
+    assert {"ddp_overlap", "pipeline"} <= set(four.applicable_optimizations()[0])

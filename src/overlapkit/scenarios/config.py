@@ -212,6 +212,14 @@ class Scenario(Config):
                 self._check_plan([cls(1.0)], self.world.ranks)
             except (CombinationError, KnobError) as error:
                 left_out[name] = str(error)
+                continue
+            # Beside those chosen before it: a trial runs them together (pipeline and
+            # ddp_overlap on 2 ranks: every trial that searched both was refused).
+            together = [get_optimization(n)(1.0) for n in chosen] + [cls(1.0)]
+            try:
+                self._check_plan(together, self.world.ranks)
+            except (CombinationError, KnobError) as error:
+                left_out[name] = f"cannot run beside {', '.join(chosen)} here: {error}"
             else:
                 chosen.append(name)
         return chosen, left_out
