@@ -340,3 +340,20 @@ def test_a_knob_no_measured_trial_varied_gets_no_importance():
     importances = study_of(measured, repeats=2).importances()
     assert "prefetch.intensity" not in importances
     assert importances == {"ddp_overlap.intensity": pytest.approx(1.0)}
+
+
+def test_a_curve_with_nothing_measured_is_drawn_without_a_warning():
+    """A study whose every trial failed: its contention plot printed matplotlib's 'No
+    artists with labels found to put in legend' on the user's terminal, once a curve."""
+    from overlapkit.tuning.plots import contention
+
+    empty = {
+        "level": "pipeline.intensity",
+        "points": {"alone": [], "with_others": []},
+        "contention_point": None,
+        "flat": False,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = contention({"pipeline": empty}, "throughput")
+    assert fig.axes[0].get_legend() is None

@@ -947,3 +947,26 @@ def test_processes_opening_a_new_storage_at_once_all_open_it(tmp_path):
         for process in processes:
             process.join(timeout=60)
     assert set(outcomes) == {"ok"}, outcomes
+
+
+def test_a_failed_trials_reason_is_cut_at_a_word_not_mid_word():
+    """'failed (invalid: error: ddp_overlap needs at least 2 replicas of each pipelin)':
+    the reason was cut at 60 characters, mid-word."""
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import TrialState
+
+    from overlapkit.tuning.runner import _lines
+
+    reason = (
+        "error: ddp_overlap needs at least 2 replicas of each pipeline stage; 2 ranks "
+        "make 1 (add ranks, or leave ddp_overlap out)"
+    )
+    failed = optuna.trial.create_trial(
+        params={"pipeline.intensity": 1.0},
+        distributions={"pipeline.intensity": FloatDistribution(0, 1)},
+        state=TrialState.FAIL,
+        user_attrs={"role": "search", "failure": "invalid", "reason": reason},
+    )
+    line = _lines(failed, 80).splitlines()[0]
+    assert "each pipeline stage;" in line and "pipelin)" not in line
+    assert line.split("(", 1)[1].startswith("invalid: error: ddp_overlap") and " ...)" in line

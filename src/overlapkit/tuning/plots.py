@@ -121,7 +121,8 @@ def contention(curves: dict[str, dict[str, Any]], metric: str) -> Any:
         ax.set_xticks(range(len(levels)), [str(level) for level in levels])
         ax.set_xlabel(curve["level"])
         ax.set_ylabel(f"{metric}, relative to the curve's lowest level")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # no trial measured: no legend, no warning
+            ax.legend(fontsize=7)
     fig.suptitle("contention curves: median and range of the repeats", fontsize=9)
     fig.tight_layout()
     return fig

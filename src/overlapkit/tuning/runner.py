@@ -274,7 +274,8 @@ def _lines(trial: FrozenTrial, width: int) -> str:
         result = "pruned".ljust(38)
     else:
         reason = str(trial.user_attrs.get("reason", "")).splitlines()
-        result = f"failed ({trial.user_attrs.get('failure', 'error')}: {reason[-1][:60] if reason else ''})"
+        said = textwrap.shorten(reason[-1], 90, placeholder=" ...") if reason else ""
+        result = f"failed ({trial.user_attrs.get('failure', 'error')}: {said})"
     head = f"trial {trial.number:4d} {result}  {role}"
     if len(f"{head}  {params}") <= width:
         return f"{head}  {params}"
