@@ -797,26 +797,34 @@ def test_a_script_accumulating_batches_itself_resumes_exactly(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
 
 
-def test_a_loop_fetching_its_next_batch_before_it_updates_is_told(tmp_path):
-    """nanoGPT's shape: forward, fetch the next batch, backward, step. Every step
-    boundary falls inside an update: no checkpoint could resume exactly, so none is
-    taken before the end, and a LoopWarning says why, pointing at the script's line."""
+def fetching_ahead(tmp_path, checkpoint, steps):
+    """nanoGPT's shape: forward, fetch the next batch, backward, step, ``steps`` times
+    (each telling a LoopWarning). Returns the session, the loader's iterator and the
+    warnings."""
     torch.manual_seed(0)
     x = torch.randn(64, 4)
     loader = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=4)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = Session([Checkpoint(every=3, final=False)], run_dir=tmp_path, progress=False)
+    session = Session([checkpoint], run_dir=tmp_path, progress=False)
     model, optimizer, loader = session.prepare(model, optimizer, loader)
     batches = iter(loader)
     inputs, targets = next(batches)
     with pytest.warns(LoopWarning, match="fetches its next batch before it updates") as said:
-        for _ in range(12):
+        for _ in range(steps):
             loss = nn.functional.cross_entropy(model(inputs), targets)
             inputs, targets = next(batches)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+    return session, batches, said
+
+
+def test_a_loop_fetching_its_next_batch_before_it_updates_is_told(tmp_path):
+    """Every step boundary of nanoGPT's shape falls inside an update: no checkpoint
+    could resume exactly, so none is taken before the end, and a LoopWarning says why,
+    pointing at the script's line."""
+    session, batches, said = fetching_ahead(tmp_path, Checkpoint(every=3, final=False), 12)
     assert said[0].filename == __file__
     batches.close()
     summary = session.finish()
@@ -828,22 +836,7 @@ def test_a_loop_fetching_ahead_gets_no_final_checkpoint_that_would_lose_a_batch(
     """nanoGPT's shape ends holding the batch it fetched for the next iteration: a final
     checkpoint after it (taken before) resumed with that batch lost, unlike the run never
     stopped. None is taken, and the checkpoint's notes say why."""
-    torch.manual_seed(0)
-    x = torch.randn(64, 4)
-    loader = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=4)
-    model = nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = Session([Checkpoint(every=100)], run_dir=tmp_path, progress=False)
-    model, optimizer, loader = session.prepare(model, optimizer, loader)
-    batches = iter(loader)
-    inputs, targets = next(batches)
-    with pytest.warns(LoopWarning, match="fetches its next batch"):
-        for _ in range(5):
-            loss = nn.functional.cross_entropy(model(inputs), targets)
-            inputs, targets = next(batches)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    session, _batches, _ = fetching_ahead(tmp_path, Checkpoint(every=100), 5)
     summary = session.finish()
     assert not Manifest(tmp_path / "checkpoints").read()  # was: one at step 6, 5 trained
     (said,) = summary["optimizations"]["checkpoint"]["notes"]

@@ -509,15 +509,18 @@ def pipeline_script_mistakes() -> dict[str, str]:
         model, _, loader = session.prepare(model, optimizer, loader)
         return session, model, loader
 
+    def train(session: Session, loader: Any) -> None:
+        for inputs, targets in loader:
+            session.forward_backward(inputs, targets, nn.functional.cross_entropy)
+            session.optimizer_step()
+
     try:
         try:  # the data-parallel way: every rank a shard of its own
             sampler = torch.utils.data.DistributedSampler(
                 dataset, world.world_size, world.rank, shuffle=False
             )
             session, model, loader = session_for(sampler, drop_last=True)
-            for inputs, targets in loader:
-                session.forward_backward(inputs, targets, nn.functional.cross_entropy)
-                session.optimizer_step()
+            train(session, loader)
             said["sampler"] = "no error"
         except Exception as error:  # noqa: BLE001
             said["sampler"] = str(error)
@@ -531,9 +534,7 @@ def pipeline_script_mistakes() -> dict[str, str]:
             said["model(x)"] = str(error)
         try:  # after training, the script's own evaluation with model(x)
             session, model, loader = session_for(None, drop_last=True)
-            for inputs, targets in loader:
-                session.forward_backward(inputs, targets, nn.functional.cross_entropy)
-                session.optimizer_step()
+            train(session, loader)
             model.eval()
             with torch.no_grad():
                 model(next(iter(loader))[0])
@@ -542,9 +543,7 @@ def pipeline_script_mistakes() -> dict[str, str]:
             said["model(x) after"] = str(error)
         try:  # 40 samples in batches of 16: the last has 8
             session, model, loader = session_for(None, drop_last=False)
-            for inputs, targets in loader:
-                session.forward_backward(inputs, targets, nn.functional.cross_entropy)
-                session.optimizer_step()
+            train(session, loader)
             said["short batch"] = "no error"
         except Exception as error:  # noqa: BLE001
             said["short batch"] = str(error)
