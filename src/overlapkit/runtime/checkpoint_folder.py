@@ -52,7 +52,7 @@ def write_json(path: Path, document: Any) -> None:
 
 
 def listed_steps(manifest_text: str) -> list[int]:
-    return [int(entry["step"]) for entry in json.loads(manifest_text)["checkpoints"]]
+    return list(_by_step(json.loads(manifest_text)))
 
 
 def manifest_text(root: Path) -> str | None:
@@ -113,7 +113,8 @@ def mirror(root: Path, manifest: str, fetch: Fetch) -> bool:
     ``fetch`` (see `Fetch`). A step folder is taken only whole: each file at its
     size and checksum. False when the other folder no longer had one of them (it
     moved on since its manifest was read): nothing listed changes then."""
-    entries = {int(e["step"]): e for e in json.loads(manifest)["checkpoints"]}
+    document = json.loads(manifest)
+    entries = _by_step(document)
     steps = sorted(entries)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".incoming-*"):  # a copy a killed driver left half done
@@ -122,11 +123,12 @@ def mirror(root: Path, manifest: str, fetch: Fetch) -> bool:
     # again after a resume from an older one; or a killed copy's, never listed here):
     # unlisted first, then removed, then fetched again.
     held_text = manifest_text(root)
-    held = {int(e["step"]): e for e in json.loads(held_text)["checkpoints"]} if held_text else {}
+    held_document = json.loads(held_text) if held_text else {"checkpoints": []}
+    held = _by_step(held_document)
     stale = [s for s in steps if step_dir(root, s).is_dir() and held.get(s) != entries[s]]
     if stale:
         kept = [e for step, e in sorted(held.items()) if step not in stale]
-        write_json(root / MANIFEST, {**json.loads(held_text or "{}"), "checkpoints": kept})
+        write_json(root / MANIFEST, {**held_document, "checkpoints": kept})
         for step in stale:
             shutil.rmtree(step_dir(root, step))
     missing = [s for s in steps if not step_dir(root, s).is_dir()]
@@ -136,11 +138,17 @@ def mirror(root: Path, manifest: str, fetch: Fetch) -> bool:
             if not _copy(folder, step, entries[step], fetch):
                 return False
             folder.rename(step_dir(root, step))
-    write_json(root / MANIFEST, json.loads(manifest))
+    write_json(root / MANIFEST, document)
+    listed = {step_dir(root, s).name for s in steps}
     for folder in root.glob("step-*"):
-        if folder.name not in {step_dir(root, s).name for s in steps}:
+        if folder.name not in listed:
             shutil.rmtree(folder, ignore_errors=True)
     return True
+
+
+def _by_step(document: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """A manifest's checkpoint entries by step."""
+    return {int(entry["step"]): entry for entry in document["checkpoints"]}
 
 
 def _copy(folder: Path, step: int, entry: dict[str, Any], fetch: Fetch) -> bool:
