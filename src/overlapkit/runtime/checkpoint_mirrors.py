@@ -39,7 +39,6 @@ class Mirrors:
         self.fetchers = [self._stoppable(fetch) for fetch in fetchers]
         self.newest: list[str | None] = [None] * len(roots)  # each machine's manifest
         self.tried: list[str | None] = [None] * len(roots)  # the last one copied
-        self.mirrored: list[str | None] = [None] * len(roots)  # the last one held whole
         self.error: BaseException | None = None
         self._lost: set[int] = set()
         self._ending = self._stopped = False
@@ -94,8 +93,8 @@ class Mirrors:
             assert manifest is not None
             try:
                 with self._copying:
-                    if mirror(self.roots[k], manifest, self.fetchers[k]):
-                        self.mirrored[k] = manifest
+                    # False: the machine moved on meanwhile; its next manifest is copied.
+                    mirror(self.roots[k], manifest, self.fetchers[k])
             except MirrorsStopped:
                 return
             except self.gone:
