@@ -152,7 +152,7 @@ class EpochLoop:
                 self._left_pass = True
             raise
         finally:
-            if self._in_step and not self._end_failed:  # the step a break (or an error) left
+            if self._step_to_end:  # the step a break (or an error) left
                 self.end_step()
 
     def _watch_resumed_batch(self, start: Start) -> None:
@@ -247,6 +247,12 @@ class EpochLoop:
     @property
     def in_step(self) -> bool:
         return self._in_step
+
+    @property
+    def _step_to_end(self) -> bool:
+        """A step is open and its end has not failed already (a STEP_END hook that
+        raised: the error is raised once, the step not ended again)."""
+        return self._in_step and not self._end_failed
 
     def _unwrap_loader(self, loader: Any) -> Any:
         loader = loader if loader is not None else self.state.loader

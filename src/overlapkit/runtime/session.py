@@ -245,7 +245,7 @@ class Session(EpochLoop, SavedState):
                 if self._in_step:
                     self.end_step()
         except GeneratorExit:
-            if self._in_step and not self._end_failed:  # a break: the step it finished
+            if self._step_to_end:  # a break in the script's loop: the step it finished
                 self.end_step()
             raise
         except BaseException:
@@ -564,7 +564,7 @@ class Session(EpochLoop, SavedState):
         """Drain background work (FIT_END), gather metrics from all ranks, write
         ``steps.jsonl`` and ``summary.json`` to the run folder; return the summary.
         A process group the session started itself is closed: call it last."""
-        if self._in_step and not self._end_failed:  # a loop left mid-step (an exception...)
+        if self._step_to_end:  # a loop left mid-step (an exception, a generator not closed)
             self.end_step()
         self.scheduler.fire(Event.FIT_END, self.state)
         self.scheduler.policy.close()
