@@ -18,8 +18,9 @@ from overlapkit.tuning.space import build_space
 SPACE_OF = {"ddp_overlap": {}, "prefetch": {}}
 
 
-def study_of(measurements: list[tuple[float, float, float]], repeats: int) -> Analysis:
-    """``measurements``: (ddp_overlap intensity, prefetch intensity, samples/s)."""
+def study_of(measurements: list[tuple], repeats: int) -> Analysis:
+    """``measurements``: (ddp_overlap intensity, prefetch intensity, samples/s), and
+    optionally the trial's role (search by default)."""
     tune = TuneConfig(intensity_step=0.5, repeats=repeats, policy=False)
     space = build_space(SPACE_OF, tune)
     study = optuna.create_study(direction="maximize", study_name="planted")
@@ -29,13 +30,13 @@ def study_of(measurements: list[tuple[float, float, float]], repeats: int) -> An
         d.name: optuna.distributions.FloatDistribution(d.low, d.high, step=d.step)
         for d in space.dimensions
     }
-    for ddp, prefetch, value in measurements:
+    for ddp, prefetch, value, *role in measurements:
         study.add_trial(
             optuna.trial.create_trial(
                 params={"ddp_overlap.intensity": ddp, "prefetch.intensity": prefetch},
                 distributions=distributions,
                 value=value,
-                user_attrs={"role": "search", "throughput": value, "goodput": value},
+                user_attrs={"role": (role or ["search"])[0], "throughput": value, "goodput": value},
             )
         )
     return Analysis.of(study, space)
@@ -217,6 +218,38 @@ def test_a_contention_point_below_the_peak_names_the_peak(tmp_path):
     console = Console(record=True, width=200)
     print_report(document, {"markdown": tmp_path / "report.md", "html": tmp_path / "r"}, console)
     assert "(its peak, at 0.5, is within the noise of 0.0)" in console.export_text()
+
+
+def test_the_analysis_phase_repeats_do_not_move_the_center_its_curves_were_measured_at(
+    tmp_path,
+):
+    """The analysis phase sweeps each level around the search's best (1.0, 0.5). Its
+    repeats of a sweep point the search had also measured, (0.5, 0.5), raised that
+    setting's median above the center's, so the report took it as the center: its
+    prefetch curve 'with the others' then had one point and said 'not measured above
+    0.5', while the sweep around the real center had measured 0, 0.5 and 1."""
+    from rich.console import Console
+
+    from overlapkit.tuning.report import print_report
+
+    measured = [(1.0, 0.5, 400.0), (1.0, 0.5, 402.0), (0.5, 0.5, 390.0), (0.5, 0.5, 391.0)]
+    measured += [(0.0, 0.0, 300.0), (0.0, 0.0, 301.0)]
+    for ddp, prefetch, value in [(0.0, 0.5, 350.0), (0.5, 0.5, 450.0), (0.5, 0.5, 452.0)]:
+        measured.append((ddp, prefetch, value, "sweep:ddp_overlap"))
+    for ddp, prefetch, value in [(1.0, 0.0, 380.0), (1.0, 1.0, 360.0), (1.0, 1.0, 361.0)]:
+        measured.append((ddp, prefetch, value, "sweep:prefetch"))
+    document, markdown = report(study_of(measured, repeats=2), tmp_path)
+    assert document["center"]["params"] == {"ddp_overlap.intensity": 1.0, "prefetch.intensity": 0.5}
+    assert [level for level, _ in document["curves"]["prefetch"]["with_others"]] == [0.0, 0.5, 1.0]
+    assert document["curves"]["prefetch"]["unmeasured_above"] == []
+    # The analysis found a better setting: it is the tuned best, not the center.
+    assert document["best"]["params"] == {"ddp_overlap.intensity": 0.5, "prefetch.intensity": 0.5}
+    assert "| prefetch | prefetch.intensity | not measured above 0.5 | 0.5 | -10% |" in markdown
+    # The terminal's contention lines say which curves they read.
+    console = Console(record=True, width=200)
+    print_report(document, {"markdown": tmp_path / "report.md", "html": tmp_path / "r"}, console)
+    said = console.export_text()
+    assert "each with the others at the search's best setting (trial 0):\nddp_overlap:" in said
 
 
 def test_the_best_setting_of_a_study_over_machines_is_run_on_a_cluster(tmp_path):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import combinations
 from typing import Any
@@ -176,14 +176,9 @@ class Analysis:
         spread = self.spread(params)
         return None if spread is None else spread.median
 
-    def ranked(self, searched: bool = False) -> list[Measurement]:
-        """Each setting's median measurement, best median first; ``searched``: only the
-        settings that the references or the search measured (not the analysis)."""
-        medians = [
-            _median(same)
-            for same in self.groups.values()
-            if not searched or any(not m.role.startswith(ANALYSIS_ROLES) for m in same)
-        ]
+    def ranked(self) -> list[Measurement]:
+        """Each setting's median measurement, best median first."""
+        medians = [_median(same) for same in self.groups.values()]
         return sorted(medians, key=lambda m: self.value(m.params), reverse=True)
 
     def _best_of(self, ranked: list[Measurement]) -> Measurement | None:
@@ -199,9 +194,17 @@ class Analysis:
 
     @cached_property
     def center(self) -> Measurement | None:
-        """The best setting of the references and the search: the analysis phase
-        sweeps each level around it (so its curves stay put when that finds a better one)."""
-        return self._best_of(self.ranked(searched=True))
+        """The best setting of the references and the search, judged by their own
+        measurements: the analysis phase sweeps each level around it, and neither a
+        better setting it finds nor its repeats of a sweep point move the center off
+        the curves it measured."""
+        return self.searched.best
+
+    @cached_property
+    def searched(self) -> Analysis:
+        """This study without the analysis phase's trials."""
+        kept = [m for m in self.measured if not m.role.startswith(ANALYSIS_ROLES)]
+        return replace(self, measured=kept)
 
     @cached_property
     def _sigmas(self) -> list[float]:

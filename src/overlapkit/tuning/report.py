@@ -298,10 +298,13 @@ def print_report(document: dict[str, Any], files: dict[str, Path], console: Cons
     for warning in document["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {warning}")
     console.print(_best_text(document))
-    for name, curve in document["curves"].items():
-        text = _curve_text(name, curve)
-        if text:
-            console.print(text)
+    texts = [_curve_text(name, curve) for name, curve in document["curves"].items()]
+    if any(texts):
+        center = document["center"]
+        where = f" (trial {center['trial']})" if center is not None else ""
+        console.print(f"each with the others at the search's best setting{where}:")
+    for text in filter(None, texts):
+        console.print(text)
     console.print(f"report: {files['markdown']}  (also {files['html'].name}, report.json, plots)")
     if "best" in files:
         console.print(f"best setting: {_run_command(files['best'])}")

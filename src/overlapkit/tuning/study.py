@@ -502,7 +502,7 @@ def confirm_settings(
 ) -> list[tuple[str, dict[str, Any]]]:
     """The repeats that give the search's finalists and the reference rows
     ``tune.repeats`` measurements each."""
-    candidates = [m.params for m in analysis.ranked(searched=True)[: tune.finalists]]
+    candidates = [m.params for m in analysis.searched.ranked()[: tune.finalists]]
     for _, params, _ in analysis.reference_rows() if tune.references else []:
         if params is not None and analysis.measurements(params):
             candidates.append(params)
