@@ -390,3 +390,21 @@ def test_a_curve_with_nothing_measured_is_drawn_without_a_warning():
         warnings.simplefilter("error")
         fig = contention({"pipeline": empty}, "throughput")
     assert fig.axes[0].get_legend() is None
+
+
+def test_the_plots_legends_hide_no_point_and_trials_are_whole_numbers(tmp_path):
+    """Each contention plot had a legend of its own inside its axes, over the curves'
+    top points, and the history of a short study had ticks at trial 0.25, 0.5, ...:
+    one legend now sits under the plots, and the history's ticks are whole."""
+    from overlapkit.tuning.plots import contention, history
+
+    analysis = study_of(PLANTED[:4], repeats=2)
+    fig = contention(report_document(analysis)["curves"], "throughput")
+    assert [ax.get_legend() for ax in fig.axes] == [None, None]
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "alone (the others off)",
+        "with the others at the search's best setting",
+    ]
+    ticks = history(analysis).axes[0].get_xticks()
+    assert len(ticks) > 1 and all(float(t).is_integer() for t in ticks)

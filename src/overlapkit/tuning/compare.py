@@ -17,7 +17,7 @@ from rich.table import Table
 
 from ..folders import new_stamped
 from .analysis import Analysis, stops_paying
-from .plots import plt, save_figure
+from .plots import legend_below, plt, save_figure
 
 
 def compare_command(targets: list[str], args: argparse.Namespace, console: Console) -> int:
@@ -190,9 +190,10 @@ def _plot(document: dict[str, Any], path: Path) -> Path | None:
         knobs = {s.get("levels", {}).get(name) for s in document["studies"]} - {None}
         knob = knobs.pop().removeprefix(f"{name}.") if len(knobs) == 1 else "level"
         ax.set_xlabel(f"{knob} (the others at the search's best)")
-        ax.set_ylabel(f"{document['studies'][0]['metric']}, share of the study's peak")
         ax.set_ylim(0, 1.05)
-        ax.legend(fontsize=6, loc="lower left")
+    axes[0][0].set_ylabel(f"{document['studies'][0]['metric']}, share of the study's peak")
+    fig.tight_layout()
+    legend_below(fig, axes[0])
     return save_figure(fig, path)
 
 

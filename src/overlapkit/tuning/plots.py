@@ -19,6 +19,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .analysis import Analysis  # noqa: E402
 
@@ -101,7 +102,6 @@ def contention(curves: dict[str, dict[str, Any]], metric: str) -> Any:
             ys = [p["median"] / reference for p in points]
             low = [(p["median"] - p["low"]) / reference for p in points]
             high = [(p["high"] - p["median"]) / reference for p in points]
-            label = f"{label}, / its value at {points[0]['level']}"
             ax.errorbar(xs, ys, yerr=[low, high], fmt=marker, color=color, capsize=3, label=label)
             numeric = [(x, y) for x, y, p in zip(xs, ys, points, strict=True) if _number(p)]
             if len(numeric) > 1:
@@ -120,11 +120,10 @@ def contention(curves: dict[str, dict[str, Any]], metric: str) -> Any:
                 ax.axvline(where[point], color="grey", linestyle=":", label="contention point")
         ax.set_xticks(range(len(levels)), [str(level) for level in levels])
         ax.set_xlabel(curve["level"])
-        ax.set_ylabel(f"{metric}, relative to the curve's lowest level")
-        if ax.get_legend_handles_labels()[0]:  # no trial measured: no legend, no warning
-            ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"{metric} / at the curve's lowest level")
     fig.suptitle("contention curves: median and range of the repeats", fontsize=9)
     fig.tight_layout()
+    legend_below(fig, axes[0])
     return fig
 
 
@@ -144,6 +143,7 @@ def history(analysis: Analysis) -> Any:
     best_so_far = [max(values[: i + 1]) for i in range(len(values))]
     ax.plot([m.number for m in ordered], best_so_far, "-", label="best so far")
     ax.set_xlabel("trial")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(f"{analysis.metric} (samples/s)")
     ax.legend(fontsize=7)
     return fig
@@ -178,6 +178,25 @@ def pareto(analysis: Analysis) -> Any:
     ax.set_ylabel("goodput (samples/s)")
     ax.legend(fontsize=7)
     return fig
+
+
+def legend_below(fig: Any, axes: Any) -> None:
+    """One legend for the figure's plots, under them, each label once: it hides no
+    point (each plot's own legend covered the curves) and is not repeated."""
+    entries: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    if entries:  # nothing measured: no legend (matplotlib would warn on the terminal)
+        fig.legend(
+            list(entries.values()),
+            list(entries),
+            loc="upper center",
+            bbox_to_anchor=(0.5, 0.0),
+            ncol=min(3, len(entries)),
+            fontsize=8,
+            frameon=False,
+        )
 
 
 def save_figure(fig: Any, path: Path) -> Path:
