@@ -18,6 +18,7 @@ from torch import nn
 
 from .events import Event
 from .gradsync import BackwardEnd
+from .hooks import SessionHook, _inert_hook  # noqa: F401 - models pickled before name it here
 
 if TYPE_CHECKING:
     from .session import Session
@@ -290,29 +291,6 @@ def _calling_scaler() -> torch.amp.GradScaler | None:
             return owner
         frame = frame.f_back
     return None
-
-
-class SessionHook:
-    """A hook of the session on the script's model or optimizer. A copy of the model
-    (``torch.save(model)``, ``copy.deepcopy`` for an EMA copy) gets an inert hook in
-    its place: not the session (which does not pickle), nor events from the copy."""
-
-    def __init__(self, hook: Callable[..., Any]) -> None:
-        self.hook = hook
-
-    def __call__(self, *args: Any) -> Any:
-        return self.hook(*args)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_inert_hook, ())
-
-
-def _inert_hook() -> Callable[..., None]:
-    return _inert
-
-
-def _inert(*args: Any) -> None:
-    """What a copied model keeps in place of a session's hook."""
 
 
 def _first_tensor_with_grad(output: Any) -> torch.Tensor | None:
