@@ -314,8 +314,21 @@ def note(message: str) -> None:
 def warn(message: str) -> None:
     """A `LoopWarning` pointing at the script's line (the first frame outside
     overlapkit and torch: some come from inside autograd's hooks)."""
+    frame, level = _script_frame()
+    warnings.warn(message, LoopWarning, stacklevel=level if frame is not None else 2)
+
+
+def script_locals() -> dict[str, Any]:
+    """The variables of the script's function now calling into overlapkit."""
+    frame, _ = _script_frame()
+    return dict(frame.f_locals) if frame is not None else {}
+
+
+def _script_frame() -> tuple[Any, int]:
+    """The first frame outside overlapkit and torch, and its stack level for
+    `warnings.warn` called from this module's caller."""
     inside = (str(Path(__file__).parents[1]), str(Path(torch.__file__).parent))
-    frame, level = sys._getframe(1), 2
+    frame, level = sys._getframe(2), 2
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, LoopWarning, stacklevel=level if frame is not None else 2)
+    return frame, level
