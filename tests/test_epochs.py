@@ -703,6 +703,33 @@ def test_prefetch_keeps_the_scripts_random_draws_across_epochs():
     assert run([get_optimization("prefetch")(0.6)]) == run(None)
 
 
+def test_prefetch_with_other_workers_than_the_scripts_loader_says_its_draws_differ():
+    """torchvision's classification script augments in its DataLoader's workers (a
+    random crop and flip per sample, mixup in the collate function): prefetch at
+    intensity 1 loaded with 4 workers where the script had 2, so batch 2 came from
+    another worker's RNG stream and the port trained to other parameters than the
+    plain script, silently. Now a note says so, and workers=2 keeps the draws."""
+
+    def run(prefetch=None):
+        model = nn.Linear(3, 1)
+        torch.manual_seed(0)
+        loader = DataLoader(Augmented(), batch_size=4, num_workers=2, collate_fn=mixup)
+        if prefetch is None:
+            return [x for x in loader], None
+        session = Session([prefetch], progress=False)
+        _, _, loader = session.prepare(model, None, loader)
+        batches = [x for x in loader]
+        return batches, session.finish()["optimizations"]["prefetch"]["notes"]
+
+    plain, _ = run()
+    other, notes = run(get_optimization("prefetch")(1.0))
+    assert not all(torch.equal(a, b) for a, b in zip(plain, other, strict=True))
+    assert any("has 2 workers, prefetch loads with 4" in note for note in notes), notes
+    same, notes = run(get_optimization("prefetch")(1.0, workers=2))
+    assert all(torch.equal(a, b) for a, b in zip(plain, same, strict=True))
+    assert not any("workers" in note and "draws" in note for note in notes), notes
+
+
 def test_random_draws_in_prefetch_workers_resume_exactly_with_batches_taken_ahead(tmp_path):
     """prefetch's feeder takes batches ahead of training: the workers' states saved
     are those as of the batches training had, not the ones taken ahead."""
