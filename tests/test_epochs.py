@@ -703,6 +703,33 @@ def test_prefetch_keeps_the_scripts_random_draws_across_epochs():
     assert run([get_optimization("prefetch")(0.6)]) == run(None)
 
 
+def test_prefetch_with_other_workers_than_the_scripts_loader_says_its_draws_differ():
+    """torchvision's classification script augments in its DataLoader's workers (a
+    random crop and flip per sample, mixup in the collate function): prefetch at
+    intensity 1 loaded with 4 workers where the script had 2, so batch 2 came from
+    another worker's RNG stream and the port trained to other parameters than the
+    plain script, silently. Now a note says so, and workers=2 keeps the draws."""
+
+    def run(prefetch=None):
+        model = nn.Linear(3, 1)
+        torch.manual_seed(0)
+        loader = DataLoader(Augmented(), batch_size=4, num_workers=2, collate_fn=mixup)
+        if prefetch is None:
+            return [x for x in loader], None
+        session = Session([prefetch], progress=False)
+        _, _, loader = session.prepare(model, None, loader)
+        batches = [x for x in loader]
+        return batches, session.finish()["optimizations"]["prefetch"]["notes"]
+
+    plain, _ = run()
+    other, notes = run(get_optimization("prefetch")(1.0))
+    assert not all(torch.equal(a, b) for a, b in zip(plain, other, strict=True))
+    assert any("has 2 workers, prefetch loads with 4" in note for note in notes), notes
+    same, notes = run(get_optimization("prefetch")(1.0, workers=2))
+    assert all(torch.equal(a, b) for a, b in zip(plain, same, strict=True))
+    assert not any("workers" in note and "draws" in note for note in notes), notes
+
+
 def test_random_draws_in_prefetch_workers_resume_exactly_with_batches_taken_ahead(tmp_path):
     """prefetch's feeder takes batches ahead of training: the workers' states saved
     are those as of the batches training had, not the ones taken ahead."""
@@ -1064,6 +1091,69 @@ def test_a_scripts_own_grad_scaler_is_checkpointed_or_said_not_to_be(tmp_path, r
         line = Path(__file__).read_text().splitlines()[told[0].lineno - 1]
         assert "scaler.step(optimizer)" in line
         assert notes and "session.start(scaler=scaler)" in notes[0]
+
+
+def torchvision_epochs(run_dir, registered, stop=None):
+    """torchvision's classification loop, ported: a StepLR stepped per epoch, an EMA
+    of parameters and buffers (``AveragedModel``) updated every other batch, no
+    GradScaler (no --amp: None); 3 epochs of 5 batches, checkpoints every 2 steps;
+    ``stop``: leave after that many steps (a final checkpoint)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model, optimizer, loader = parts()
+    lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model_ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    scaler = None
+    session = Session([Checkpoint(every=2)], run_dir=run_dir, progress=False)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    saved = {"lr_scheduler": lr_scheduler, "model_ema": model_ema} if registered else {}
+    start = session.start(scaler=scaler, **saved)  # the line told
+    for epoch in range(start.epoch, 3):
+        for i, (x, y) in enumerate(loader, start.batch if epoch == start.epoch else 0):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if i % 2 == 0:
+                model_ema.update_parameters(model)
+            if session.state.step + 1 == stop:
+                break
+        if session.state.step == stop:
+            break
+        lr_scheduler.step()
+    return session.finish(), model_ema, lr_scheduler
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_an_lr_schedule_or_an_ema_left_unregistered_is_told(tmp_path, registered):
+    """A port of torchvision's classification script: its per-epoch LR schedule and
+    its EMA registered, the resume is exact. Left out, a resume restarted the
+    schedule's count (with the saved learning rate) and the average, silently: now a
+    LoopWarning at the line that starts the run, and a note, for each. Its scaler,
+    None without --amp, is nothing to save (it was a TypeError advising
+    ``scaler=lambda: scaler``, which saves an EMA without restoring it)."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LoopWarning)
+        _, ema, schedule = torchvision_epochs(tmp_path / "straight", registered)
+        torchvision_epochs(tmp_path / "resumed", registered, stop=7)
+        summary, ema_again, schedule_again = torchvision_epochs(tmp_path / "resumed", registered)
+    assert summary["optimizations"]["checkpoint"]["resumed_from_step"] == 7
+    same_ema = all(
+        torch.equal(a, b)
+        for a, b in zip(ema.state_dict().values(), ema_again.state_dict().values(), strict=True)
+    )
+    same_schedule = schedule_again.state_dict() == schedule.state_dict()
+    told = [str(w.message) for w in said if "not checkpointed" in str(w.message)]
+    notes = [n for n in summary.get("notes", []) if "not checkpointed" in n]
+    if registered:
+        assert same_ema and same_schedule and not told and not notes
+        return
+    assert not same_ema and not same_schedule  # what they are told about
+    assert len(told) == 6 and len(notes) == 2  # 2 in each of the 3 runs
+    assert "LR schedule" in told[0] and "session.start(lr_scheduler=lr_scheduler)" in told[0]
+    assert "session.start(model_ema=model_ema)" in told[1]
+    where = [w for w in said if "not checkpointed" in str(w.message)][0]
+    assert where.filename == __file__
+    assert "session.start(" in Path(__file__).read_text().splitlines()[where.lineno - 1]
 
 
 def test_checkpoints_waiting_out_steps_a_grad_scaler_skipped_say_so(tmp_path):

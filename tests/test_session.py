@@ -289,6 +289,11 @@ def test_batchnorm_statistics_are_rank_zeros_as_under_ddp():
     for rank in ranks.values():
         assert torch.equal(rank["port"], rank["ddp"])
         assert torch.equal(rank["no_overlap"], rank["ddp"])
+        # Between a step's backward and the next forward each rank's statistics are its
+        # own, as under DDP: an EMA of them read there (torchvision's, use_buffers=True)
+        # took rank 0's on rank 1, and the port's EMA evaluation parted from the script's.
+        for way in ("port", "no_overlap"):
+            assert torch.equal(rank[f"{way}/ema"], rank["ddp/ema"]), way
         # An evaluation after training uses rank 0's statistics on every rank, as under
         # DDP (the port's rank 1 evaluated with its own: validation losses differed).
         for way in ("port", "no_overlap"):

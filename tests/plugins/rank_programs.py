@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from overlapkit import Optimization, Session, get_optimization
 from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
@@ -264,7 +265,9 @@ def backwards_the_session_cannot_see(steps: int = 4) -> dict[str, Any]:
 def batchnorm_statistics(steps: int = 4) -> dict[str, torch.Tensor]:
     """In one 2-rank group, a model with batch norm trained by the DDP script and by its
     port (the session's flat all-reduce; ddp_overlap's no_overlap baseline): each
-    way's running statistics and parameters, as this rank ends with them."""
+    way's running statistics and parameters, as this rank ends with them, and its EMA
+    of both (torchvision's classification script: ``AveragedModel(use_buffers=True)``
+    updated after each optimizer step, made after prepare)."""
     world = init_world("cpu", "gloo", timeout_s=60)
     results = {}
     try:
@@ -279,6 +282,9 @@ def batchnorm_statistics(steps: int = 4) -> dict[str, torch.Tensor]:
                 chosen = [get_optimization("ddp_overlap")(0.0)] if way == "no_overlap" else []
                 session = Session(chosen, device="cpu")
                 model, optimizer, _ = session.prepare(model, optimizer)
+            ema = torch.optim.swa_utils.AveragedModel(
+                model.module, multi_avg_fn=get_ema_multi_avg_fn(0.5), use_buffers=True
+            )
             torch.manual_seed(world.rank)  # each rank its own batches
             batches = [
                 (torch.randn(16, 6) * (1 + world.rank), torch.randint(3, (16,)))
@@ -288,6 +294,10 @@ def batchnorm_statistics(steps: int = 4) -> dict[str, torch.Tensor]:
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(model(x), y).backward()
                 optimizer.step()
+                ema.update_parameters(model)
+            results[f"{way}/ema"] = torch.cat(
+                [t.detach().reshape(-1).float() for t in ema.module.state_dict().values()]
+            )
             model.eval()
             with torch.no_grad():
                 if world.rank == 0:  # rank 0 alone (a sample, a summary): no collective

@@ -316,9 +316,7 @@ class EpochLoop:
         loss scale and growth tracker are not in the checkpoints."""
         if scaler is None or not self.checkpointing or not scaler.is_enabled():
             return
-        held = list(self._stateful.values())  # timm's NativeScaler holds the scaler
-        held += [value for obj in held for value in getattr(obj, "__dict__", {}).values()]
-        if any(obj is scaler for obj in held):
+        if self.holds(scaler):
             return
         message = (
             "the script's GradScaler is not checkpointed: a resumed run starts from its "

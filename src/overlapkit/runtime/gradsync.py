@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .hooks import SessionHook
 from .optimization import COMM_WAIT
 from .state import temporarily
 
@@ -54,11 +55,13 @@ class BackwardEnd:
 
 class FlatAllReduce:
     """Averages gradients across ranks with one all-reduce of one flat buffer; the
-    module's buffers (batch-norm statistics) become rank ``src``'s with the sync at
-    the end of a synced backward (``__call__(buffers=True)``). DDP broadcasts them
-    before the next forward instead; the values are the same (nothing changes them
-    in between), and here no forward is a collective: an evaluation on rank 0 alone
-    cannot hang its peers, and every rank evaluates with rank 0's statistics.
+    module's buffers (batch-norm statistics) become rank ``src``'s at the next forward,
+    as DDP's do (every rank evaluates with rank 0's statistics). They are broadcast
+    with the sync at the end of a synced backward (``__call__(buffers=True)``) and
+    copied in by a hook before the next forward, so no forward is a collective (an
+    evaluation on rank 0 alone cannot hang its peers), and what the script reads in
+    between is this rank's own, as under DDP (an EMA of the buffers updated after the
+    optimizer step, torchvision's: it took rank 0's on the other ranks).
 
     The gradients live in that buffer as views, so nothing is copied before or
     after the all-reduce, provided they are zeroed in place rather than set to
@@ -101,12 +104,18 @@ class FlatAllReduce:
         self.dirty = False  # gradients accumulated since the last all-reduce
         self._end = BackwardEnd(on_backward_end)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
+        # Rank src's buffers as broadcast, per dtype, until the next forward takes them.
+        self._broadcast: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._hooks.append(model.register_forward_pre_hook(SessionHook(self._take_buffers)))
+        # Buffers loaded since (a resume, the script's own load_state_dict) stay.
+        self._hooks.append(model.register_load_state_dict_post_hook(SessionHook(self._forget)))
 
     def _accumulated(self, param: torch.Tensor) -> None:
         self.dirty = True
         self._end.arm()
 
     def remove_hooks(self) -> None:
+        self._take_buffers()  # the run ends: its next forward would have
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -131,15 +140,27 @@ class FlatAllReduce:
 
     @torch.no_grad()
     def broadcast_buffers(self) -> None:
-        """Every rank's buffers become rank ``src``'s (one broadcast per dtype)."""
+        """Broadcast rank ``src``'s buffers (one broadcast per dtype); the other ranks
+        take them at their next forward."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for buffer in self.buffers:
             by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        self._broadcast = []
         for buffers in by_dtype.values():
             flat = _flatten_dense_tensors(buffers)
             dist.broadcast(flat, self.src, group=self.group)
+            if dist.get_rank() != self.src:
+                self._broadcast.append((buffers, flat))
+
+    @torch.no_grad()
+    def _take_buffers(self, *hook_args: Any) -> None:
+        broadcast, self._broadcast = self._broadcast, []
+        for buffers, flat in broadcast:
             for buffer, value in zip(buffers, _unflatten_dense_tensors(flat, buffers), strict=True):
                 buffer.copy_(value)
+
+    def _forget(self, *hook_args: Any) -> None:
+        self._broadcast = []
 
 
 class GradientSync:

@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.swa_utils import AveragedModel
 
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng
-from .script import Start, note, warn
+from .script import Start, note, script_locals, warn
 from .state import temporarily
 
 
@@ -21,7 +23,11 @@ class SavedState:
         """Save and restore ``obj``: anything with ``state_dict``/``load_state_dict``
         (an LR schedule stepped per epoch, an EMA...), a dict (restored in place), or a
         function returning a plain value (``lambda: best_acc``; after a resume the
-        saved value is in ``session.start().values[name]``)."""
+        saved value is in ``session.start().values[name]``). None is nothing to save
+        (``start(model_ema=model_ema, scaler=scaler)`` whether or not the script made
+        them, as torchvision's saves each ``if model_ema:``)."""
+        if obj is None:
+            return
         if self._started:
             raise RuntimeError(
                 f"register {name!r} before the run starts (before start(), epoch() or steps()): "
@@ -45,6 +51,43 @@ class SavedState:
             # Registered after session.load() (start(scheduler=...) after it): restored
             # now, as if registered before (it kept its fresh state, silently).
             self._stateful[name].load_state_dict(self._loaded_user[name])
+
+    def holds(self, obj: Any) -> bool:
+        """``obj`` is checkpointed: registered, held by a registered object (timm's
+        NativeScaler holds the scaler), or the LR schedule given to `prepare`."""
+        held = [*self._stateful.values(), self.state.lr_scheduler]
+        held += [value for owner in held for value in getattr(owner, "__dict__", {}).values()]
+        return any(owner is obj for owner in held)
+
+    def check_unsaved_state(self) -> None:
+        """As a checkpointed run starts: the script's state that a resume would restart
+        silently, unregistered. Its LR schedule (torch's set ``initial_lr`` in the
+        optimizer's param groups): the learning rate would be the saved one, but the
+        schedule's count would start again. An EMA or SWA copy of the model
+        (``AveragedModel``, among the variables of the function starting the run): its
+        average would start again from the resumed model."""
+        state = self.state
+        if not self.checkpointing or not self.runs_a_script or state.optimizer is None:
+            return
+        unsaved = []
+        scheduled = any("initial_lr" in group for group in state.optimizer.param_groups)
+        schedules = [obj for obj in self._stateful.values() if isinstance(obj, LRScheduler)]
+        if scheduled and state.lr_scheduler is None and not schedules:
+            unsaved.append(
+                "the optimizer's LR schedule is not checkpointed: a resumed run would start "
+                "its count again, from the saved learning rate. Register it: "
+                "session.start(lr_scheduler=lr_scheduler) (one stepped per epoch; one "
+                "stepped per update can go to prepare() instead)"
+            )
+        for name, value in script_locals().items():
+            if isinstance(value, AveragedModel) and not self.holds(value):
+                unsaved.append(
+                    f"{name} (an AveragedModel) is not checkpointed: a resumed run would "
+                    f"start its average again. Register it: session.start({name}={name})"
+                )
+        for message in unsaved:
+            self.notes.append(f"cannot resume exactly: {message}")
+            warn(message)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly, under one key per component."""

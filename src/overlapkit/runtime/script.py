@@ -18,6 +18,7 @@ from torch import nn
 
 from .events import Event
 from .gradsync import BackwardEnd
+from .hooks import SessionHook, _inert_hook  # noqa: F401 - models pickled before name it here
 
 if TYPE_CHECKING:
     from .session import Session
@@ -292,29 +293,6 @@ def _calling_scaler() -> torch.amp.GradScaler | None:
     return None
 
 
-class SessionHook:
-    """A hook of the session on the script's model or optimizer. A copy of the model
-    (``torch.save(model)``, ``copy.deepcopy`` for an EMA copy) gets an inert hook in
-    its place: not the session (which does not pickle), nor events from the copy."""
-
-    def __init__(self, hook: Callable[..., Any]) -> None:
-        self.hook = hook
-
-    def __call__(self, *args: Any) -> Any:
-        return self.hook(*args)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_inert_hook, ())
-
-
-def _inert_hook() -> Callable[..., None]:
-    return _inert
-
-
-def _inert(*args: Any) -> None:
-    """What a copied model keeps in place of a session's hook."""
-
-
 def _first_tensor_with_grad(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output if output.requires_grad else None
@@ -336,8 +314,21 @@ def note(message: str) -> None:
 def warn(message: str) -> None:
     """A `LoopWarning` pointing at the script's line (the first frame outside
     overlapkit and torch: some come from inside autograd's hooks)."""
+    frame, level = _script_frame()
+    warnings.warn(message, LoopWarning, stacklevel=level if frame is not None else 2)
+
+
+def script_locals() -> dict[str, Any]:
+    """The variables of the script's function now calling into overlapkit."""
+    frame, _ = _script_frame()
+    return dict(frame.f_locals) if frame is not None else {}
+
+
+def _script_frame() -> tuple[Any, int]:
+    """The first frame outside overlapkit and torch, and its stack level for
+    `warnings.warn` called from this module's caller."""
     inside = (str(Path(__file__).parents[1]), str(Path(torch.__file__).parent))
-    frame, level = sys._getframe(1), 2
+    frame, level = sys._getframe(2), 2
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, LoopWarning, stacklevel=level if frame is not None else 2)
+    return frame, level

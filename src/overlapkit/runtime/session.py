@@ -291,6 +291,7 @@ class Session(EpochLoop, SavedState):
             return
         self._started = True
         loaded = self.state.resumed_from  # by session.load(), which said so
+        self.check_unsaved_state()
         self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
         self.state.first_step = self.state.step
         self.scheduler.arrange(self.state)

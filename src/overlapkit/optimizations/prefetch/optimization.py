@@ -98,6 +98,7 @@ class Prefetch(Optimization):
         super().__init__(intensity, **explicit)
         self.loader: PrefetchLoader | None = None
         self.fed = True  # False on a pipeline stage that takes no inputs
+        self.script_workers: int | None = None  # the script's DataLoader's, where other
         self.cores = 0
         self.compute_threads = 0
         self.placed = False
@@ -150,6 +151,11 @@ class Prefetch(Optimization):
             # base seed once a run, not once an epoch, and the global RNG stream (dropout,
             # the next epoch's shuffle) would part from the plain script's after epoch 1.
             s["persistent_workers"] = bool(loader.original.persistent_workers)
+        if isinstance(loader, ScriptLoader) and "workers" not in self.explicit:
+            # Each worker draws from its own RNG stream, and batch i comes from worker
+            # i % workers: another count gives other random augmentations.
+            if loader.original.num_workers != s["workers"]:
+                self.script_workers = loader.original.num_workers
         backend = _build_backend(s, loader, device, pin)
         # DataLoader and DALI's external source load on the calling thread without
         # workers: the feeder thread loads ahead then. tf.data has threads of its own.
@@ -188,6 +194,15 @@ class Prefetch(Optimization):
         }
         if not self.fed:
             out["notes"].append("this rank's pipeline stage takes no inputs: not prefetched")
+        if self.script_workers is not None:
+            workers = self.settings["workers"]
+            out["notes"].append(
+                f"the script's DataLoader has {self.script_workers} workers, prefetch loads "
+                f"with {workers}: random augmentation in the dataset or collate function draws "
+                "other numbers than in the plain script (each worker has its own RNG stream; "
+                "without workers, the global one), so the run differs from it; "
+                f"prefetch(intensity, workers={self.script_workers}) keeps its draws"
+            )
         busy = self.compute_threads + self.settings["workers"] + (1 if out["feeder_depth"] else 0)
         if self.cores and busy > self.cores and not self.placed:
             out["notes"].append(
