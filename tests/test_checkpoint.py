@@ -114,6 +114,23 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert section["resumed_from_step"] == 3
 
 
+def test_no_intact_checkpoint_left_is_an_error_that_keeps_them(tmp_path):
+    """Every checkpoint damaged (or its step folder removed by hand): the run started
+    over as if there had been none, wrote its own steps over them and deleted the rest."""
+    train(tmp_path, 7, every=3, final=False)  # steps 3 and 6
+    folder = tmp_path / "checkpoints"
+    for step in (3, 6):
+        path = folder / f"step-{step:08d}" / "shared.ckpt"
+        path.write_bytes(path.read_bytes()[:1000])
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    none_intact = r"none of the checkpoints .* is intact \(step\(s\) 3, 6"
+    with pytest.warns(CheckpointCorruptWarning), pytest.raises(CheckpointError, match=none_intact):
+        train(tmp_path, 12, every=3)
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+    _, _, section = train(tmp_path, 12, every=3, resume=False)  # starting over: on purpose
+    assert section["resumed_from_step"] is None
+
+
 @pytest.mark.slow
 def test_host_memory_stays_flat_across_many_checkpoints(tmp_path):
     sizes = []
