@@ -12,7 +12,7 @@ import pytest
 import torch
 from rank_programs import mlp
 
-from conftest import run_cli
+from conftest import TINY_SCENARIO, run_cli
 from overlapkit import Session, get_optimization
 from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
 from overlapkit.launch.local import launch_local
@@ -287,6 +287,40 @@ def test_a_full_disk_is_reported_and_earlier_checkpoints_survive(tmp_path, on_er
         assert section["resumed_from_step"] == 6
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], capture_output=True)  # even if still busy
+
+
+def test_a_read_only_checkpoint_folder_on_two_ranks_is_said_in_one_line(tmp_path, tiny_scenario):
+    """Each rank's probe file (which ranks share the folder) was written unguarded: on a
+    read-only folder, 'internal error (a bug in overlapkit)', and on_error: continue
+    did not continue."""
+    disk = tmp_path / "disk"
+    problems = mount_tiny_filesystem(disk, 20)
+    if problems:
+        reason = "cannot mount a small filesystem (run as root): " + "; ".join(problems)
+        if os.environ.get("OVERLAPKIT_ALLOW_NO_FULL_DISK") == "1":
+            pytest.skip(reason)
+        pytest.fail(f"{reason}. Set OVERLAPKIT_ALLOW_NO_FULL_DISK=1 to skip this test")
+    try:
+        scenario = tiny_scenario(TINY_SCENARIO.replace("nprocs: 1", "nprocs: 2"))
+
+        def run(*sets: str) -> subprocess.CompletedProcess:
+            sets = (f"optimizations.checkpoint={{every: 2, dir: {disk}}}", *sets)
+            words = [word for s in sets for word in ("--set", s)]
+            return run_cli("run", scenario, "--out", tmp_path / "run", "--quiet", *words)
+
+        assert run("train.steps=2").returncode == 0  # checkpoints at 2 and 4
+        before = {p: p.read_bytes() for p in disk.rglob("*") if p.is_file()}
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        stopped = run("train.steps=6")
+        assert stopped.returncode == 1, stopped.stderr[-2000:]
+        assert "Read-only file system" in stopped.stderr and "intact" in stopped.stderr
+        assert "internal error" not in stopped.stderr and "Traceback" not in stopped.stderr
+        went_on = run("train.steps=6", "optimizations.checkpoint.on_error=continue")
+        assert went_on.returncode == 0, went_on.stderr[-2000:]
+        assert "resumed at step 4" in went_on.stderr
+        assert {p: p.read_bytes() for p in disk.rglob("*") if p.is_file()} == before
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], capture_output=True)
 
 
 def test_a_damaged_manifest_is_said_and_its_checkpoints_are_kept(tmp_path, tiny_scenario):
