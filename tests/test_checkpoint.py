@@ -345,6 +345,25 @@ def test_a_damaged_manifest_is_said_and_its_checkpoints_are_kept(tmp_path, tiny_
     assert "Traceback" not in again.stderr and "internal error" not in again.stderr
 
 
+@pytest.mark.parametrize(
+    "edited",
+    [
+        {"checkpoints": [{"step": "6", "files": {}}]},
+        {"checkpoints": [{"step": 6}]},
+        {"checkpoints": [6]},
+        {"checkpoints": [{"step": 6, "files": ["shared.ckpt"]}]},
+    ],
+)
+def test_a_manifest_edited_into_another_shape_is_said_as_damaged(tmp_path, edited):
+    """Only a missing "step" was caught: a step as text, or no "files", ended in an
+    internal error (TypeError, KeyError) where a cut manifest is one clear line."""
+    train(tmp_path, 7, every=3, final=False)
+    (tmp_path / "checkpoints" / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match="manifest.json is damaged.*none is deleted"):
+        train(tmp_path, 12, every=3)
+    assert len(list((tmp_path / "checkpoints").glob("step-*"))) == 2
+
+
 def test_the_cli_says_a_corrupt_checkpoint_was_skipped_in_one_line(tmp_path, tiny_scenario):
     """It printed Python's warning dump: a file path, a line number and a source line."""
     out = tmp_path / "run"
