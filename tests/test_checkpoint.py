@@ -12,7 +12,7 @@ import pytest
 import torch
 from rank_programs import mlp
 
-from conftest import run_cli
+from conftest import TINY_SCENARIO, run_cli
 from overlapkit import Session, get_optimization
 from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
 from overlapkit.launch.local import launch_local
@@ -112,6 +112,23 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     with pytest.warns(CheckpointCorruptWarning):
         _, _, section = train(tmp_path, 9, every=3, keep=3, final=False)
     assert section["resumed_from_step"] == 3
+
+
+def test_no_intact_checkpoint_left_is_an_error_that_keeps_them(tmp_path):
+    """Every checkpoint damaged (or its step folder removed by hand): the run started
+    over as if there had been none, wrote its own steps over them and deleted the rest."""
+    train(tmp_path, 7, every=3, final=False)  # steps 3 and 6
+    folder = tmp_path / "checkpoints"
+    for step in (3, 6):
+        path = folder / f"step-{step:08d}" / "shared.ckpt"
+        path.write_bytes(path.read_bytes()[:1000])
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    none_intact = r"none of the checkpoints .* is intact \(step\(s\) 3, 6"
+    with pytest.warns(CheckpointCorruptWarning), pytest.raises(CheckpointError, match=none_intact):
+        train(tmp_path, 12, every=3)
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+    _, _, section = train(tmp_path, 12, every=3, resume=False)  # starting over: on purpose
+    assert section["resumed_from_step"] is None
 
 
 @pytest.mark.slow
@@ -272,6 +289,40 @@ def test_a_full_disk_is_reported_and_earlier_checkpoints_survive(tmp_path, on_er
         subprocess.run(["umount", "--lazy", str(disk)], capture_output=True)  # even if still busy
 
 
+def test_a_read_only_checkpoint_folder_on_two_ranks_is_said_in_one_line(tmp_path, tiny_scenario):
+    """Each rank's probe file (which ranks share the folder) was written unguarded: on a
+    read-only folder, 'internal error (a bug in overlapkit)', and on_error: continue
+    did not continue."""
+    disk = tmp_path / "disk"
+    problems = mount_tiny_filesystem(disk, 20)
+    if problems:
+        reason = "cannot mount a small filesystem (run as root): " + "; ".join(problems)
+        if os.environ.get("OVERLAPKIT_ALLOW_NO_FULL_DISK") == "1":
+            pytest.skip(reason)
+        pytest.fail(f"{reason}. Set OVERLAPKIT_ALLOW_NO_FULL_DISK=1 to skip this test")
+    try:
+        scenario = tiny_scenario(TINY_SCENARIO.replace("nprocs: 1", "nprocs: 2"))
+
+        def run(*sets: str) -> subprocess.CompletedProcess:
+            sets = (f"optimizations.checkpoint={{every: 2, dir: {disk}}}", *sets)
+            words = [word for s in sets for word in ("--set", s)]
+            return run_cli("run", scenario, "--out", tmp_path / "run", "--quiet", *words)
+
+        assert run("train.steps=2").returncode == 0  # checkpoints at 2 and 4
+        before = {p: p.read_bytes() for p in disk.rglob("*") if p.is_file()}
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        stopped = run("train.steps=6")
+        assert stopped.returncode == 1, stopped.stderr[-2000:]
+        assert "Read-only file system" in stopped.stderr and "intact" in stopped.stderr
+        assert "internal error" not in stopped.stderr and "Traceback" not in stopped.stderr
+        went_on = run("train.steps=6", "optimizations.checkpoint.on_error=continue")
+        assert went_on.returncode == 0, went_on.stderr[-2000:]
+        assert "resumed at step 4" in went_on.stderr
+        assert {p: p.read_bytes() for p in disk.rglob("*") if p.is_file()} == before
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], capture_output=True)
+
+
 def test_a_damaged_manifest_is_said_and_its_checkpoints_are_kept(tmp_path, tiny_scenario):
     """A cut manifest read as none: the run started over, said there was nothing to
     resume, and its next checkpoint's clean-up deleted the step folders."""
@@ -292,6 +343,25 @@ def test_a_damaged_manifest_is_said_and_its_checkpoints_are_kept(tmp_path, tiny_
                     "--set", "optimizations.checkpoint={every: 2}", "--set", "train.steps=9")  # fmt: skip
     assert again.returncode != 0 and "manifest.json is damaged" in again.stderr
     assert "Traceback" not in again.stderr and "internal error" not in again.stderr
+
+
+@pytest.mark.parametrize(
+    "edited",
+    [
+        {"checkpoints": [{"step": "6", "files": {}}]},
+        {"checkpoints": [{"step": 6}]},
+        {"checkpoints": [6]},
+        {"checkpoints": [{"step": 6, "files": ["shared.ckpt"]}]},
+    ],
+)
+def test_a_manifest_edited_into_another_shape_is_said_as_damaged(tmp_path, edited):
+    """Only a missing "step" was caught: a step as text, or no "files", ended in an
+    internal error (TypeError, KeyError) where a cut manifest is one clear line."""
+    train(tmp_path, 7, every=3, final=False)
+    (tmp_path / "checkpoints" / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match="manifest.json is damaged.*none is deleted"):
+        train(tmp_path, 12, every=3)
+    assert len(list((tmp_path / "checkpoints").glob("step-*"))) == 2
 
 
 def test_the_cli_says_a_corrupt_checkpoint_was_skipped_in_one_line(tmp_path, tiny_scenario):

@@ -11,7 +11,8 @@ import yaml
 
 from conftest import TINY_SCENARIO, cli_here
 from overlapkit.cli import _earlier_runs
-from overlapkit.earlier_run import setup_changes
+from overlapkit.earlier_run import EarlierRunError, check_earlier_run, setup_changes
+from overlapkit.scenarios import dump_scenario, load_scenario
 
 CHECKPOINTED = TINY_SCENARIO + "optimizations: {checkpoint: {every: 2}}\n"
 
@@ -76,6 +77,47 @@ def test_checkpoints_of_another_setup_are_not_loaded(earlier, override, named):
     assert f"holds checkpoints of another setup ({named})" in result.stderr
     assert f"--out {folder} --fresh" in result.stderr
     assert snapshot(folder) == before  # its scenario.yaml too
+
+
+TWO_RANKS = CHECKPOINTED.replace("world: {nprocs: 1}", "world: {nprocs: 2}")
+PIPELINED = TWO_RANKS.replace("{every: 2}}", "{every: 2}, pipeline: {stages: 2, microbatches: 2}}")
+
+
+@pytest.mark.parametrize(
+    ("before", "now", "named"),
+    [
+        (
+            TWO_RANKS,
+            PIPELINED,
+            "optimizations.pipeline off -> stages=2 stages_per_rank=1 split=auto",
+        ),
+        (
+            PIPELINED,
+            TWO_RANKS,
+            "optimizations.pipeline stages=2 stages_per_rank=1 split=auto -> off",
+        ),
+        (PIPELINED, PIPELINED.replace("stages: 2,", "stages: 2, intensity: 0,"), "-> off"),
+        (
+            PIPELINED,
+            PIPELINED.replace("stages: 2,", "stages: 2, split: equal,"),
+            "split auto -> equal",
+        ),
+    ],
+)
+def test_checkpoints_of_another_pipeline_layout_are_not_loaded(tiny_scenario, before, now, named):
+    """A pipeline turned on or off, or split elsewhere, passed this check: its ranks
+    skipped every checkpoint (a stage's file not in the manifest) and trained from step
+    0 over them, or failed loading a stage's layers (an internal error)."""
+    folder = tiny_scenario("").parent / "run"
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "scenario.yaml").write_text(dump_scenario(load_scenario(tiny_scenario(before))))
+    manifest = '{"format": 1, "checkpoints": [{"step": 4, "world_size": 2, "files": {}}]}'
+    (folder / "checkpoints" / "manifest.json").write_text(manifest)
+    with pytest.raises(EarlierRunError, match="holds checkpoints of another setup") as refused:
+        check_earlier_run(folder, load_scenario(tiny_scenario(now, name="now.yaml")), fresh=False)
+    assert named in str(refused.value)
+    same = before.replace("microbatches: 2", "microbatches: 4")  # not saved: trains on
+    check_earlier_run(folder, load_scenario(tiny_scenario(same, name="same.yaml")), fresh=False)
 
 
 def test_a_finished_run_is_not_written_over_unless_asked(earlier):

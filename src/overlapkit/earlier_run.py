@@ -10,7 +10,9 @@ from typing import Any
 
 import yaml
 
+from .runtime import KnobError
 from .scenarios import Scenario
+from .scenarios.config import build_optimizations
 from .scenarios.diff import first_difference, value_at
 
 # What a checkpoint's state depends on: a change in any of these makes a resume load
@@ -49,6 +51,7 @@ def check_earlier_run(folder: Path, scenario: Scenario, fresh: bool) -> None:
     fresh = fresh or any(o.name == "checkpoint" and not o.settings["resume"] for o in optimizations)
     if resumes_at is not None:
         changes = setup_changes(earlier, scenario.model_dump(mode="json"))
+        changes += layout_changes(earlier, optimizations)
         if changes:
             raise EarlierRunError(
                 f"{folder} holds checkpoints of another setup ({'; '.join(changes)}): "
@@ -80,6 +83,33 @@ def setup_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
         first_difference(value_at(earlier, path), value_at(now, path), path) for path in SAVED_WITH
     )
     return [change for change in found if change is not None]
+
+
+def layout_changes(earlier: dict[str, Any], optimizations: list[Any]) -> list[str]:
+    """How the earlier run's optimizations laid out its checkpoints differently from
+    ``optimizations`` (see `Optimization.saved_layout`), as ``optimizations.NAME before
+    -> now`` ("off" where one of the two runs lacks it)."""
+    try:
+        before = _layouts(build_optimizations(earlier.get("optimizations") or {}))
+    except (KnobError, TypeError, AttributeError):
+        return []  # a section this version cannot read: the setup above still decides
+    now = _layouts(optimizations)
+    changes = []
+    for name in sorted(before.keys() | now.keys()):
+        was, is_now = before.get(name), now.get(name)
+        if was is None or is_now is None:  # turned on or off
+            changes.append(f"optimizations.{name} {_said(was)} -> {_said(is_now)}")
+        elif change := first_difference(was, is_now, f"optimizations.{name}"):
+            changes.append(change)
+    return changes
+
+
+def _layouts(optimizations: list[Any]) -> dict[str, dict[str, Any]]:
+    return {o.name: layout for o in optimizations if (layout := o.saved_layout())}
+
+
+def _said(layout: dict[str, Any] | None) -> str:
+    return "off" if layout is None else " ".join(f"{k}={v}" for k, v in layout.items())
 
 
 def scenario_in(folder: Path) -> dict[str, Any] | None:

@@ -325,6 +325,12 @@ class Optimization:
         there (None: it would start at step 0)."""
         return None
 
+    def saved_layout(self) -> dict[str, Any]:
+        """How the checkpoints of a run with this optimization are laid out, beyond its
+        model, data and optimizer (a pipeline's stages and split): a run that resumes
+        them under another layout, or without the optimization, cannot load them."""
+        return {}
+
     def environment(self, backend: str) -> dict[str, str]:
         """Environment variables this optimization needs set before the process group
         starts (a communication library reads some only then), for ``backend``."""

@@ -48,6 +48,21 @@ def check_cpu_ranks(local_ranks: int) -> None:
         )
 
 
+def build_optimizations(section: dict[str, dict[str, Any] | None]) -> list[Optimization]:
+    """The enabled optimizations of a scenario's ``optimizations`` section (intensity 0
+    means off, whatever else is set, as in a tune's trials, unless it is a mode of the
+    optimization's own), in the order listed."""
+    built = []
+    for name, settings in section.items():
+        settings = dict(settings or {})
+        intensity = settings.pop("intensity", 1.0)
+        cls = get_optimization(name)
+        if intensity == 0 and cls.off_at_zero:
+            continue
+        built.append(cls(intensity, **settings))
+    return built
+
+
 class Scenario(Config):
     name: str
     framework: Literal["torch", "tensorflow"] = "torch"
@@ -185,18 +200,8 @@ class Scenario(Config):
         )
 
     def build_optimizations(self) -> list[Optimization]:
-        """The enabled optimizations (intensity 0 means off, whatever else is set, as
-        in a tune's trials, unless it is a mode of the optimization's own), in the
-        order listed."""
-        built = []
-        for name, settings in self.optimizations.items():
-            settings = dict(settings or {})
-            intensity = settings.pop("intensity", 1.0)
-            cls = get_optimization(name)
-            if intensity == 0 and cls.off_at_zero:
-                continue
-            built.append(cls(intensity, **settings))
-        return built
+        """The enabled optimizations, in the order listed (see `build_optimizations`)."""
+        return build_optimizations(self.optimizations)
 
     def applicable_optimizations(self) -> tuple[list[str], dict[str, str]]:
         """The built-in optimizations this scenario's world and model can run, each on

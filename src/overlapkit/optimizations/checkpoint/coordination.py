@@ -60,14 +60,24 @@ def probe_domains(root: Path, world: World, shard: str) -> Domains:
         return Domains((frozenset({0}),), (shard,))
     token = all_gather_objects(uuid.uuid4().hex, world)[0]  # this run's, not a stale one
     mine = root / PROBE.format(rank=world.rank)
-    mine.write_text(token)
+    # A folder this rank cannot write in (read-only): its first persist fails and says so.
+    written = _write(mine, token)
     all_gather_objects(None, world)  # every probe is written
     seen = frozenset(
         rank for rank in range(world.world_size) if _read(root / PROBE.format(rank=rank)) == token
-    )
+    ) | {world.rank}
     everyone = all_gather_objects((seen, shard), world)  # every probe is read
-    mine.unlink(missing_ok=True)
+    if written:
+        mine.unlink(missing_ok=True)
     return Domains(tuple(s for s, _ in everyone), tuple(n for _, n in everyone))
+
+
+def _write(path: Path, text: str) -> bool:
+    try:
+        path.write_text(text)
+    except OSError:
+        return False
+    return True
 
 
 def _read(path: Path) -> str | None:

@@ -50,10 +50,23 @@ def valid_steps(root: Path, rank: int, world_size: int, shard: Shard) -> list[in
 def newest_common_step(root: Path, world: World, shard: Shard) -> int | None:
     """The newest step that every rank holds intact, agreed by a collective; None when
     no rank holds any. A rank that holds none while others do is an error: starting it
-    fresh beside resumed ranks would train two different models."""
+    fresh beside resumed ranks would train two different models. So is a manifest
+    that lists checkpoints none of which is intact: a fresh start would write its own
+    over them (and its clean-up delete the rest), as if there had been none."""
     mine = valid_steps(root, world.rank, world.world_size, shard)
-    everyone = all_gather_objects(mine, world)
+    listed = [entry["step"] for entry in Manifest(root).read()]
+    gathered = all_gather_objects((mine, listed), world)
+    everyone = [steps for steps, _ in gathered]
     if not any(everyone):
+        damaged = sorted({step for _, steps in gathered for step in steps})
+        if damaged:
+            raise CheckpointError(
+                f"cannot resume: none of the checkpoints in {root} is intact (step(s) "
+                f"{', '.join(map(str, damaged))}: see the warnings above), so none is "
+                "resumed and none is written over. Restore their files, or start over with "
+                "overlapkit run --fresh (they are kept aside; in a script of your own, "
+                "another checkpoint folder or checkpoint resume: false)"
+            )
         return None
     common = set(everyone[0]).intersection(*everyone[1:])
     if common:

@@ -68,8 +68,8 @@ class Manifest:
             return []
         try:
             entries = json.loads(text)["checkpoints"]
-            if not isinstance(entries, list) or not all("step" in e for e in entries):
-                raise TypeError("no list of checkpoints")
+            if not isinstance(entries, list) or not all(map(_well_formed, entries)):
+                raise TypeError("no list of checkpoints, each with a step number and files")
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise CheckpointError(
                 f"{self.path} is damaged ({type(error).__name__}: {error}): the checkpoints "
@@ -94,6 +94,14 @@ class Manifest:
             if step is not None and step not in wanted and step < kept[-1]["step"]:
                 shutil.rmtree(folder, ignore_errors=True)
         return kept
+
+
+def _well_formed(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and type(entry.get("step")) is int
+        and isinstance(entry.get("files"), dict)
+    )
 
 
 def _step_of(folder: Path) -> int | None:

@@ -404,6 +404,14 @@ class Pipeline(Optimization):
             ]
         return starts
 
+    def saved_layout(self) -> dict[str, Any]:
+        # A stage's checkpoint file holds that stage's layers (and a rank's, its stages').
+        return {
+            "stages": self.pp,
+            "stages_per_rank": self.per_rank,
+            "split": self.settings["split"],
+        }
+
     # A profile differs from run to run: a run that resumes in the same folder must
     # split the model as the run that wrote the checkpoints did.
     def _partition_key(self, names: list[str]) -> dict[str, Any]:
