@@ -851,6 +851,27 @@ def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
     assert not [t for t in study.trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
 
 
+def test_trials_queued_by_a_stopped_run_run_first_under_their_own_heading(tiny_scenario, tmp_path):
+    """A tune stopped in a queued phase (confirm, analysis) leaves its queue: the next
+    run ran those trials under the first phase's heading ('references'), and with no
+    references and the search done, never ran them."""
+    tune = "{trials: 1, references: false, sampler: random, prune: false, steps: 2, warmup_steps: 1, repeats: 1}"
+    out = tune_tiny(tiny_scenario, tmp_path, "{toy_sleep: {intensity: 0.5}}", tune)
+    study = load(out)
+    enqueue(study, [("repeat", study.trials[0].params)], again=True)
+    result = run_cli(
+        "tune",
+        scenario_with(tiny_scenario, "{toy_sleep: {intensity: 0.5}}", tune),
+        "--out",
+        out,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "queued earlier: 1 trial on 1 worker(s)" in result.stderr
+    repeat = [t for t in load(out).trials if t.user_attrs.get("role") == "repeat"]
+    assert [t.state for t in repeat] == [TrialState.COMPLETE]
+
+
 def test_a_trial_whose_worker_died_before_recording_itself_is_an_orphan_once_old(monkeypatch):
     from overlapkit.tuning import study as study_module
 

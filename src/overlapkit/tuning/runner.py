@@ -97,6 +97,10 @@ def _phases(
     deadline: float | None,
     shown: Shown,
 ) -> None:
+    # Trials queued before this run that never ran (a run stopped in a queued phase):
+    # under a heading of their own, not the next phase's (or, with no references and
+    # the search done, not at all).
+    _phase("queued earlier", job, study, queue, pool, deadline, shown)
     if job.tune.references:
         enqueue(study, reference_settings(job.space))
         _phase("references", job, study, queue, pool, deadline, shown)
@@ -177,7 +181,8 @@ def _phase(
     first = True
     while (trials := todo()) > 0 and (deadline is None or time.time() < deadline):
         if first:
-            shown.console.print(f"[bold]{name}[/]: {trials} trials {pool.describe(trials)}")
+            count = f"{trials} trial{'s' if trials != 1 else ''}"
+            shown.console.print(f"[bold]{name}[/]: {count} {pool.describe(trials)}")
             if shown.progress is not None:
                 shown.progress.phase(name, trials)
         first = False
