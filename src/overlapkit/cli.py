@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     except RunInterrupted as stop:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_rank_zero():
             errors.print(_stopped_line(stop, args, argv, where), highlight=False, soft_wrap=True)
         if "RANK" in os.environ:  # a rank under torchrun: its process group may be mid-call
             exit_now(stop.exit_code)
@@ -611,7 +611,7 @@ def _check_not_foreign(out: Path, scenario_file: Path) -> None:
     """A run writes scenario.yaml, summary.json, steps.jsonl... into its folder: never
     over the scenario file being run, nor among files that are not an earlier run's.
     (Under torchrun rank 0 decides: another machine's folder holds no scenario.yaml.)"""
-    if not out.is_dir() or int(os.environ.get("RANK", "0")) != 0:
+    if not out.is_dir() or not is_rank_zero():
         return
     if any((out / name).exists() for name in ("checkpoints", "summary.json", "steps.jsonl")):
         return  # an earlier run's folder (its scenario.yaml is the resolved one)
