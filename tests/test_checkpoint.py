@@ -1,5 +1,6 @@
 """Two-phase checkpointing: exact resume, isolation from later updates, integrity, disk errors."""
 
+import contextlib
 import gc
 import json
 import os
@@ -220,6 +221,23 @@ def test_auto_mode_runs(tmp_path):
     assert section["checkpoints"] >= 2  # the measured first one, then at the chosen interval
 
 
+@contextlib.contextmanager
+def tiny_filesystem(folder: Path, mebibytes: int):
+    """A filesystem of about ``mebibytes`` MiB mounted on ``folder`` for the block
+    (see `mount_tiny_filesystem`); the test fails where none can be mounted, unless
+    OVERLAPKIT_ALLOW_NO_FULL_DISK=1 says to skip it."""
+    problems = mount_tiny_filesystem(folder, mebibytes)
+    if problems:
+        reason = "cannot mount a small filesystem (run as root): " + "; ".join(problems)
+        if os.environ.get("OVERLAPKIT_ALLOW_NO_FULL_DISK") == "1":
+            pytest.skip(reason)
+        pytest.fail(f"{reason}. Set OVERLAPKIT_ALLOW_NO_FULL_DISK=1 to skip this test")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], capture_output=True)  # even if busy
+
+
 def mount_tiny_filesystem(folder: Path, mebibytes: int) -> list[str]:
     """Mount a filesystem of about ``mebibytes`` MiB on ``folder``: a tmpfs, else a
     loop-mounted ext4 or FAT image. Returns what failed, empty once one is mounted."""
@@ -258,13 +276,7 @@ def mount_tiny_filesystem(folder: Path, mebibytes: int) -> list[str]:
 @pytest.mark.parametrize("on_error", ["stop", "continue"])
 def test_a_full_disk_is_reported_and_earlier_checkpoints_survive(tmp_path, on_error):
     disk = tmp_path / "disk"
-    problems = mount_tiny_filesystem(disk, 5)  # each checkpoint is ~2.2 MB: two fit
-    if problems:
-        reason = "cannot mount a small filesystem (run as root): " + "; ".join(problems)
-        if os.environ.get("OVERLAPKIT_ALLOW_NO_FULL_DISK") == "1":
-            pytest.skip(reason)
-        pytest.fail(f"{reason}. Set OVERLAPKIT_ALLOW_NO_FULL_DISK=1 to skip this test")
-    try:
+    with tiny_filesystem(disk, 5):  # each checkpoint is ~2.2 MB: two fit
         run = lambda: train(disk, 12, every=3, keep=3, momentum=0.0, on_error=on_error)  # noqa: E731
         if on_error == "stop":
             with warnings.catch_warnings(record=True) as caught:
@@ -285,8 +297,6 @@ def test_a_full_disk_is_reported_and_earlier_checkpoints_survive(tmp_path, on_er
             warnings.simplefilter("error")  # both intact: no corruption warning
             _, _, section = train(disk, 6, every=3, keep=3, momentum=0.0, final=False)
         assert section["resumed_from_step"] == 6
-    finally:
-        subprocess.run(["umount", "--lazy", str(disk)], capture_output=True)  # even if still busy
 
 
 def test_a_read_only_checkpoint_folder_on_two_ranks_is_said_in_one_line(tmp_path, tiny_scenario):
@@ -294,13 +304,7 @@ def test_a_read_only_checkpoint_folder_on_two_ranks_is_said_in_one_line(tmp_path
     read-only folder, 'internal error (a bug in overlapkit)', and on_error: continue
     did not continue."""
     disk = tmp_path / "disk"
-    problems = mount_tiny_filesystem(disk, 20)
-    if problems:
-        reason = "cannot mount a small filesystem (run as root): " + "; ".join(problems)
-        if os.environ.get("OVERLAPKIT_ALLOW_NO_FULL_DISK") == "1":
-            pytest.skip(reason)
-        pytest.fail(f"{reason}. Set OVERLAPKIT_ALLOW_NO_FULL_DISK=1 to skip this test")
-    try:
+    with tiny_filesystem(disk, 20):
         scenario = tiny_scenario(TINY_SCENARIO.replace("nprocs: 1", "nprocs: 2"))
 
         def run(*sets: str) -> subprocess.CompletedProcess:
@@ -319,8 +323,6 @@ def test_a_read_only_checkpoint_folder_on_two_ranks_is_said_in_one_line(tmp_path
         assert went_on.returncode == 0, went_on.stderr[-2000:]
         assert "resumed at step 4" in went_on.stderr
         assert {p: p.read_bytes() for p in disk.rglob("*") if p.is_file()} == before
-    finally:
-        subprocess.run(["umount", "--lazy", str(disk)], capture_output=True)
 
 
 def test_a_damaged_manifest_is_said_and_its_checkpoints_are_kept(tmp_path, tiny_scenario):
