@@ -3,6 +3,7 @@ with DDP, per-stage checkpoints and exact resume, the partitioner, and bad setti
 
 import itertools
 import json
+import shutil
 
 import pytest
 import torch
@@ -22,11 +23,13 @@ from conftest import cli_here, run_cli
 from overlapkit import get_optimization
 from overlapkit.data import ShardedSampler, SyntheticImages
 from overlapkit.launch.local import launch_local
+from overlapkit.optimizations.checkpoint import fileformat
 from overlapkit.optimizations.pipeline import PipelineError
 from overlapkit.optimizations.pipeline.partition import LayerCost, balanced, equal_count, stage_time
 from overlapkit.optimizations.pipeline.schedules import SCHEDULES
 from overlapkit.runtime import CombinationError, Plan
 from overlapkit.runtime.rng import seed_everything
+from overlapkit.scenarios.loader import load_scenario
 
 BATCH = 16
 # The schedules this torch runs (all from 2.11, none before).
@@ -502,6 +505,22 @@ def test_pipedream_checkfreq_scenario_checkpoints_each_stage_and_resumes(tmp_pat
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = json.loads((tmp_path / "summary.json").read_text())
     assert resumed["optimizations"]["checkpoint"]["resumed_from_step"] == 5
+    # overlapkit export: the unsplit model from the stages' files, its own names (the
+    # stage files say layers.layer3_0.conv1.weight), loadable with strict names. A copy
+    # of the checkpoint folder alone: the names come from the ranks' files.
+    alone = tmp_path / "elsewhere" / "checkpoints"
+    shutil.copytree(tmp_path / "checkpoints", alone)
+    exported = run_cli("export", alone, "--to", tmp_path / "model.pt", "--json")
+    assert exported.returncode == 0, exported.stderr
+    newest = json.loads((alone / "manifest.json").read_text())["checkpoints"][-1]["step"]
+    assert json.loads(exported.stdout)["step"] == newest
+    state = torch.load(tmp_path / "model.pt")
+    model = load_scenario("scenarios/pipedream-checkfreq.yaml").model.build()
+    model.load_state_dict(state)  # strict: every name the unsplit model's
+    final = sorted(alone.glob("step-*"))[-1]
+    last = fileformat.read(final / "stage001.ckpt")["model"]
+    assert torch.equal(state["head.2.weight"], last["layers.head.2.weight"])
+    assert torch.equal(state["layer3.0.conv1.weight"], last["layers.layer3_0.conv1.weight"])
 
 
 @pytest.mark.slow

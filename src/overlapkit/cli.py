@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 the run failed, 2 bad input (scenario, data, usage).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import importlib
 import json
@@ -198,6 +199,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--json", action="store_true", help="print compare.json to stdout")
 
+    export = commands.add_parser(
+        "export", help="a run's trained model from its checkpoints, as one file to load"
+    )
+    export.add_argument(
+        "run", type=Path, metavar="RUN_DIR", help="a run folder, or a checkpoint folder"
+    )
+    export.add_argument(
+        "--step", type=_at_least(0), help="the checkpoint's step (default: the newest intact)"
+    )
+    export.add_argument(
+        "--to", type=Path, metavar="FILE", help="where to write (default: RUN_DIR/model-step-N.pt)"
+    )
+    export.add_argument("--json", action="store_true", help="print what was written as JSON")
+
     check = commands.add_parser("check", help="validate a scenario without running it")
     _scenario_arguments(check)
 
@@ -215,6 +230,35 @@ def _parser() -> argparse.ArgumentParser:
     )
     cluster_check.add_argument("file", type=Path)
     return parser
+
+
+def _export(args: argparse.Namespace, console: Console) -> int:
+    from .export import ExportError, export_model
+
+    try:
+        done = export_model(args.run, args.step, args.to)
+    except (ExportError, CheckpointError) as error:
+        raise UsageError(str(error)) from None
+    except OSError as error:
+        raise UsageError(f"{error.filename or args.to}: {error.strerror or error}") from None
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(done), "path": str(done.path)}, indent=2))
+        return 0
+    for skipped in done.skipped:
+        console.print(
+            f"skipped the newer checkpoint at {skipped}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+    console.print(
+        f"wrote {done.path}: the model at step {done.step} ({done.tensors} tensors, "
+        f"{done.bytes / 2**20:.1f} MiB); load it with {done.how_to_load()}",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+    return 0
 
 
 def _describe_scenario(scenario: Scenario) -> Table:
@@ -444,6 +488,8 @@ def _command(
         from .tuning.commands import report_command
 
         return report_command(args, console)
+    if args.command == "export":
+        return _export(args, console)
     if args.command == "compare":
         from .compare_runs import (
             RunFolderError,

@@ -404,6 +404,11 @@ class Pipeline(Optimization):
             ]
         return starts
 
+    def state_dict(self) -> dict[str, Any]:
+        # Each of this rank's stages' layers by the model's own names: its stage files
+        # name them with underscores for dots, which overlapkit export undoes.
+        return {"stages": [part.names for part in getattr(self, "_parts", [])]}
+
     def saved_layout(self) -> dict[str, Any]:
         # A stage's checkpoint file holds that stage's layers (and a rank's, its stages').
         return {

@@ -1,0 +1,206 @@
+"""``overlapkit export``: a run's trained model out of its checkpoints, as one file
+that needs no overlapkit to load.
+
+A checkpoint is overlapkit's own format (see `fileformat`), and under pipeline each
+stage's layers are in a file of their own, named as the stage names them. The
+export takes the newest intact checkpoint (or the step asked for) and writes:
+
+- torch: the model's ``state_dict`` with the unsplit model's names, by
+  ``torch.save`` (``model.load_state_dict(torch.load(PATH))``);
+- TensorFlow: the model's variables in ``model.variables`` order (its weights and
+  its layers' RNG states, as the checkpoint holds them), as a NumPy ``.npz``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .optimizations.checkpoint.store import Manifest, load_state, verify
+from .optimizations.pipeline.optimization import PARTITION_FILE
+from .runtime.checkpoint_folder import MANIFEST
+
+SHARED = "shared.ckpt"
+STAGE_PREFIX = "stage"
+
+
+class ExportError(ValueError):
+    """The run's checkpoints cannot give the model (named in the message)."""
+
+
+@dataclass
+class Exported:
+    path: Path
+    step: int
+    tensors: int
+    bytes: int
+    framework: str
+    skipped: list[str]  # newer checkpoints that were not intact, and why
+
+    def how_to_load(self) -> str:
+        if self.framework == "tensorflow":
+            return (
+                f"w = numpy.load('{self.path}'); "
+                "for v, k in zip(model.variables, w.files): v.assign(w[k])"
+            )
+        return f"model.load_state_dict(torch.load('{self.path}'))"
+
+
+def checkpoint_root(folder: Path) -> Path:
+    """The checkpoint folder of run folder ``folder`` (its scenario's checkpoint.dir,
+    relative to it), or ``folder`` itself when it holds a manifest."""
+    if (folder / MANIFEST).is_file():
+        return folder
+    if not folder.is_dir():
+        raise ExportError(f"{folder}: no such run folder")
+    directory = "checkpoints"
+    try:
+        scenario = yaml.safe_load((folder / "scenario.yaml").read_text()) or {}
+        directory = ((scenario.get("optimizations") or {}).get("checkpoint") or {}).get(
+            "dir", directory
+        )
+    except (OSError, yaml.YAMLError, AttributeError):
+        pass  # a script's folder, or none: the default place
+    root = folder / directory
+    if not (root / MANIFEST).is_file():
+        raise ExportError(
+            f"{folder} holds no checkpoint ({root / MANIFEST} is missing): export reads a "
+            "run's checkpoints, so the run needs the checkpoint optimization (or "
+            "session.save() in a script of its own)"
+        )
+    return root
+
+
+def export_model(folder: Path, step: int | None = None, to: Path | None = None) -> Exported:
+    """Write the model of ``folder``'s newest intact checkpoint (or of ``step``)."""
+    root = checkpoint_root(folder)
+    entries = list(reversed(Manifest(root).read()))  # newest first
+    if step is not None:
+        entries = [e for e in entries if e["step"] == step]
+        if not entries:
+            listed = ", ".join(str(e["step"]) for e in Manifest(root).read()) or "none"
+            raise ExportError(f"{root} holds no checkpoint at step {step} (it holds: {listed})")
+    problems = []
+    for entry in entries:
+        files = model_files(entry)
+        problem = verify(root, entry, files) if files else "it holds no model"
+        if problem is None:
+            state, framework = _model_state(root, entry, files)
+            target = to or _default_path(folder, root, entry["step"], framework)
+            return _write(state, framework, target, entry["step"], problems)
+        problems.append(f"step {entry['step']}: {problem}")
+    raise ExportError(f"no intact checkpoint in {root}: {'; '.join(problems) or 'none listed'}")
+
+
+def model_files(entry: dict[str, Any]) -> list[str]:
+    """The files of a checkpoint that hold the model: the replicated one, or one per
+    pipeline stage."""
+    names = sorted(entry["files"])
+    stages = [n for n in names if n.startswith(STAGE_PREFIX) and n.endswith(".ckpt")]
+    return stages or [n for n in names if n == SHARED]
+
+
+def _model_state(root: Path, entry: dict[str, Any], files: list[str]) -> tuple[Any, str]:
+    models = [load_state(root, entry["step"], name).get("model") for name in files]
+    if any(model is None for model in models):
+        raise ExportError(f"the checkpoint at step {entry['step']} in {root} holds no model")
+    if isinstance(models[0], list):  # TensorFlow: its variables, in model.variables order
+        return models[0], "tensorflow"
+    if len(files) == 1 and files[0] == SHARED:
+        return models[0], "torch"
+    names = _stage_layer_names(root, entry) or _partition_layer_names(root)
+    if not names:
+        raise ExportError(
+            f"the checkpoint at step {entry['step']} in {root} does not name its pipeline "
+            "layers (written before overlapkit recorded them, and no pipeline-partition.json "
+            "beside it): resume the run for one more checkpoint, then export"
+        )
+    state: dict[str, Any] = {}
+    for model in models:
+        for key, value in model.items():
+            state[unsplit_name(key, names)] = value
+    return state, "torch"
+
+
+def _stage_layer_names(root: Path, entry: dict[str, Any]) -> dict[str, str]:
+    """Each pipeline layer's name as its stage module names it (dots made underscores)
+    -> the model's own name, from the ranks' files."""
+    names: dict[str, str] = {}
+    ranks = sorted(n for n in entry["files"] if n.startswith("rank"))
+    for name in ranks:
+        if verify(root, entry, [name]) is not None:
+            continue
+        pipeline = load_state(root, entry["step"], name).get("optimizations", {}).get("pipeline")
+        for stage in (pipeline or {}).get("stages", []):
+            for layer in stage:
+                escaped = layer.replace(".", "_")
+                if names.setdefault(escaped, layer) != layer:
+                    raise ExportError(
+                        f"pipeline layers {names[escaped]!r} and {layer!r} have one name in "
+                        "their stages' files; name the layers apart in pipeline_layers()"
+                    )
+    return names
+
+
+def _partition_layer_names(root: Path) -> dict[str, str]:
+    """The same from the partition the run kept in its folder (checkpoints written
+    before the ranks' files named the layers)."""
+    try:
+        layers = json.loads((root.parent / PARTITION_FILE).read_text())["key"]["layers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    names = {layer.replace(".", "_"): layer for layer in layers}
+    return names if len(names) == len(layers) else {}
+
+
+def unsplit_name(key: str, names: dict[str, str]) -> str:
+    """A stage's parameter name as the unsplit model names it:
+    ``layers.layer1_0.conv1.weight`` (or ``1.layers...`` with several stages on a
+    rank) -> ``layer1.0.conv1.weight``."""
+    head, _, rest = key.partition("layers.")
+    if head not in ("",) and not (head.endswith(".") and head[:-1].isdigit()):
+        raise ExportError(f"a pipeline stage's parameter {key!r} is not a layer's")
+    escaped, _, inner = rest.partition(".")
+    if escaped not in names:
+        raise ExportError(f"a pipeline stage's parameter {key!r} names no recorded layer")
+    return f"{names[escaped]}.{inner}" if inner else names[escaped]
+
+
+def _default_path(folder: Path, root: Path, step: int, framework: str) -> Path:
+    suffix = ".npz" if framework == "tensorflow" else ".pt"
+    base = folder if folder != root else root.parent
+    return base / f"model-step-{step}{suffix}"
+
+
+def _write(state: Any, framework: str, target: Path, step: int, skipped: list[str]) -> Exported:
+    from .runtime.persist import atomic_torch_save, atomic_write
+
+    if target.is_dir():
+        raise ExportError(f"--to {target}: a folder; name the file to write")
+    if not target.parent.is_dir():
+        raise ExportError(f"--to {target}: its folder {target.parent} does not exist")
+    tensors = list(state.values()) if isinstance(state, dict) else list(state)
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    if framework == "tensorflow":
+        import io
+
+        import numpy as np
+
+        buffer = io.BytesIO()
+        np.savez(buffer, **{f"{i:04d}": t.numpy() for i, t in enumerate(tensors)})
+        atomic_write(target, lambda fd: _write_all(fd, buffer.getvalue()))
+    else:
+        atomic_torch_save(state, target)
+    return Exported(target, step, len(tensors), size, framework, skipped)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    import os
+
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

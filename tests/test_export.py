@@ -1,0 +1,94 @@
+"""overlapkit export: a run's model out of its checkpoints as one plain file (a
+torch state_dict with the model's own names), from the newest intact checkpoint,
+and one line for what cannot be exported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_cli
+from overlapkit.export import ExportError, unsplit_name
+from overlapkit.optimizations.checkpoint import fileformat
+from overlapkit.scenarios.loader import load_scenario
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory):
+    """The tiny scenario run with checkpoints at steps 2, 4 and 6."""
+    from conftest import TINY_SCENARIO
+
+    folder = tmp_path_factory.mktemp("export")
+    scenario = folder / "scenario-file.yaml"
+    scenario.write_text(TINY_SCENARIO)
+    out = folder / "run"
+    result = run_cli(
+        "run", scenario, "--out", out, "--quiet", "--set", "optimizations.checkpoint={every: 2}"
+    )
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def steps_of(folder):
+    return [e["step"] for e in json.loads((folder / "manifest.json").read_text())["checkpoints"]]
+
+
+def test_the_newest_checkpoint_is_exported_as_a_state_dict_the_model_loads(run_folder):
+    result = run_cli("export", run_folder)
+    assert result.returncode == 0, result.stderr
+    newest = steps_of(run_folder / "checkpoints")[-1]
+    path = run_folder / f"model-step-{newest}.pt"
+    assert f"wrote {path}: the model at step {newest}" in result.stdout
+    assert "model.load_state_dict(torch.load(" in result.stdout
+    state = torch.load(path)
+    model = load_scenario(run_folder / "scenario.yaml").model.build()
+    model.load_state_dict(state)  # strict: the model's own names, nothing missing
+    saved = fileformat.read(run_folder / "checkpoints" / f"step-{newest:08d}" / "shared.ckpt")
+    assert state.keys() == saved["model"].keys()
+    assert all(torch.equal(state[k], saved["model"][k]) for k in state)
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_and_said(run_folder, tmp_path):
+    import shutil
+
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(run_folder / "checkpoints", copy)
+    *older, newest = steps_of(copy)
+    shared = copy / f"step-{newest:08d}" / "shared.ckpt"
+    shared.write_bytes(shared.read_bytes()[:-100])
+    result = run_cli("export", copy, "--to", tmp_path / "m.pt")
+    assert result.returncode == 0, result.stderr
+    assert f"skipped the newer checkpoint at step {newest}: " in result.stdout
+    assert "does not match its checksum" in result.stdout
+    assert f"the model at step {older[-1]}" in result.stdout
+    asked = run_cli("export", copy, "--step", str(newest))
+    assert asked.returncode == 2 and "no intact checkpoint" in asked.stderr
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["{tmp}/nowhere"], "no such run folder"),
+        (["{tmp}"], "holds no checkpoint"),
+        (["{run}", "--step", "5"], "holds no checkpoint at step 5 (it holds: 6, 8)"),
+        (["{run}", "--to", "{tmp}"], "a folder; name the file to write"),
+        (["{run}", "--to", "{tmp}/no/such/model.pt"], "does not exist"),
+    ],
+)
+def test_what_cannot_be_exported_is_one_line(run_folder, tmp_path, args, said):
+    words = [a.format(tmp=tmp_path, run=run_folder) for a in args]
+    result = run_cli("export", *words)
+    assert result.returncode == 2, result.stderr
+    assert said in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_pipeline_stages_names_are_the_unsplit_models():
+    names = {"layer1_0": "layer1.0", "head": "head", "0": "0"}
+    assert unsplit_name("layers.layer1_0.conv1.weight", names) == "layer1.0.conv1.weight"
+    assert unsplit_name("1.layers.head.2.bias", names) == "head.2.bias"  # 2 stages a rank
+    assert unsplit_name("layers.0.weight", names) == "0.weight"  # an nn.Sequential
+    with pytest.raises(ExportError, match="names no recorded layer"):
+        unsplit_name("layers.layer9_9.weight", names)
