@@ -521,6 +521,14 @@ def test_pipedream_checkfreq_scenario_checkpoints_each_stage_and_resumes(tmp_pat
     last = fileformat.read(final / "stage001.ckpt")["model"]
     assert torch.equal(state["head.2.weight"], last["layers.head.2.weight"])
     assert torch.equal(state["layer3.0.conv1.weight"], last["layers.layer3_0.conv1.weight"])
+    # A machine without a shared file system holds only its own stages: not a model.
+    manifest = json.loads((alone / "manifest.json").read_text())
+    for entry in manifest["checkpoints"]:
+        del entry["files"]["stage001.ckpt"]
+    (alone / "manifest.json").write_text(json.dumps(manifest))
+    partial = run_cli("export", alone, "--to", tmp_path / "partial.pt")
+    assert partial.returncode == 2 and "holds 1 of the pipeline's 2 stage files" in partial.stderr
+    assert not (tmp_path / "partial.pt").exists()
 
 
 @pytest.mark.slow

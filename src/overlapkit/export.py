@@ -112,7 +112,15 @@ def _model_state(root: Path, entry: dict[str, Any], files: list[str]) -> tuple[A
         return models[0], "tensorflow"
     if len(files) == 1 and files[0] == SHARED:
         return models[0], "torch"
-    names = _stage_layer_names(root, entry) or _partition_layer_names(root)
+    names, expected = _stage_layer_names(root, entry)
+    if len(files) < expected:
+        raise ExportError(
+            f"the checkpoint at step {entry['step']} in {root} holds {len(files)} of the "
+            f"pipeline's {expected} stage files ({', '.join(files)}): without a shared file "
+            "system each machine keeps its own stages; copy the other machines' step folders "
+            "here (and their manifests' entries), then export"
+        )
+    names = names or _partition_layer_names(root)
     if not names:
         raise ExportError(
             f"the checkpoint at step {entry['step']} in {root} does not name its pipeline "
@@ -126,15 +134,18 @@ def _model_state(root: Path, entry: dict[str, Any], files: list[str]) -> tuple[A
     return state, "torch"
 
 
-def _stage_layer_names(root: Path, entry: dict[str, Any]) -> dict[str, str]:
+def _stage_layer_names(root: Path, entry: dict[str, Any]) -> tuple[dict[str, str], int]:
     """Each pipeline layer's name as its stage module names it (dots made underscores)
-    -> the model's own name, from the ranks' files."""
+    -> the model's own name, from the ranks' files; and how many stage files the
+    pipeline writes (0 where the files do not say)."""
     names: dict[str, str] = {}
+    expected = 0
     ranks = sorted(n for n in entry["files"] if n.startswith("rank"))
     for name in ranks:
         if verify(root, entry, [name]) is not None:
             continue
         pipeline = load_state(root, entry["step"], name).get("optimizations", {}).get("pipeline")
+        expected = max(expected, (pipeline or {}).get("stage_files", 0))
         for stage in (pipeline or {}).get("stages", []):
             for layer in stage:
                 escaped = layer.replace(".", "_")
@@ -143,7 +154,7 @@ def _stage_layer_names(root: Path, entry: dict[str, Any]) -> dict[str, str]:
                         f"pipeline layers {names[escaped]!r} and {layer!r} have one name in "
                         "their stages' files; name the layers apart in pipeline_layers()"
                     )
-    return names
+    return names, expected
 
 
 def _partition_layer_names(root: Path) -> dict[str, str]:

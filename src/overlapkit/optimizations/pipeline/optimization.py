@@ -407,7 +407,12 @@ class Pipeline(Optimization):
     def state_dict(self) -> dict[str, Any]:
         # Each of this rank's stages' layers by the model's own names: its stage files
         # name them with underscores for dots, which overlapkit export undoes.
-        return {"stages": [part.names for part in getattr(self, "_parts", [])]}
+        # A checkpoint has one stage file per pipeline rank ("stage_files"): on machines
+        # without a shared file system each holds only its own ranks' stages.
+        return {
+            "stages": [part.names for part in getattr(self, "_parts", [])],
+            "stage_files": self.pp,
+        }
 
     def saved_layout(self) -> dict[str, Any]:
         # A stage's checkpoint file holds that stage's layers (and a rank's, its stages').
