@@ -652,7 +652,9 @@ def spawned_worker(rank: int, init_method: str, session_first: bool, out: str) -
     session = Session() if session_first else None
     torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
+        torch.set_num_threads(2)  # torch's default on 2 cores: each rank all of them
         session = session or Session()
+        threads = torch.get_num_threads()
         torch.manual_seed(rank)
         model = nn.Linear(4, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -668,7 +670,8 @@ def spawned_worker(rank: int, init_method: str, session_first: bool, out: str) -
             optimizer.zero_grad()
         summary = session.finish()
         params = torch.cat([p.detach().flatten() for p in model.parameters()])
-        torch.save({"params": params, "world_size": summary["world_size"]}, f"{out}/rank{rank}.pt")
+        result = {"params": params, "world_size": summary["world_size"], "threads": threads}
+        torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -108,8 +108,10 @@ class Session(EpochLoop, SavedState):
             device, environment=partial(needed_environment, optimizations)
         )
         # Never more threads than the script chose (torch.set_num_threads, torchrun's
-        # OMP_NUM_THREADS): a port computes as the script did, bit for bit.
-        torch.set_num_threads(min(threads, torch.get_num_threads()))
+        # OMP_NUM_THREADS): a port computes as the script did, bit for bit. In a group
+        # the script started (mp.spawn's ranks keep torch's default), never fewer either.
+        adopted = world is None and self.world.adopted
+        torch.set_num_threads(threads if adopted else min(threads, torch.get_num_threads()))
         self.notes: list[str] = []
         optimizations = self._drop_single_process_noops(optimizations)
         self.scheduler = Scheduler(optimizations, policy)
