@@ -210,6 +210,35 @@ def test_a_run_trains_in_a_process_group_started_before_it_and_leaves_it(tiny_sc
     assert final_loss(tmp_path / "adopted") == results[0]["final_loss"]
 
 
+def test_a_scripts_gloo_group_on_a_gpu_is_adopted_with_backend_auto(monkeypatch):
+    """pytorch/examples' imagenet script on one GPU starts its group on gloo (its own
+    warning says nccl wants more than one GPU). A Session (backend auto: it has no
+    backend argument) refused it: 'the scenario asks for nccl: set world.backend to
+    gloo (or auto)', though there is no scenario and auto was what it had. The GPU is
+    stood in for here (this test runs without one); a backend named in a scenario is
+    still held to."""
+    import torch
+    import torch.distributed as dist
+
+    from overlapkit.runtime import distributed
+    from overlapkit.runtime.gpus import GPUSetupError
+
+    monkeypatch.setattr(distributed, "pick_device", lambda device, rank: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    threads = torch.get_num_threads()  # init_world sets them
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        world = init_world("auto")
+        assert (world.backend, world.adopted, world.device.type) == ("gloo", True, "cuda")
+        with pytest.raises(GPUSetupError, match="set world.backend to gloo"):
+            init_world("auto", backend="nccl")
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
 def test_several_machines_need_a_cluster_or_a_place_each(tiny_scenario, tmp_path):
     path = tiny_scenario()
     result = cli_here("run", path, "--set", "world.nodes=2", "--out", tmp_path / "a")

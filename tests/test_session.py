@@ -248,6 +248,39 @@ def test_a_ported_ddp_script_keeps_module_and_no_sync():
         assert torch.allclose(overlap, rank["ddp"]["params"], atol=1e-6)
 
 
+@pytest.mark.parametrize("session_first", [False, True])
+def test_a_script_under_mp_spawn_starting_its_own_group(tmp_path, session_first):
+    """pytorch/examples' imagenet script starts its ranks with mp.spawn (no RANK in
+    their environment) and its process group in the worker. A Session made after the
+    group trains the ranks data-parallel; one made before it found no group and ran
+    each rank alone: DDP unwrapped, nothing synced, the ranks trained apart and wrote
+    one run folder as two rank 0s, with no word. That is now an error at prepare().
+    The session keeps the thread count the script's ranks had."""
+    import sys
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    from rank_programs import spawned_worker
+
+    from conftest import free_port
+
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    mp.spawn(spawned_worker, nprocs=2, args=(init_method, session_first, str(tmp_path)))
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    if session_first:
+        for rank in ranks:
+            assert "group of 2 ranks after overlapkit.Session()" in rank["error"]
+            assert "make the Session after dist.init_process_group()" in rank["error"]
+        return
+    assert [rank["world_size"] for rank in ranks] == [2, 2]
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+    # The script's thread count is kept: a share of the cores (1 each) computed other
+    # last bits than the script (the imagenet port parted from it by 1e-8 in 3 epochs).
+    assert [rank["threads"] for rank in ranks] == [2, 2]
+
+
 def test_backwards_that_miss_the_hooked_output_are_still_synced():
     """The flat all-reduce (the session's, and ddp_overlap's no_overlap baseline) runs
     when any backward that changed the gradients ends: a loss on a model's second

@@ -643,3 +643,35 @@ def v_schedule_link_warmup(schedule: str) -> list[int]:
     _wait_batch_p2p(_batch_p2p(ops))
     dist.barrier()
     return ids
+
+
+def spawned_worker(rank: int, init_method: str, session_first: bool, out: str) -> None:
+    """A worker in the shape of pytorch/examples' imagenet script: ``mp.spawn`` starts
+    it with no RANK in its environment and it starts its own process group; its
+    ranks start from parameters of their own (mp.spawn's workers are not seeded)."""
+    session = Session() if session_first else None
+    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(2)  # torch's default on 2 cores: each rank all of them
+        session = session or Session()
+        threads = torch.get_num_threads()
+        torch.manual_seed(rank)
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches = [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(3)]
+        try:
+            model, optimizer, loader = session.prepare(model, optimizer, batches)
+        except RuntimeError as error:
+            torch.save({"error": str(error)}, f"{out}/rank{rank}.pt")
+            return
+        for inputs, targets in loader:
+            nn.functional.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        summary = session.finish()
+        params = torch.cat([p.detach().flatten() for p in model.parameters()])
+        result = {"params": params, "world_size": summary["world_size"], "threads": threads}
+        torch.save(result, f"{out}/rank{rank}.pt")
+    finally:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -97,6 +97,22 @@ def check_prepare_arguments(model: Any, optimizer: Any, prepared: bool) -> None:
     check_optimizer_of(inner, optimizer)
 
 
+def check_group_unchanged(world_size: int) -> None:
+    """A process group the script started after the Session (``mp.spawn``'s workers
+    have no RANK in their environment: the session found no group and runs as a rank
+    of its own) would leave the ranks apart, each syncing nothing."""
+    if not torch.distributed.is_initialized():
+        return
+    group_size = torch.distributed.get_world_size()
+    if group_size != world_size:
+        raise RuntimeError(
+            f"this process joined a process group of {group_size} ranks after "
+            f"overlapkit.Session() was made, which found none and runs on {world_size}: "
+            "make the Session after dist.init_process_group() (under mp.spawn, in the "
+            "worker function, after it starts the group)"
+        )
+
+
 def _from_tensorflow(value: Any) -> bool:
     return type(value).__module__.split(".")[0] in ("keras", "tensorflow", "tf_keras")
 

@@ -91,9 +91,8 @@ def init_world(
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     torch_device = pick_device(device, local_rank)
-    backend = resolve_backend(backend, torch_device.type)
-    if adopted:
-        backend = _adopt_backend(backend)
+    # auto in an adopted group: its own backend (a script's gloo group on a GPU).
+    backend = _adopt_backend(backend) if adopted else resolve_backend(backend, torch_device.type)
     if environment is not None:
         os.environ.update(environment(backend))
     if torch_device.type == "cuda":
@@ -120,7 +119,7 @@ def _adopt_backend(wanted: str) -> str:
     """The adopted group's backend; an error when the scenario asked for another."""
     found = str(dist.get_backend())
     have = "nccl" if "nccl" in found else "gloo" if "gloo" in found else found
-    if have != wanted:
+    if wanted != "auto" and have != wanted:
         raise GPUSetupError(
             f"this process already belongs to a process group on {found}, but the scenario "
             f"asks for {wanted}: set world.backend to {have} (or auto)"

@@ -43,7 +43,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .arbitration import ArbitrationPolicy
-from .arguments import check_prepare_arguments, check_session_arguments, check_total_steps
+from .arguments import (
+    check_group_unchanged,
+    check_prepare_arguments,
+    check_session_arguments,
+    check_total_steps,
+)
 from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
 from .epochs import USED_UP, EpochLoop
@@ -103,8 +108,10 @@ class Session(EpochLoop, SavedState):
             device, environment=partial(needed_environment, optimizations)
         )
         # Never more threads than the script chose (torch.set_num_threads, torchrun's
-        # OMP_NUM_THREADS): a port computes as the script did, bit for bit.
-        torch.set_num_threads(min(threads, torch.get_num_threads()))
+        # OMP_NUM_THREADS): a port computes as the script did, bit for bit. In a group
+        # the script started (mp.spawn's ranks keep torch's default), never fewer either.
+        adopted = world is None and self.world.adopted
+        torch.set_num_threads(threads if adopted else min(threads, torch.get_num_threads()))
         self.notes: list[str] = []
         optimizations = self._drop_single_process_noops(optimizations)
         self.scheduler = Scheduler(optimizations, policy)
@@ -181,6 +188,7 @@ class Session(EpochLoop, SavedState):
         stepped after every optimizer step (register one stepped per epoch with
         `register_for_checkpointing` or `start` instead)."""
         check_prepare_arguments(model, optimizer, prepared=self._raw_model is not None)
+        check_group_unchanged(self.world.world_size)
         came_in_ddp = isinstance(model, DistributedDataParallel)
         model = self._unwrapped(model)
         loader = self._resumable(loader)
