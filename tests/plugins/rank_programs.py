@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from typing import Any
 
 import torch
@@ -653,7 +654,10 @@ def spawned_worker(rank: int, init_method: str, session_first: bool, out: str) -
     torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
         torch.set_num_threads(2)  # torch's default on 2 cores: each rank all of them
+        if session is None:  # as if on two machines: rank 1's GPU would be its machine's 0
+            socket.gethostname = lambda: f"vm{rank}"
         session = session or Session()
+        place = (session.world.local_rank, session.world.local_world_size)
         threads = torch.get_num_threads()
         torch.manual_seed(rank)
         model = nn.Linear(4, 2)
@@ -670,7 +674,12 @@ def spawned_worker(rank: int, init_method: str, session_first: bool, out: str) -
             optimizer.zero_grad()
         summary = session.finish()
         params = torch.cat([p.detach().flatten() for p in model.parameters()])
-        result = {"params": params, "world_size": summary["world_size"], "threads": threads}
+        result = {
+            "params": params,
+            "world_size": summary["world_size"],
+            "threads": threads,
+            "place": place,
+        }
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         torch.distributed.barrier()

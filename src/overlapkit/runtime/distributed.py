@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,8 +90,11 @@ def init_world(
     adopted = dist.is_initialized()
     rank = dist.get_rank() if adopted else int(os.environ.get("RANK", 0))
     world_size = dist.get_world_size() if adopted else int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if adopted and world_size > 1 and "LOCAL_RANK" not in os.environ:
+        local_rank, local_world_size = _place_on_host(rank, world_size)
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     torch_device = pick_device(device, local_rank)
     # auto in an adopted group: its own backend (a script's gloo group on a GPU).
     backend = _adopt_backend(backend) if adopted else resolve_backend(backend, torch_device.type)
@@ -113,6 +118,20 @@ def init_world(
     return World(
         rank, world_size, local_rank, local_world_size, torch_device, backend, adopted, threads
     )
+
+
+def _place_on_host(rank: int, world_size: int) -> tuple[int, int]:
+    """(this rank's place among the ranks on its machine, how many there are) in a
+    group the script started without LOCAL_RANK (mp.spawn's workers, one machine or
+    several): from the ranks' host names. The global rank is no GPU index on a second
+    machine. Gathered on a gloo group of its own: the script's may be NCCL's, which
+    carries no CPU objects."""
+    group = dist.new_group(backend="gloo")
+    hosts: list[Any] = [None] * world_size
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    dist.destroy_process_group(group)
+    mine = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+    return mine.index(rank), len(mine)
 
 
 def _adopt_backend(wanted: str) -> str:
