@@ -541,6 +541,15 @@ def test_run_fresh_and_resume_false_start_over_and_keep_the_old_checkpoints(
     for folder in (aside, out / "checkpoints"):  # each run's own checkpoints, to its end
         manifest = json.loads((folder / "manifest.json").read_text())
         assert [e["step"] for e in manifest["checkpoints"]] == [2, 4]
+    # A manifest deleted by hand: --fresh moved nothing aside and the new run wrote over
+    # the step folders. They are kept aside as they were.
+    (out / "checkpoints" / "manifest.json").unlink()
+    held = out / "checkpoints"
+    kept = {p.relative_to(held): p.read_bytes() for p in held.glob("step-*/*")}
+    earlier = set(out.glob("checkpoints.old-*"))
+    assert ran("--fresh") == (first, None)
+    (moved,) = set(out.glob("checkpoints.old-*")) - earlier
+    assert {p.relative_to(moved): p.read_bytes() for p in moved.glob("step-*/*")} == kept
 
 
 @pytest.fixture

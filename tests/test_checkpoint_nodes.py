@@ -109,6 +109,7 @@ def test_a_mirror_follows_a_machines_checkpoints_and_names_only_whole_ones(tmp_p
             s: {"rank00000.ckpt": record(content(s)), "empty.ckpt": record(b"")} for s in steps
         }
         listed = {"format": 1, "checkpoints": [{"step": s, "files": files[s]} for s in steps]}
+        listed["setup"] = {"train": {"seed": steps[-1]}}  # what they are of: it travels too
         (there / "manifest.json").write_text(json.dumps(listed))
         return listed
 
@@ -126,6 +127,7 @@ def test_a_mirror_follows_a_machines_checkpoints_and_names_only_whole_ones(tmp_p
         assert mirror(here, manifest_text(there), fetch)
         assert sorted(p.name for p in here.glob("step-*")) == [f"step-{s:08d}" for s in steps]
         assert listed(here) == steps
+        assert json.loads(manifest_text(here))["setup"] == {"train": {"seed": steps[-1]}}
         newest = here / f"step-{steps[-1]:08d}"
         assert (newest / "rank00000.ckpt").read_bytes() == content(steps[-1])
         assert (newest / "empty.ckpt").read_bytes() == b""

@@ -324,6 +324,26 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused_before_any_rank_starts(tiny_
     assert taken.read_text() == "mine" and (out / "taken").read_text() == "mine"
 
 
+def test_a_file_in_the_way_of_the_run_folder_is_named_as_out_and_dotdot_is_resolved(
+    tiny_scenario, tmp_path
+):
+    """``--out afile/sub`` was blamed on checkpoint.dir; ``dir: ../afile`` passed the
+    check (``run/..`` does not exist before the run folder) and failed with exit 1 after
+    the run folder was made."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    scenario = tiny_scenario(TINY_SCENARIO + "optimizations: {checkpoint: {every: 2}}\n")
+    code, _, err = cli("run", scenario, "--out", afile / "sub", "--quiet")
+    assert code == 2 and f"--out {afile / 'sub'}: {afile} is a file" in err, err
+    assert "checkpoint.dir" not in err
+    out = tmp_path / "run"
+    code, _, err = cli(
+        "run", scenario, "--out", out, "--quiet", "--set", "optimizations.checkpoint.dir=../afile"
+    )
+    assert code == 2 and f"{afile} is a file; name a folder" in err, err
+    assert not out.exists() and afile.read_text() == "mine"
+
+
 def test_a_checkpoint_dir_of_its_own_under_ray_is_refused(tiny_scenario):
     """Under --ray the driver mirrors each machine's run-folder checkpoints/ and sends
     them back to resume: another folder would be neither (a failed run lost them)."""
@@ -436,7 +456,7 @@ def test_folders_it_cannot_make_are_named_not_internal_errors(tiny_scenario, tmp
     blocker = tmp_path / "afile"
     blocker.write_text("mine")
     for argv, said in (
-        (["run", scenario, "--out", blocker / "sub"], f"{blocker / 'sub'}: Not a directory"),
+        (["run", scenario, "--out", blocker / "sub"], f"--out {blocker / 'sub'}: {blocker} is a"),
         (["tune", scenario, "--out", blocker / "sub"], f"{blocker / 'sub'}: Not a directory"),
         (["run", scenario, "--tensorboard", blocker], "is a file; name a folder"),
         (

@@ -273,9 +273,12 @@ def test_resuming_a_run_folder_with_another_rank_count_is_a_clear_error(tiny_sce
         "--set", "optimizations.checkpoint.every=4", "--set", "world.nprocs=2",
         "--set", "train.steps=10",  # more steps: a finished run has nothing to resume
     )  # fmt: skip
-    assert again.returncode == 1, again.stderr
+    # Refused before any rank starts: the user's mistake (it exited 1, "run failed", its
+    # hint without the --out given, "1 ranks").
+    assert again.returncode == 2, again.stderr
     assert "internal error" not in again.stderr and "Traceback" not in again.stderr
-    assert "written by 1 ranks; this run has 2" in again.stderr and "--fresh" in again.stderr
+    assert "written by 1 rank; this run has 2" in again.stderr
+    assert f"overlapkit run --out {out} --fresh" in again.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
 
 

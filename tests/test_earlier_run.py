@@ -7,11 +7,20 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 import yaml
 
 from conftest import TINY_SCENARIO, cli_here
+from overlapkit import Session, get_optimization
 from overlapkit.cli import _earlier_runs
-from overlapkit.earlier_run import EarlierRunError, check_earlier_run, setup_changes
+from overlapkit.earlier_run import (
+    EarlierRunError,
+    ScheduleWarning,
+    check_earlier_run,
+    setup_changes,
+)
+from overlapkit.optimizations.checkpoint import CheckpointError
+from overlapkit.run import run_scenario
 from overlapkit.scenarios import dump_scenario, load_scenario
 
 CHECKPOINTED = TINY_SCENARIO + "optimizations: {checkpoint: {every: 2}}\n"
@@ -147,3 +156,82 @@ def test_setup_changes_name_the_first_key_that_differs():
     after["train"]["steps"] = 100  # training on: not a change of setup
     after["train"]["optimizer"]["lr"] = 0.01  # nor a new learning rate
     assert setup_changes(before, after) == ["model.stem cifar -> imagenet"]
+
+
+def test_checkpoints_in_a_shared_folder_are_checked_against_their_own_setup(tmp_path):
+    """An absolute checkpoint.dir shared by several run folders skipped the check (it
+    read only the run folder's scenario.yaml): a new --out with another seed resumed
+    seed 0's checkpoints and exited 0; another width was an internal error listing
+    every tensor. The setup is now recorded in the checkpoints' manifest."""
+    shared = tmp_path / "shared"
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(
+        TINY_SCENARIO + f"optimizations: {{checkpoint: {{every: 2, dir: {shared}}}}}\n"
+    )
+    first = cli_here("run", scenario, "--out", tmp_path / "a", "--quiet")
+    assert first.returncode == 0, first.stderr
+    before = snapshot(shared)
+    for override, named in (
+        ("train.seed=5", "train.seed 0 -> 5"),
+        ("model.width=8", "model.width 4 -> 8"),
+    ):
+        for out in (("--out", tmp_path / "b"), ()):  # a new folder, named or not
+            again = cli_here(
+                "run", scenario, *out, "--quiet", "--set", override, "--set", "train.steps=10",
+                cwd=tmp_path,
+            )  # fmt: skip
+            assert again.returncode == 2, again.stderr
+            assert f"{shared} holds checkpoints of another setup ({named})" in again.stderr
+            assert "internal error" not in again.stderr and "--fresh" in again.stderr
+            assert snapshot(shared) == before
+            assert not (tmp_path / "b").exists() and not (tmp_path / "runs").exists()
+    # Through the Python API (no command line to check first): the ranks refuse.
+    seeded = load_scenario(scenario, ["train.seed=5", "train.steps=10"])
+    with pytest.raises(CheckpointError, match="holds checkpoints of another setup"):
+        run_scenario(seeded, tmp_path / "c", progress=False, print_summary=False)
+    assert snapshot(shared) == before
+    same = cli_here("run", scenario, "--out", tmp_path / "d", "--quiet", "--set", "train.steps=10")
+    assert same.returncode == 0, same.stderr  # the same setup trains on
+    assert "resumed at step 8" in same.stderr
+
+
+def test_a_script_resuming_checkpoints_of_another_model_gets_a_clear_error(tmp_path):
+    """A Session of a script's own knows no scenario: checkpoints of another model are
+    refused by their tensors, as a `CheckpointError` naming the folder."""
+
+    def session_run(width: int, steps: int) -> None:
+        model = torch.nn.Linear(width, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        session = Session([get_optimization("checkpoint")(every=2)], run_dir=tmp_path)
+        batches = [torch.ones(4, width)] * 3
+        model, optimizer, batches = session.prepare(model, optimizer, batches)
+        for inputs in session.steps(steps):
+            with session.forward():
+                loss = model(inputs).sum()
+            session.backward(loss)
+            session.optimizer_step()
+        session.finish()
+
+    session_run(width=3, steps=4)
+    with pytest.raises(CheckpointError, match="does not fit this run") as refused:
+        session_run(width=5, steps=6)
+    assert str(tmp_path / "checkpoints") in str(refused.value)
+
+
+def test_resuming_a_cosine_schedule_with_more_steps_warns_that_its_rest_changes(
+    tiny_scenario, recwarn
+):
+    """A cosine (or linear) schedule decays over the run's total steps: raised on resume,
+    the remaining steps silently followed another schedule."""
+    cosine = CHECKPOINTED.replace("  seed: 0\n", "  seed: 0\n  lr_schedule: {name: cosine}\n")
+    folder = tiny_scenario("").parent / "run"
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "scenario.yaml").write_text(dump_scenario(load_scenario(tiny_scenario(cosine))))
+    manifest = '{"format": 1, "checkpoints": [{"step": 8, "world_size": 1, "files": {}}]}'
+    (folder / "checkpoints" / "manifest.json").write_text(manifest)
+    longer = load_scenario(tiny_scenario(cosine, name="now.yaml"), ["train.steps=10"])
+    with pytest.warns(ScheduleWarning, match="cosine learning-rate schedule decays over 12"):
+        check_earlier_run(folder, longer, fresh=False)
+    constant = load_scenario(tiny_scenario(CHECKPOINTED, name="c.yaml"), ["train.steps=10"])
+    check_earlier_run(folder, constant, fresh=False)  # nothing decays: no word
+    assert not [w for w in recwarn if w.category is ScheduleWarning]

@@ -146,3 +146,62 @@ def test_resume_continues_the_newest_run_with_checkpoints(tiny_scenario, tmp_pat
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"run folder {runs[0].relative_to(tmp_path)}" in resumed.stderr
     assert "resum" in resumed.stderr
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no_lock(
+    tiny_scenario, tmp_path
+):
+    """Two runs at once in one --out both trained there, and the second died with "No such
+    file or directory: .../.shared.ckpt.tmp-N". The first's launcher holds the folder (an
+    OS lock): the second is refused at once, naming it and its pid, writing nothing; a
+    SIGKILLed run leaves no lock behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    scenario = tiny_scenario()
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "overlapkit", "run", str(scenario), "--out", str(out)]
+    sets = ["--quiet", "--set", "optimizations.checkpoint.every=2", "--set"]
+    first = subprocess.Popen(
+        [*command, *sets, "train.steps=100000"],
+        cwd=ROOT,
+        start_new_session=True,  # its group: the launcher and its rank
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "manifest.json").exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        scenario_yaml = (out / "scenario.yaml").read_text()
+        second = subprocess.run(
+            [*command, *sets, "train.steps=99999"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 2, second.stderr
+        assert f"{out} is in use by another run (pid {first.pid})" in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1  # one line, no traceback
+        assert (out / "scenario.yaml").read_text() == scenario_yaml  # not its own
+        assert not (out / "error.txt").exists()
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    newest = json.loads((out / "checkpoints" / "manifest.json").read_text())["checkpoints"][-1]
+    resumed = subprocess.run(
+        [*command, *sets, f"train.steps={newest['step'] + 2}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed at step {newest['step']}" in resumed.stderr

@@ -15,8 +15,8 @@ import shlex
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from rich.table import Table
 from . import __version__
 from .data import DataError, DataNotFoundError
 from .earlier_run import EarlierRunError, check_earlier_run, scenario_in
+from .folders import FolderInUseError, check_free, held
 from .launch.cluster import ClusterConfigError
 from .launch.interrupt import RunInterrupted, exit_now
 from .launch.local import (
@@ -443,6 +444,10 @@ PATH_ERRORS = {
 }  # fmt: skip
 
 
+# A run folder that holds nothing and can hold nothing (what a new one holds at first).
+NO_FOLDER = Path(os.devnull)
+
+
 class UsageError(ValueError):
     """A command-line argument that cannot work (named in the message)."""
 
@@ -459,6 +464,7 @@ USER_ERRORS = (
     RayClusterError,
     UsageError,
     EarlierRunError,
+    FolderInUseError,
 )
 
 
@@ -545,8 +551,14 @@ def _run_command(
             "resume": False,
         }
     out = _run_folder(scenario, args)
-    with _stdout_to_stderr(args.json):
-        summary = _run(scenario, args, out, where)
+    with _stdout_to_stderr(args.json), ExitStack() as holding:
+
+        def on_folder(folder: Path) -> None:  # made, nothing written yet: hold it
+            where.update(folder=folder)
+            if is_rank_zero():  # under torchrun one process holds it for the run
+                holding.enter_context(held(folder))
+
+        summary = _run(scenario, args, out, on_folder)
     if summary is None or not is_rank_zero():  # another machine, or torchrun's rank > 0
         return 0
     if "run_dir" in summary:
@@ -577,7 +589,10 @@ def _stdout_to_stderr(redirect: bool) -> Iterator[None]:
 
 
 def _run(
-    scenario: Scenario, args: argparse.Namespace, out: Path | None, where: dict[str, Path]
+    scenario: Scenario,
+    args: argparse.Namespace,
+    out: Path | None,
+    on_folder: Callable[[Path], None],
 ) -> dict[str, Any] | None:
     from .run import run_scenario  # imports torch.distributed: only to run
 
@@ -591,7 +606,7 @@ def _run(
             args.fresh,
             args.quiet,
             args.json,
-            on_folder=lambda folder: where.update(folder=folder),
+            on_folder=on_folder,
         )
     else:
         node = _node_place(args, scenario.world.nodes)
@@ -601,7 +616,7 @@ def _run(
             progress=not args.quiet,
             print_summary=not (args.quiet or args.json),
             node=node,
-            on_folder=lambda folder: where.update(folder=folder),
+            on_folder=on_folder,
         )
     return summary
 
@@ -632,15 +647,24 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
                 "(a folder runs/NAME-* holding scenario.yaml and checkpoints/); name one "
                 "with --out"
             )
+        _check_free(earlier[0])
         check_earlier_run(earlier[0], scenario, fresh=False)
         return earlier[0]
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        raise UsageError(f"--out {args.out}: is a file; the run folder must be a folder")
     if args.out is not None:
+        for place in (args.out, *args.out.parents):  # the nearest that exists
+            if place.exists():
+                if not place.is_dir():
+                    what = "is a file" if place == args.out else f"{place} is a file"
+                    raise UsageError(f"--out {args.out}: {what}; the run folder must be a folder")
+                break
         _check_not_foreign(args.out, args.scenario)
+        _check_free(args.out)
         check_earlier_run(args.out, scenario, fresh=args.fresh)
     elif under_torchrun():  # a folder every rank names: a rerun finds the earlier run's
+        _check_free(torchrun_run_dir(scenario.name))
         check_earlier_run(torchrun_run_dir(scenario.name), scenario, fresh=args.fresh)
+    else:  # a new folder, empty: only an absolute checkpoint.dir can hold checkpoints
+        check_earlier_run(NO_FOLDER, scenario, fresh=args.fresh)
     if args.out is None and not args.fresh:
         earlier = [run for run in _earlier_runs(scenario.name) if (run / "checkpoints").is_dir()]
         if earlier and "checkpoint" in scenario.optimizations:
@@ -651,6 +675,12 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
                 soft_wrap=True,
             )
     return args.out
+
+
+def _check_free(folder: Path) -> None:
+    """Refuse at once a folder another run is training in (its launcher holds it)."""
+    if is_rank_zero():
+        check_free(folder)
 
 
 def _check_not_foreign(out: Path, scenario_file: Path) -> None:

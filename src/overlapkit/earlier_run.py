@@ -5,6 +5,8 @@ write over)."""
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +38,16 @@ class EarlierRunError(ValueError):
     """The run folder holds an earlier run that this one must not resume or overwrite."""
 
 
+class ScheduleWarning(UserWarning):
+    """A resume with another step count changes a cosine or linear schedule's rest."""
+
+
 def check_earlier_run(folder: Path, scenario: Scenario, fresh: bool) -> None:
     """Raise `EarlierRunError` when a run of ``scenario`` in ``folder`` would resume
     checkpoints of another setup, resume a run that already finished, or (without
-    ``fresh``) write over the results of a finished run it does not resume."""
-    earlier = scenario_in(folder)
-    if earlier is None:
-        return
+    ``fresh``) write over the results of a finished run it does not resume. The
+    checkpoints' setup is the one recorded beside them (see `saved_setup`), wherever
+    their folder is; for checkpoints without one, the run folder's scenario.yaml."""
     optimizations = scenario.build_optimizations()
     resumes_at = max(
         (s for o in optimizations if (s := o.resumes_at(folder)) is not None), default=None
@@ -50,30 +55,88 @@ def check_earlier_run(folder: Path, scenario: Scenario, fresh: bool) -> None:
     # checkpoint resume: false asks for a fresh start every time, as --fresh does once.
     fresh = fresh or any(o.name == "checkpoint" and not o.settings["resume"] for o in optimizations)
     if resumes_at is not None:
-        changes = setup_changes(earlier, scenario.model_dump(mode="json"))
-        changes += layout_changes(earlier, optimizations)
+        recorded = next((s for o in optimizations if (s := o.saved_setup(folder))), None)
+        if recorded is None and (earlier := scenario_in(folder)) is not None:
+            recorded = _setup_of(earlier)  # checkpoints of a version that recorded none
+        root = next((o.folder_in(folder) for o in optimizations if o.name == "checkpoint"), None)
+        inside = root is None or root.resolve().is_relative_to(folder.resolve())
+        # An absolute checkpoint.dir may be shared by several run folders: it is named.
+        where, again = (folder, f"--out {folder} --fresh") if inside else (root, "--fresh")
+        if recorded is None:  # an older version's checkpoints outside any run folder
+            return
+        changes = setup_changes(recorded, scenario.model_dump(mode="json"))
+        changes += layout_changes(recorded.get("layouts"), optimizations)
         if changes:
             raise EarlierRunError(
-                f"{folder} holds checkpoints of another setup ({'; '.join(changes)}): "
+                f"{where} holds checkpoints of another setup ({'; '.join(changes)}): "
                 "resuming would load them into a different model, optimizer or data "
-                f"order. Run that setup again, start over there with --out {folder} --fresh "
-                "(its checkpoints are kept aside), or name another folder with --out"
+                f"order. Run that setup again, start over there with {again} (its "
+                "checkpoints are kept aside), or "
+                + ("name another folder with --out" if inside else "set another checkpoint.dir")
             )
         total = scenario.train.total_steps
         if resumes_at >= total:
             raise EarlierRunError(
-                f"nothing to resume: {folder} already trained {resumes_at} steps (its "
+                f"nothing to resume: {where} already trained {resumes_at} steps (its "
                 f"newest checkpoint), and this scenario trains {total} in all "
                 f"(train.steps {scenario.train.steps} + warmup_steps "
                 f"{scenario.train.warmup_steps}): raise train.steps to train on, or "
-                f"start over there with --out {folder} --fresh"
+                f"start over there with {again}"
             )
+        _warn_if_schedule_stretches(scenario_in(folder), scenario, resumes_at)
     elif (folder / "summary.json").exists() and not fresh:
         raise EarlierRunError(
             f"{folder} holds the results of a finished run (summary.json) and nothing "
             "this run would resume: a run there would write over them. Leave --out out "
             f"for a new folder, or start over there with --out {folder} --fresh"
         )
+
+
+def _warn_if_schedule_stretches(
+    earlier: dict[str, Any] | None, scenario: Scenario, resumes_at: int
+) -> None:
+    """A cosine or linear schedule decays over the run's total steps: resumed with more
+    (or fewer), its remaining steps follow the new length, not the earlier run's."""
+    schedule = scenario.train.lr_schedule.name
+    before = (earlier or {}).get("train") or {}
+    try:
+        total_before = int(before.get("steps", 0)) + int(before.get("warmup_steps", 0))
+    except (TypeError, ValueError):
+        return
+    total = scenario.train.total_steps
+    if schedule in ("cosine", "linear") and total_before and total_before != total:
+        warnings.warn(
+            f"resuming at step {resumes_at} with {total} steps in all where the earlier run "
+            f"had {total_before}: the {schedule} learning-rate schedule decays over {total} "
+            "from here on, so the rate jumps at the resumed step and differs from both a "
+            f"run of {total_before} and one of {total} steps from the start",
+            ScheduleWarning,
+            stacklevel=2,
+        )
+
+
+def saved_setup(scenario: Scenario) -> dict[str, Any]:
+    """What the checkpoints of a run of ``scenario`` depend on (`SAVED_WITH`, and the
+    optimizations' `saved_layout` under ``layouts``), as plain JSON data: recorded in
+    their manifest, so that a run resuming them is checked against it wherever they are."""
+    return _setup_of(scenario.model_dump(mode="json"), scenario.build_optimizations())
+
+
+def _setup_of(data: dict[str, Any], optimizations: list[Any] | None = None) -> dict[str, Any]:
+    setup: dict[str, Any] = {}
+    for path in SAVED_WITH:
+        *parents, key = path.split(".")
+        place = setup
+        for part in parents:
+            place = place.setdefault(part, {})
+        place[key] = value_at(data, path)
+    if optimizations is None:
+        try:
+            optimizations = build_optimizations(data.get("optimizations") or {})
+        except (KnobError, TypeError, AttributeError):
+            optimizations = None  # a section this version cannot read: the setup decides
+    setup["layouts"] = _layouts(optimizations) if optimizations is not None else None
+    return json.loads(json.dumps(setup))  # as a manifest gives it back: lists, not tuples
 
 
 def setup_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -85,14 +148,13 @@ def setup_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return [change for change in found if change is not None]
 
 
-def layout_changes(earlier: dict[str, Any], optimizations: list[Any]) -> list[str]:
-    """How the earlier run's optimizations laid out its checkpoints differently from
-    ``optimizations`` (see `Optimization.saved_layout`), as ``optimizations.NAME before
-    -> now`` ("off" where one of the two runs lacks it)."""
-    try:
-        before = _layouts(build_optimizations(earlier.get("optimizations") or {}))
-    except (KnobError, TypeError, AttributeError):
-        return []  # a section this version cannot read: the setup above still decides
+def layout_changes(before: dict[str, Any] | None, optimizations: list[Any]) -> list[str]:
+    """How the earlier run's optimizations laid out its checkpoints (``before``, by
+    optimization; None: not known) differently from ``optimizations`` (see
+    `Optimization.saved_layout`), as ``optimizations.NAME before -> now`` ("off" where
+    one of the two runs lacks it)."""
+    if before is None:
+        return []
     now = _layouts(optimizations)
     changes = []
     for name in sorted(before.keys() | now.keys()):

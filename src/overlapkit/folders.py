@@ -3,10 +3,19 @@ begun in the same second never share one; the second gets ``-2``, the next ``-3`
 
 from __future__ import annotations
 
+import fcntl
 import itertools
+import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+LOCK = ".lock"  # in a run folder: held by the run's launcher while it runs (see `held`)
+
+
+class FolderInUseError(ValueError):
+    """Another run holds the run folder."""
 
 
 def stamped(parent: Path, stem: str) -> Path:
@@ -44,3 +53,42 @@ def claim(path: Path) -> Path:
 def new_stamped(parent: Path, stem: str) -> Path:
     """A new, empty folder ``parent/stem-<time>`` (``-2``... when that one exists)."""
     return claim(stamped(parent, stem))
+
+
+@contextmanager
+def held(folder: Path) -> Iterator[None]:
+    """Hold ``folder``'s lock (`LOCK`, with this process's id in it) while the block
+    runs; `FolderInUseError` when another run holds it. An OS lock (flock): it goes
+    with the process however that ends, so a killed run leaves none behind."""
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _lock(fd, folder)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
+def check_free(folder: Path) -> None:
+    """Raise `FolderInUseError` when a run holds ``folder`` now (creating nothing)."""
+    try:
+        fd = os.open(folder / LOCK, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    try:
+        _lock(fd, folder)
+    finally:
+        os.close(fd)  # and with it the lock, if taken
+
+
+def _lock(fd: int, folder: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.pread(fd, 20, 0).decode(errors="replace").strip()
+        raise FolderInUseError(
+            f"{folder} is in use by another run{f' (pid {pid})' if pid else ''}: two runs "
+            "in one folder would write over each other's checkpoints and results. Let it "
+            "finish or stop it, or name another folder with --out"
+        ) from None

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .earlier_run import saved_setup
 from .folders import claim, stamped
 from .launch.interrupt import RunInterrupted, await_signal, peer_left, stop_on_signals
 from .launch.local import NodePlace, is_rank_zero, launch_local, torchrun_run_dir, under_torchrun
@@ -49,7 +50,11 @@ def rank_main(
             if scenario.framework == "tensorflow":  # the one place the framework is chosen
                 from .backends.tensorflow.worker import tf_rank_main
 
-                return tf_rank_main(scenario, run_dir, progress, print_summary, tf_loop.append)
+                def started(loop: Any) -> None:
+                    loop.state.setup = saved_setup(scenario)  # recorded beside its checkpoints
+                    tf_loop.append(loop)
+
+                return tf_rank_main(scenario, run_dir, progress, print_summary, started)
             cfg = scenario.train
             optimizations = scenario.build_optimizations()
             world = init_world(
@@ -80,6 +85,7 @@ def rank_main(
                 )
                 if said is not None:
                     session.notes.append(said)
+                session.state.setup = saved_setup(scenario)  # recorded beside its checkpoints
                 result = _train(scenario, session, model)
                 close_world(world)
                 return result

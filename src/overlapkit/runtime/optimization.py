@@ -325,6 +325,11 @@ class Optimization:
         there (None: it would start at step 0)."""
         return None
 
+    def saved_setup(self, run_dir: Path) -> dict[str, Any] | None:
+        """The setup recorded beside what an earlier run saved for ``run_dir`` (see
+        `State.setup`; None: nothing recorded)."""
+        return None
+
     def saved_layout(self) -> dict[str, Any]:
         """How the checkpoints of a run with this optimization are laid out, beyond its
         model, data and optimizer (a pipeline's stages and split): a run that resumes

@@ -111,6 +111,9 @@ class State:
     other_optimizers: list[Any] = field(default_factory=list)
     eval_results: list[dict[str, Any]] = field(default_factory=list)
     resumed_from: str | None = None  # the checkpoint a resume restored (its step folder)
+    # What the run's checkpoints depend on (a scenario's model, data, optimizer, seed...),
+    # recorded beside them and checked on resume; None: not known (a script of its own).
+    setup: dict[str, Any] | None = None
 
     @property
     def replicated_shard(self) -> Shard:

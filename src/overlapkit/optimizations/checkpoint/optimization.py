@@ -141,12 +141,16 @@ class Checkpoint(Optimization):
 
     # ---------------------------------------------------------------- set-up
     def on_fit_start(self, state: State) -> None:
-        self._open(state, self._root_in(state.run_dir if state.run_dir is not None else Path.cwd()))
+        self._open(
+            state, self.folder_in(state.run_dir if state.run_dir is not None else Path.cwd())
+        )
         world = state.world
         if self.settings["resume"]:
             self._resume(state)
-        elif self._domains.leader(world.rank) and (self.root / "manifest.json").exists():
-            # A fresh start keeps the old checkpoints, out of the way.
+        elif self._domains.leader(world.rank) and (
+            (self.root / MANIFEST).exists() or any(self.root.glob("step-*"))
+        ):
+            # A fresh start keeps the old checkpoints (a manifest lost or not) out of the way.
             aside = unused(stamped(self.root.parent, f"{self.root.name}.old"))
             shutil.move(str(self.root), str(aside))
         all_gather_objects(None, world)  # no rank writes into a folder being moved away
@@ -177,6 +181,7 @@ class Checkpoint(Optimization):
             domains=self._domains,
             collectives=self._collectives,
             nice=self.settings["persist_nice"],
+            setup=state.setup,
         )
         self._last_step = state.step
 
@@ -187,17 +192,27 @@ class Checkpoint(Optimization):
             _check_folder(configured)
 
     def check_run_folder(self, run_dir: Path, world_size: int) -> None:
-        _check_folder(self._root_in(run_dir))
+        root = self.folder_in(run_dir)
+        _check_folder(root)
         if self.settings["resume"]:
-            check_rank_count(self._root_in(run_dir), world_size)
+            # Named as the run was (overlapkit run --out RUN_DIR): an absolute dir by itself.
+            inside = root.resolve().is_relative_to(run_dir.resolve())
+            again = (
+                f"overlapkit run --out {run_dir} --fresh" if inside else "overlapkit run --fresh"
+            )
+            start_over = f"start over with {again} (the old checkpoints are kept aside)"
+            check_rank_count(root, world_size, start_over, error=CombinationError)
 
     def resumes_at(self, run_dir: Path) -> int | None:
         if not self.settings["resume"]:
             return None
-        steps = [entry["step"] for entry in Manifest(self._root_in(run_dir)).read()]
+        steps = [entry["step"] for entry in Manifest(self.folder_in(run_dir)).read()]
         return max(steps) if steps else None
 
-    def _root_in(self, run_dir: Path) -> Path:
+    def saved_setup(self, run_dir: Path) -> dict[str, Any] | None:
+        return Manifest(self.folder_in(run_dir)).setup()
+
+    def folder_in(self, run_dir: Path) -> Path:
         """The checkpoint folder: ``dir`` as set, under ``run_dir`` unless absolute."""
         configured = Path(self.settings["dir"]).expanduser()
         return configured if configured.is_absolute() else run_dir / configured
@@ -219,8 +234,28 @@ class Checkpoint(Optimization):
         step = newest_common_step(self.root, state.world, state.replicated_shard)
         if step is None:
             return
+        recorded = Manifest(self.root).setup()
+        if None not in (recorded, state.setup) and recorded != state.setup:
+            differ = sorted(
+                k
+                for k in recorded.keys() | state.setup.keys()
+                if recorded.get(k) != state.setup.get(k)
+            )
+            raise CheckpointError(
+                f"{self.root} holds checkpoints of another setup ({', '.join(differ)} "
+                "differ): resuming would load them into a different model, optimizer or data "
+                "order. Start over (overlapkit run --fresh keeps them aside) or use another "
+                "checkpoint folder"
+            )
         saved = load(self.root, step, state.world.rank, state.replicated_shard)
-        state.restore(saved)
+        try:
+            state.restore(saved)
+        except RuntimeError as error:  # torch's load_state_dict: missing keys, other shapes
+            raise CheckpointError(
+                f"the checkpoint at step {step} in {self.root} does not fit this run "
+                f"(checkpoints of another model or optimizer?): {str(error).splitlines()[0]} "
+                "Start over with checkpoint resume: false, or use another checkpoint folder"
+            ) from None
         self.resumed_from = step
         state.resumed_from = str(step_dir(self.root, step))
 
@@ -512,8 +547,10 @@ def _deferrable_storages(state: State) -> set[int] | None:
 
 
 def _check_folder(root: Path) -> None:
-    """Raise when ``root`` cannot be a folder: it, or a folder it would sit in, is a file."""
-    for place in (root, *root.parents):
+    """Raise when ``root`` cannot be a folder: it, or a folder it would sit in, is a file
+    (``..`` resolved first: ``run/../x`` is ``x``, though ``run`` does not exist yet)."""
+    resolved = root.resolve()
+    for place in (resolved, *resolved.parents):
         if place.exists():
             if not place.is_dir():
                 raise CombinationError(f"checkpoint.dir {root}: {place} is a file; name a folder")

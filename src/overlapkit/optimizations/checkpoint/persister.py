@@ -46,11 +46,13 @@ class Persister:
         domains: Domains,
         collectives: Collectives,
         nice: int = 10,
+        setup: dict[str, Any] | None = None,
     ) -> None:
         self.root, self.rank, self.world_size, self.keep = root, rank, world_size, keep
         self.shard = shard
         self.domains, self.collectives = domains, collectives
         self.nice = nice
+        self.setup = setup  # recorded in the manifest (see `State.setup`)
         self.manifest = Manifest(root)
         self.policy = policy
         self.error: BaseException | None = None
@@ -136,7 +138,7 @@ class Persister:
                     n: r for rank, _, fs in everyone if rank in domain for n, r in fs.items()
                 },
             }
-            self.manifest.add(entry, self.keep)
+            self.manifest.add(entry, self.keep, self.setup)
         # Every rank's files of this checkpoint (each file is written by one rank).
         self.bytes_written += sum(r["bytes"] for _, _, fs in everyone for r in fs.values())
         self.persist_s.append(perf_counter() - start)

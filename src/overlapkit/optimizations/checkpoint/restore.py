@@ -15,18 +15,25 @@ class CheckpointCorruptWarning(UserWarning):
     """The newest checkpoint failed its checksum; an older one is used."""
 
 
-def check_rank_count(root: Path, world_size: int) -> list[dict]:
-    """The manifest's entries in ``root``, newest first; raise `CheckpointError` when
-    it holds checkpoints of another rank count."""
+START_OVER = (
+    "start over with overlapkit run --fresh (the old checkpoints are kept aside; in a "
+    "script of your own, another checkpoint folder or checkpoint resume: false)"
+)
+
+
+def check_rank_count(
+    root: Path, world_size: int, start_over: str = START_OVER, error: type = CheckpointError
+) -> list[dict]:
+    """The manifest's entries in ``root``, newest first; raise ``error`` when it holds
+    checkpoints of another rank count (``start_over`` says how else to go on)."""
     entries = list(reversed(Manifest(root).read()))
     for entry in entries:
-        if entry.get("world_size", world_size) != world_size:
-            raise CheckpointError(
-                f"the checkpoint at step {entry['step']} in {root} was written by "
-                f"{entry['world_size']} ranks; this run has {world_size}: resume it with "
-                f"{entry['world_size']} ranks, or start over with overlapkit run --fresh (the "
-                "old checkpoints are kept aside; in a script of your own, another checkpoint "
-                "folder or checkpoint resume: false)"
+        written = entry.get("world_size", world_size)
+        if written != world_size:
+            raise error(
+                f"the checkpoint at step {entry['step']} in {root} was written by {written} "
+                f"rank{'s' if written != 1 else ''}; this run has {world_size}: resume it "
+                f"with {written}, or {start_over}"
             )
     return entries
 

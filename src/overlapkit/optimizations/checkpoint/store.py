@@ -78,12 +78,24 @@ class Manifest:
             ) from None
         return entries
 
-    def add(self, entry: dict[str, Any], keep: int) -> list[dict[str, Any]]:
-        """Durably add ``entry``; then delete all but the newest ``keep`` checkpoints."""
+    def setup(self) -> dict[str, Any] | None:
+        """The setup the checkpoints are of (see `State.setup`; None: not recorded)."""
+        if not self.read():
+            return None
+        setup = json.loads(self.path.read_text()).get("setup")
+        return setup if isinstance(setup, dict) else None
+
+    def add(
+        self, entry: dict[str, Any], keep: int, setup: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """Durably add ``entry`` (and ``setup``, what the checkpoints are of); then delete
+        all but the newest ``keep`` checkpoints."""
         entries = [e for e in self.read() if e["step"] != entry["step"]] + [entry]
         entries.sort(key=lambda e: e["step"])
         kept = entries[-keep:]
         document = {"format": 1, "checkpoints": kept}
+        if setup is not None:
+            document["setup"] = setup
         write_json(self.path, document)
         # Only now that the manifest naming the new checkpoint is durable: clean up
         # older folders (dropped ones, crash leftovers). Newer ones may still be
