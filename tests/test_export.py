@@ -92,3 +92,23 @@ def test_a_pipeline_stages_names_are_the_unsplit_models():
     assert unsplit_name("layers.0.weight", names) == "0.weight"  # an nn.Sequential
     with pytest.raises(ExportError, match="names no recorded layer"):
         unsplit_name("layers.layer9_9.weight", names)
+
+
+def test_a_compiled_models_export_has_the_models_own_names(tmp_path):
+    """torch.compile's wrapper names every parameter _orig_mod.NAME: the export of a
+    script that compiled its model did not load into the model itself."""
+    from torch import nn
+
+    from overlapkit import Session
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    compiled = torch.compile(model, backend="eager")
+    session = Session()
+    session.prepare(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1))
+    session.save(tmp_path / "saved")
+    session.finish()
+    result = run_cli("export", tmp_path / "saved", "--to", tmp_path / "m.pt")
+    assert result.returncode == 0, result.stderr
+    state = torch.load(tmp_path / "m.pt")
+    assert sorted(state) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert torch.equal(state["2.weight"], model[2].weight)

@@ -111,7 +111,7 @@ def _model_state(root: Path, entry: dict[str, Any], files: list[str]) -> tuple[A
     if isinstance(models[0], list):  # TensorFlow: its variables, in model.variables order
         return models[0], "tensorflow"
     if len(files) == 1 and files[0] == SHARED:
-        return models[0], "torch"
+        return own_names(models[0]), "torch"
     names, expected = _stage_layer_names(root, entry)
     if len(files) < expected:
         raise ExportError(
@@ -132,6 +132,15 @@ def _model_state(root: Path, entry: dict[str, Any], files: list[str]) -> tuple[A
         for key, value in model.items():
             state[unsplit_name(key, names)] = value
     return state, "torch"
+
+
+def own_names(state: dict[str, Any]) -> dict[str, Any]:
+    """The names of the model itself: a script's ``torch.compile`` wrapper saves every
+    parameter as ``_orig_mod.NAME``, which the model does not load."""
+    prefix = "_orig_mod."
+    if state and all(key.startswith(prefix) for key in state):
+        return {key.removeprefix(prefix): value for key, value in state.items()}
+    return state
 
 
 def _stage_layer_names(root: Path, entry: dict[str, Any]) -> tuple[dict[str, str], int]:
