@@ -384,6 +384,17 @@ def test_too_few_layers_for_the_stages_counts_them_as_asked():
         interleaved._starts(["a", "b", "c"], None)
 
 
+def test_a_compiled_model_is_refused_by_name():
+    """A script's torch.compile'd nn.Sequential was 'cannot split OptimizedModule: it
+    needs an nn.Sequential', and one with pipeline_layers() would have split its
+    modules while the compiled graph never ran."""
+    from overlapkit.optimizations.pipeline.layers import SplitError, sequential_layers
+
+    compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)), backend="eager")
+    with pytest.raises(SplitError, match="cannot split a torch.compile'd Sequential"):
+        sequential_layers(compiled)
+
+
 def test_one_rank_is_refused():
     with pytest.raises(CombinationError, match="at least 2 ranks"):
         pipeline().check(1, "cpu", "gloo")

@@ -19,6 +19,12 @@ class SplitError(ValueError):
 
 
 def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+        raise SplitError(
+            f"pipeline cannot split a torch.compile'd {type(model._orig_mod).__name__}: its "
+            "stages are new modules, so the compiled graph would not run; pass the model "
+            "uncompiled"
+        )
     if hasattr(model, "pipeline_layers"):
         layers = list(model.pipeline_layers())
     elif isinstance(model, nn.Sequential):
