@@ -61,7 +61,10 @@ class FlatAllReduce:
     copied in by a hook before the next forward, so no forward is a collective (an
     evaluation on rank 0 alone cannot hang its peers), and what the script reads in
     between is this rank's own, as under DDP (an EMA of the buffers updated after the
-    optimizer step, torchvision's: it took rank 0's on the other ranks).
+    optimizer step, torchvision's: it took rank 0's on the other ranks). Not so under
+    ``at_next_forward=False`` (a pipeline's stages: its schedule calls them one by one,
+    not the module list a hook would sit on, and torch's set-up forward puts each
+    stage's own buffers back): they are copied in with the sync.
 
     The gradients live in that buffer as views, so nothing is copied before or
     after the all-reduce, provided they are zeroed in place rather than set to
@@ -81,8 +84,10 @@ class FlatAllReduce:
         group: dist.ProcessGroup | None,
         on_backward_end: Callable[[], None],
         src: int = 0,
+        at_next_forward: bool = True,
     ) -> None:
         self.group, self.src = group, src
+        self.at_next_forward = at_next_forward
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = list(model.buffers())
         self.world_size = world_size
@@ -106,9 +111,10 @@ class FlatAllReduce:
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
         # Rank src's buffers as broadcast, per dtype, until the next forward takes them.
         self._broadcast: list[tuple[list[torch.Tensor], torch.Tensor]] = []
-        self._hooks.append(model.register_forward_pre_hook(SessionHook(self._take_buffers)))
-        # Buffers loaded since (a resume, the script's own load_state_dict) stay.
-        self._hooks.append(model.register_load_state_dict_post_hook(SessionHook(self._forget)))
+        if at_next_forward:
+            self._hooks.append(model.register_forward_pre_hook(SessionHook(self._take_buffers)))
+            # Buffers loaded since (a resume, the script's own load_state_dict) stay.
+            self._hooks.append(model.register_load_state_dict_post_hook(SessionHook(self._forget)))
 
     def _accumulated(self, param: torch.Tensor) -> None:
         self.dirty = True
@@ -151,6 +157,8 @@ class FlatAllReduce:
             dist.broadcast(flat, self.src, group=self.group)
             if dist.get_rank() != self.src:
                 self._broadcast.append((buffers, flat))
+        if not self.at_next_forward:
+            self._take_buffers()
 
     @torch.no_grad()
     def _take_buffers(self, *hook_args: Any) -> None:
@@ -181,7 +189,16 @@ class GradientSync:
         dp = state.dp
         broadcast_model(model, dp.src, dp.group)
         self.state, self._around = state, around
-        self.flat = FlatAllReduce(model, dp.size, dp.group, self._hooked_end, src=dp.src)
+        # A script calls its model; a pipeline's schedule calls its stages (see
+        # `FlatAllReduce`: their buffers are copied in with the sync).
+        self.flat = FlatAllReduce(
+            model,
+            dp.size,
+            dp.group,
+            self._hooked_end,
+            src=dp.src,
+            at_next_forward=state.data_parallel is None,
+        )
         state.zero_grad_in_place = True
 
     def _hooked_end(self) -> None:
