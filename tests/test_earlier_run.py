@@ -199,9 +199,10 @@ def test_a_script_resuming_checkpoints_of_another_model_gets_a_clear_error(tmp_p
     """A Session of a script's own knows no scenario: checkpoints of another model are
     refused by their tensors, as a `CheckpointError` naming the folder."""
 
-    def session_run(width: int, steps: int) -> None:
+    def session_run(width: int, steps: int, groups: int = 1) -> None:
         model = torch.nn.Linear(width, 2)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        params = [[model.weight, model.bias]] if groups == 1 else [[model.weight], [model.bias]]
+        optimizer = torch.optim.SGD([{"params": p} for p in params], lr=0.1)
         session = Session([get_optimization("checkpoint")(every=2)], run_dir=tmp_path)
         batches = [torch.ones(4, width)] * 3
         model, optimizer, batches = session.prepare(model, optimizer, batches)
@@ -216,6 +217,11 @@ def test_a_script_resuming_checkpoints_of_another_model_gets_a_clear_error(tmp_p
     with pytest.raises(CheckpointError, match="does not fit this run") as refused:
         session_run(width=5, steps=6)
     assert str(tmp_path / "checkpoints") in str(refused.value)
+    # What differs, as torch says it (its first line named only the module's class).
+    assert "size mismatch for weight" in str(refused.value)
+    # Another optimizer's parameter groups: torch's ValueError was a traceback.
+    with pytest.raises(CheckpointError, match="different number of parameter groups"):
+        session_run(width=3, steps=6, groups=2)
 
 
 def test_resuming_a_cosine_schedule_with_more_steps_warns_that_its_rest_changes(

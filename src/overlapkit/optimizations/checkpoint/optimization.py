@@ -10,10 +10,13 @@ optimizer step. A background thread then persists it (phase two, see
 from __future__ import annotations
 
 import shutil
+import textwrap
 from functools import partial
 from pathlib import Path
 from time import perf_counter
 from typing import Any
+
+import torch
 
 from ...folders import stamped, unused
 from ...runtime import (
@@ -250,11 +253,17 @@ class Checkpoint(Optimization):
         saved = load(self.root, step, state.world.rank, state.replicated_shard)
         try:
             state.restore(saved)
-        except RuntimeError as error:  # torch's load_state_dict: missing keys, other shapes
+        except (RuntimeError, ValueError) as error:
+            # torch's load_state_dict (missing keys, other shapes: RuntimeError; another
+            # optimizer's parameter groups: ValueError), not memory or a lost peer.
+            if isinstance(error, (torch.OutOfMemoryError, torch.distributed.DistError)):
+                raise
+            said = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
             raise CheckpointError(
                 f"the checkpoint at step {step} in {self.root} does not fit this run "
-                f"(checkpoints of another model or optimizer?): {str(error).splitlines()[0]} "
-                "Start over with checkpoint resume: false, or use another checkpoint folder"
+                f"(checkpoints of another model or optimizer?): "
+                f"{textwrap.shorten(said, 400, placeholder=' ...')}. Start over with "
+                "checkpoint resume: false, or use another checkpoint folder"
             ) from None
         self.resumed_from = step
         state.resumed_from = str(step_dir(self.root, step))
