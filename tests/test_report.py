@@ -408,3 +408,31 @@ def test_the_plots_legends_hide_no_point_and_trials_are_whole_numbers(tmp_path):
     ]
     ticks = history(analysis).axes[0].get_xticks()
     assert len(ticks) > 1 and all(float(t).is_integer() for t in ticks)
+
+
+def test_a_study_keeps_its_colour_in_every_compare_plot(tmp_path, monkeypatch):
+    """Each plot took colours in turn from the studies it drew: a study without a curve
+    for prefetch left the next one blue there, while the one legend said blue was the
+    first study."""
+    import matplotlib.colors as colors
+
+    from overlapkit.tuning import compare
+
+    def study(label, curves):
+        return {"label": label, "hardware": "cpu", "metric": "throughput", "curves": curves}
+
+    one = [(0.0, 100.0), (1.0, 120.0)]
+    document = {
+        "optimizations": ["ddp_overlap", "prefetch"],
+        "studies": [
+            study("a", {"ddp_overlap": one}),
+            study("b", {"ddp_overlap": one, "prefetch": one}),
+        ],
+    }
+    drawn = {}
+    monkeypatch.setattr(compare, "save_figure", lambda fig, path: drawn.setdefault("fig", fig))
+    compare._plot(document, tmp_path / "compare.png")
+    ddp, prefetch = drawn["fig"].axes
+    colour = lambda line: colors.to_hex(line.get_color())  # noqa: E731
+    assert [colour(line) for line in ddp.lines] == [colors.to_hex("C0"), colors.to_hex("C1")]
+    assert [colour(line) for line in prefetch.lines] == [colors.to_hex("C1")]

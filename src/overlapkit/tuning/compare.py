@@ -175,7 +175,7 @@ def _plot(document: dict[str, Any], path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, len(names), figsize=(4.4 * len(names), 3.6), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
-        for study in document["studies"]:
+        for index, study in enumerate(document["studies"]):
             curve = study["curves"].get(name) or []
             if not curve:
                 continue
@@ -184,6 +184,7 @@ def _plot(document: dict[str, Any], path: Path) -> Path | None:
                 [str(x) for x, _ in curve],
                 [y / peak for _, y in curve],
                 "o-",
+                color=f"C{index}",  # a study's colour in every plot: one legend for all
                 label=f"{study['label']}: {study['hardware'].split(';')[0]}",
             )
         ax.set_title(name)
