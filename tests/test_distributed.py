@@ -167,8 +167,11 @@ def two_local_ranks(tiny_scenario, tmp_path, *overrides):
 
 
 @pytest.mark.slow
-def test_two_machines_started_by_hand_train_as_two_local_ranks(tiny_scenario, tmp_path):
-    """What each Ray actor does, without Ray: node k of 2, rendezvous at node 0."""
+@pytest.mark.parametrize("shared", [False, True], ids=["own folders", "one shared folder"])
+def test_two_machines_started_by_hand_train_as_two_local_ranks(tiny_scenario, tmp_path, shared):
+    """What each Ray actor does, without Ray: node k of 2, rendezvous at node 0. With
+    one folder (a shared file system), node 1 was refused: 'in use by another run',
+    node 0's lock on the run folder, while node 0 waited for it."""
     from conftest import free_port
 
     master = f"127.0.0.1:{free_port()}"
@@ -176,7 +179,8 @@ def test_two_machines_started_by_hand_train_as_two_local_ranks(tiny_scenario, tm
     command += ["--set", "world.nodes=2", "--set", "optimizations.ddp_overlap.intensity=0.5"]
     nodes = [
         subprocess.Popen(
-            [*command, "--out", str(tmp_path / f"node{k}"), "--node-rank", str(k)]
+            [*command, "--out", str(tmp_path / ("node0" if shared else f"node{k}"))]
+            + ["--node-rank", str(k)]
             + ["--master", master],
             cwd=ROOT,
             stderr=subprocess.PIPE,

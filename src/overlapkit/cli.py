@@ -555,7 +555,7 @@ def _run_command(
 
         def on_folder(folder: Path) -> None:  # made, nothing written yet: hold it
             where.update(folder=folder)
-            if is_rank_zero():  # under torchrun one process holds it for the run
+            if _holds_the_folder(args):
                 holding.enter_context(held(folder))
 
         summary = _run(scenario, args, out, on_folder)
@@ -647,7 +647,7 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
                 "(a folder runs/NAME-* holding scenario.yaml and checkpoints/); name one "
                 "with --out"
             )
-        _check_free(earlier[0])
+        _check_free(earlier[0], args)
         check_earlier_run(earlier[0], scenario, fresh=False)
         return earlier[0]
     if args.out is not None:
@@ -658,10 +658,10 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
                     raise UsageError(f"--out {args.out}: {what}; the run folder must be a folder")
                 break
         _check_not_foreign(args.out, args.scenario)
-        _check_free(args.out)
+        _check_free(args.out, args)
         check_earlier_run(args.out, scenario, fresh=args.fresh)
     elif under_torchrun():  # a folder every rank names: a rerun finds the earlier run's
-        _check_free(torchrun_run_dir(scenario.name))
+        _check_free(torchrun_run_dir(scenario.name), args)
         check_earlier_run(torchrun_run_dir(scenario.name), scenario, fresh=args.fresh)
     else:  # a new folder, empty: only an absolute checkpoint.dir can hold checkpoints
         check_earlier_run(NO_FOLDER, scenario, fresh=args.fresh)
@@ -677,10 +677,16 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
     return args.out
 
 
-def _check_free(folder: Path) -> None:
+def _check_free(folder: Path, args: argparse.Namespace) -> None:
     """Refuse at once a folder another run is training in (its launcher holds it)."""
-    if is_rank_zero():
+    if _holds_the_folder(args):
         check_free(folder)
+
+
+def _holds_the_folder(args: argparse.Namespace) -> bool:
+    """Whether this process holds the run folder for the run: under torchrun rank 0,
+    of machines started by hand node 0 (the others may share the folder)."""
+    return is_rank_zero() and not args.node_rank
 
 
 def _check_not_foreign(out: Path, scenario_file: Path) -> None:
