@@ -157,6 +157,24 @@ def test_resume_mid_epoch_continues_with_the_next_batch(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("intensity", [0.0, 1.0])
+def test_a_short_last_batch_is_delivered_by_every_back_end(backend, intensity):
+    """drop_last=False, 22 samples in batches of 4: DALI dropped the short batch of 2."""
+
+    def loader():
+        dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=22, seed=3)
+        return ResumableLoader(dataset, 4, ShardedSampler(22, seed=3, drop_last=False))
+
+    plain = batches(loader(), 14)  # 6 batches an epoch, the last of 2 samples
+    assert [len(y) for _, y in plain[:7]] == [4, 4, 4, 4, 4, 2, 4]
+    prefetching, _ = wrapped(intensity, loader(), backend=backend)
+    assert_same_batches(plain, batches(prefetching, 14))
+    resumed, _ = wrapped(intensity, loader(), backend=backend)
+    resumed.load_state_dict({"epoch": 0, "position": 3})
+    assert_same_batches(plain[3:], batches(resumed, 11))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefetching_takes_the_loading_time_off_the_step(backend):
     """A source that sleeps 4 ms per sample (32 ms a batch) beside 30 ms of compute:
     loading on the training thread waits for every batch, two workers hide it."""
