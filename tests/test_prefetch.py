@@ -49,7 +49,7 @@ def make_loader(dataset=None, batch=8):
 def wrapped(intensity=1.0, loader=None, **knobs):
     """A prefetching loader, as the scheduler wraps it (through a Session)."""
     session = Session([Prefetch(intensity, **knobs)], device="cpu", progress=False)
-    session.prepare(nn.Linear(1, 1), None, loader or make_loader())
+    session.prepare(nn.Linear(1, 1), None, make_loader() if loader is None else loader)
     return session.state.loader, session.scheduler.optimizations[0]  # iterated without steps
 
 
@@ -276,6 +276,34 @@ def test_a_scripts_own_dataloader_is_prefetched_in_its_own_order_by_the_torch_ba
     assert [b.tolist() for b in prefetching] == plain
     with pytest.raises(PrefetchError, match="backend tfdata reads .*ResumableLoader"):
         wrapped(1.0, loader(), backend="tfdata")
+
+
+def test_a_dataloader_over_an_iterable_dataset_is_refused_by_name():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=4)
+    with pytest.raises(PrefetchError, match=r"got a DataLoader over an IterableDataset \(Stream\)"):
+        wrapped(1.0, loader)
+
+
+def double_labels(samples):
+    images, labels = torch.utils.data.default_collate(samples)
+    return {"images": images, "labels": labels * 2}
+
+
+@pytest.mark.parametrize("backend", ["tfdata", "dali"])
+def test_a_collate_function_the_back_end_cannot_run_is_refused(backend):
+    """tf.data and DALI stack samples themselves: a ResumableLoader's collate_fn was
+    silently left out (tuples, not the function's dicts)."""
+    dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=64, seed=3)
+    loader = ResumableLoader(dataset, 8, ShardedSampler(64, seed=3), collate_fn=double_labels)
+    assert set(next(iter(loader))) == {"images", "labels"}
+    with pytest.raises(PrefetchError, match=f"backend {backend} .* no collate_fn.*backend: torch"):
+        wrapped(1.0, loader, backend=backend)
+    prefetching, _ = wrapped(1.0, loader, backend="torch")
+    assert set(next(iter(prefetching))) == {"images", "labels"}
 
 
 def test_a_failing_source_raises_on_the_training_thread():
