@@ -213,7 +213,14 @@ class Prefetch(Optimization):
                 f"with {workers}: random augmentation in the dataset or collate function draws "
                 "other numbers than in the plain script (each worker has its own RNG stream; "
                 "without workers, the global one), so the run differs from it; "
-                f"prefetch(intensity, workers={self.script_workers}) keeps its draws"
+                + (
+                    f"prefetch(intensity, workers={self.script_workers}) keeps its draws"
+                    if self.script_workers
+                    # workers=0 loads ahead on the feeder thread, whose draws interleave
+                    # with training's (dropout): only synchronous loading keeps them
+                    else "only intensity 0 keeps its draws (with workers=0 a feeder thread "
+                    "loads ahead, its draws interleaved with training's)"
+                )
             )
         busy = self.compute_threads + self.settings["workers"] + (1 if out["feeder_depth"] else 0)
         if self.cores and busy > self.cores and not self.placed:
