@@ -730,6 +730,38 @@ def test_prefetch_with_other_workers_than_the_scripts_loader_says_its_draws_diff
     assert not any("workers" in note and "draws" in note for note in notes), notes
 
 
+def test_prefetch_over_a_loader_without_workers_advises_what_keeps_its_draws():
+    """The script's DataLoader had no workers; the note advised workers=0, but then a
+    feeder thread loads ahead and its draws interleave with the training's own (the
+    README says so): the run still differs. Only intensity 0 keeps the draws."""
+
+    def run(prefetch=None):
+        import random
+
+        import numpy
+
+        model = nn.Linear(3, 1)
+        torch.manual_seed(0), random.seed(0), numpy.random.seed(0)
+        loader = DataLoader(Augmented(), batch_size=4)
+        session = None
+        if prefetch is not None:
+            session = Session([prefetch], progress=False)
+            _, _, loader = session.prepare(model, None, loader)
+        seen = []
+        for x in loader:
+            time.sleep(0.005)  # compute: the feeder loads ahead meanwhile
+            seen.append((x.tolist(), torch.rand(1).item()))  # the training's own draw
+        return seen, session.finish()["optimizations"]["prefetch"]["notes"] if session else []
+
+    plain, _ = run()
+    _, notes = run(get_optimization("prefetch")(1.0))
+    assert any("has 0 workers, prefetch loads with 4" in note for note in notes), notes
+    assert not any("workers=0) keeps" in note for note in notes), notes
+    assert any("only intensity 0 keeps its draws" in note for note in notes), notes
+    assert run(get_optimization("prefetch")(1.0, workers=0))[0] != plain  # the old advice
+    assert run(get_optimization("prefetch")(0.0))[0] == plain
+
+
 def test_random_draws_in_prefetch_workers_resume_exactly_with_batches_taken_ahead(tmp_path):
     """prefetch's feeder takes batches ahead of training: the workers' states saved
     are those as of the batches training had, not the ones taken ahead."""

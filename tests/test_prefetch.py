@@ -49,7 +49,7 @@ def make_loader(dataset=None, batch=8):
 def wrapped(intensity=1.0, loader=None, **knobs):
     """A prefetching loader, as the scheduler wraps it (through a Session)."""
     session = Session([Prefetch(intensity, **knobs)], device="cpu", progress=False)
-    session.prepare(nn.Linear(1, 1), None, loader or make_loader())
+    session.prepare(nn.Linear(1, 1), None, make_loader() if loader is None else loader)
     return session.state.loader, session.scheduler.optimizations[0]  # iterated without steps
 
 
@@ -157,6 +157,24 @@ def test_resume_mid_epoch_continues_with_the_next_batch(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("intensity", [0.0, 1.0])
+def test_a_short_last_batch_is_delivered_by_every_back_end(backend, intensity):
+    """drop_last=False, 22 samples in batches of 4: DALI dropped the short batch of 2."""
+
+    def loader():
+        dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=22, seed=3)
+        return ResumableLoader(dataset, 4, ShardedSampler(22, seed=3, drop_last=False))
+
+    plain = batches(loader(), 14)  # 6 batches an epoch, the last of 2 samples
+    assert [len(y) for _, y in plain[:7]] == [4, 4, 4, 4, 4, 2, 4]
+    prefetching, _ = wrapped(intensity, loader(), backend=backend)
+    assert_same_batches(plain, batches(prefetching, 14))
+    resumed, _ = wrapped(intensity, loader(), backend=backend)
+    resumed.load_state_dict({"epoch": 0, "position": 3})
+    assert_same_batches(plain[3:], batches(resumed, 11))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefetching_takes_the_loading_time_off_the_step(backend):
     """A source that sleeps 4 ms per sample (32 ms a batch) beside 30 ms of compute:
     loading on the training thread waits for every batch, two workers hide it."""
@@ -258,6 +276,34 @@ def test_a_scripts_own_dataloader_is_prefetched_in_its_own_order_by_the_torch_ba
     assert [b.tolist() for b in prefetching] == plain
     with pytest.raises(PrefetchError, match="backend tfdata reads .*ResumableLoader"):
         wrapped(1.0, loader(), backend="tfdata")
+
+
+def test_a_dataloader_over_an_iterable_dataset_is_refused_by_name():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=4)
+    with pytest.raises(PrefetchError, match=r"got a DataLoader over an IterableDataset \(Stream\)"):
+        wrapped(1.0, loader)
+
+
+def double_labels(samples):
+    images, labels = torch.utils.data.default_collate(samples)
+    return {"images": images, "labels": labels * 2}
+
+
+@pytest.mark.parametrize("backend", ["tfdata", "dali"])
+def test_a_collate_function_the_back_end_cannot_run_is_refused(backend):
+    """tf.data and DALI stack samples themselves: a ResumableLoader's collate_fn was
+    silently left out (tuples, not the function's dicts)."""
+    dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=64, seed=3)
+    loader = ResumableLoader(dataset, 8, ShardedSampler(64, seed=3), collate_fn=double_labels)
+    assert set(next(iter(loader))) == {"images", "labels"}
+    with pytest.raises(PrefetchError, match=f"backend {backend} .* no collate_fn.*backend: torch"):
+        wrapped(1.0, loader, backend=backend)
+    prefetching, _ = wrapped(1.0, loader, backend="torch")
+    assert set(next(iter(prefetching))) == {"images", "labels"}
 
 
 def test_a_failing_source_raises_on_the_training_thread():

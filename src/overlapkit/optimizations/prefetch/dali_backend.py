@@ -66,9 +66,13 @@ class _Samples:
             self._cached = (epoch, epoch_indices(self.sampler, self.batch_size, epoch))
         indices = self._cached[1]
         position = info.idx_in_epoch + (self.skip if info.epoch_idx == 0 else 0)
-        if position >= len(indices):
-            raise StopIteration
-        return self.layout.flatten(self.dataset[indices[position]])
+        if position < len(indices):
+            return self.layout.flatten(self.dataset[indices[position]])
+        if position < -(-len(indices) // self.batch_size) * self.batch_size:
+            # DALI drops a batch the source cannot fill: fill the short last one with
+            # zeros, which `DaliBackend.iterate` cuts off again.
+            return self.layout.padding()
+        raise StopIteration
 
 
 class DaliBackend:
@@ -122,9 +126,14 @@ class DaliBackend:
             self.close()
             self._iterator = self._build(epoch, start)
         self._next = None  # left unfinished, the pipeline is mid-epoch: build anew
-        for outputs in self._iterator:
+        samples = len(epoch_indices(self.inner.sampler, self.inner.batch_size, epoch))
+        last = -(-samples // self.inner.batch_size) - 1 - start  # the short one, if any
+        for i, outputs in enumerate(self._iterator):
             (batch,) = outputs  # one pipeline
-            yield self.layout.batch([batch[name] for name in self.names])
+            leaves = [batch[name] for name in self.names]
+            if i == last and samples % self.inner.batch_size:
+                leaves = [leaf[: samples % self.inner.batch_size] for leaf in leaves]
+            yield self.layout.batch(leaves)
         self._next = (epoch + 1, 0)
 
     def close(self) -> None:

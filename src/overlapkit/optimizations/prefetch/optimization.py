@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 from ...data import ResumableLoader, ScriptLoader
 from ...runtime import (
@@ -130,10 +131,21 @@ class Prefetch(Optimization):
                 "your own DataLoader is prefetched by the torch back end (backend: torch)"
             )
         if not isinstance(loader, (ResumableLoader, ScriptLoader)):
+            got = type(loader).__name__
+            if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
+                got = f"a DataLoader over an IterableDataset ({type(loader.dataset).__name__})"
+            elif hasattr(loader, "__next__"):
+                got += " (pass the DataLoader itself, not an iterator over it)"
             raise PrefetchError(
                 f"prefetch needs a map-style torch DataLoader or an overlapkit.data."
-                f"ResumableLoader, got {type(loader).__name__}: either keeps the position "
-                "that exact resume needs"
+                f"ResumableLoader, got {got}: either keeps the position that exact resume needs"
+            )
+        custom = [k for k in ("collate_fn", "worker_init_fn") if loader_setting(loader, k)]
+        if s["backend"] != "torch" and custom:
+            # tf.data and DALI call __getitem__ and stack the samples themselves.
+            raise PrefetchError(
+                f"prefetch backend {s['backend']} stacks samples as torch's default collate "
+                f"does and has no {' or '.join(custom)}: the loader's own runs with backend: torch"
             )
         device = state.world.device
         pin = s["pin_memory"] and device.type == "cuda"
@@ -201,7 +213,14 @@ class Prefetch(Optimization):
                 f"with {workers}: random augmentation in the dataset or collate function draws "
                 "other numbers than in the plain script (each worker has its own RNG stream; "
                 "without workers, the global one), so the run differs from it; "
-                f"prefetch(intensity, workers={self.script_workers}) keeps its draws"
+                + (
+                    f"prefetch(intensity, workers={self.script_workers}) keeps its draws"
+                    if self.script_workers
+                    # workers=0 loads ahead on the feeder thread, whose draws interleave
+                    # with training's (dropout): only synchronous loading keeps them
+                    else "only intensity 0 keeps its draws (with workers=0 a feeder thread "
+                    "loads ahead, its draws interleaved with training's)"
+                )
             )
         busy = self.compute_threads + self.settings["workers"] + (1 if out["feeder_depth"] else 0)
         if self.cores and busy > self.cores and not self.placed:
@@ -212,6 +231,12 @@ class Prefetch(Optimization):
                 "divides them by what each costs)"
             )
         return out
+
+
+def loader_setting(loader: ResumableLoader | ScriptLoader, name: str) -> Any:
+    """A DataLoader setting of the loader (None where it has none)."""
+    settings = loader.settings if isinstance(loader, ScriptLoader) else loader.loader_kwargs
+    return settings.get(name)
 
 
 def _build_backend(

@@ -54,6 +54,12 @@ class SampleLayout:
             raise TypeError(f"samples differ in structure: {spec} after {self.spec}")
         return [_as_array(leaf) for leaf in leaves]
 
+    def padding(self) -> list[np.ndarray]:
+        """A sample of zeros in this layout: what fills a batch the data cannot."""
+        return [
+            np.zeros(shape, dtype) for dtype, shape in zip(self.dtypes, self.shapes, strict=True)
+        ]
+
     def batch(self, leaves: list[torch.Tensor]) -> Any:
         """A batch of flat leaves (each stacked along dim 0) in the sample's nesting."""
         return pytree.tree_unflatten(leaves, self.spec)
