@@ -1188,6 +1188,36 @@ def test_an_lr_schedule_or_an_ema_left_unregistered_is_told(tmp_path, registered
     assert "session.start(" in Path(__file__).read_text().splitlines()[where.lineno - 1]
 
 
+def test_a_registered_schedule_of_another_library_is_not_told_unregistered(tmp_path):
+    """timm's schedulers are no torch LRScheduler but set torch's ``initial_lr`` in the
+    optimizer's groups too: registered, the run was still told 'the optimizer's LR
+    schedule is not checkpointed' (and noted it cannot resume exactly)."""
+
+    class TimmLikeScheduler:  # timm.scheduler.Scheduler's shape
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+            for group in optimizer.param_groups:
+                group.setdefault("initial_lr", group["lr"])
+            self.epoch = 0
+
+        def state_dict(self):
+            return {"epoch": self.epoch}
+
+        def load_state_dict(self, state):
+            self.epoch = state["epoch"]
+
+    model, optimizer, loader = parts()
+    schedule = TimmLikeScheduler(optimizer)
+    session = Session([Checkpoint(every=2)], run_dir=tmp_path, progress=False)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LoopWarning)
+        session.start(lr_scheduler=schedule)
+    summary = session.finish()
+    assert not [str(w.message) for w in said if "not checkpointed" in str(w.message)]
+    assert not [n for n in summary.get("notes", []) if "not checkpointed" in n]
+
+
 def test_checkpoints_waiting_out_steps_a_grad_scaler_skipped_say_so(tmp_path):
     """A loss scale too large: the scaler skips the optimizer steps (inf gradients),
     so checkpoints due then wait for an update; the summary names the scaler among

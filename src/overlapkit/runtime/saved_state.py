@@ -71,7 +71,13 @@ class SavedState:
             return
         unsaved = []
         scheduled = any("initial_lr" in group for group in state.optimizer.param_groups)
-        schedules = [obj for obj in self._stateful.values() if isinstance(obj, LRScheduler)]
+        # torch's schedules, or another library's that steps this optimizer (timm's).
+        schedules = [
+            obj
+            for obj in self._stateful.values()
+            if isinstance(obj, LRScheduler)
+            or any(value is state.optimizer for value in getattr(obj, "__dict__", {}).values())
+        ]
         if scheduled and state.lr_scheduler is None and not schedules:
             unsaved.append(
                 "the optimizer's LR schedule is not checkpointed: a resumed run would start "
