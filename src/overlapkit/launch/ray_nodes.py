@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..folders import LOCK
 from ..runtime.checkpoint_folder import (
     CHUNK_BYTES,
     Fetch,
@@ -285,7 +286,7 @@ def run_on_ray(
             for k, folder in (resume or {}).items():
                 _send_checkpoints(folder / CHECKPOINTS, actors[k])
             earlier = {
-                k: pack(folder, skip=(NODE_FOLDERS, CHECKPOINTS))
+                k: pack(folder, skip=(NODE_FOLDERS, CHECKPOINTS, LOCK))
                 for k, folder in (resume or {}).items()
             }
             ray.get(
@@ -578,6 +579,6 @@ class NodeRunner:
         run.mkdir(exist_ok=True)
         for name in ("stdout.txt", "stderr.txt"):
             shutil.copy(self.folder / name, run / name)
-        archive = pack(run, skip=(CHECKPOINTS,))
+        archive = pack(run, skip=(CHECKPOINTS, LOCK))  # the driver holds its own
         shutil.rmtree(self.folder, ignore_errors=True)
         return archive
