@@ -517,7 +517,7 @@ def _command(
         if args.json:
             print(json.dumps(document, indent=2))
         else:
-            console.print(comparison_table(document))
+            console.print(comparison_table(document, console.width))
             console.print(f"phases: {files['plot']}  (also {files['json'].name})", highlight=False)
         return 0
     if args.command == "run" and args.ray and (args.node_rank, args.master) != (None, None):
