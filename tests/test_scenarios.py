@@ -334,3 +334,15 @@ def test_list_at_80_columns_shows_every_knob_name_whole():
     # What each intensity sets: one row per level, the knobs it maps as columns.
     buckets = next(line for line in text.splitlines() if line.startswith("│ @0.5 "))
     assert "…" not in text and buckets
+
+
+def test_check_shows_a_search_of_the_intensity_not_a_blank():
+    """[intensity] read as rich markup: `search.ddp_overlap` showed an empty value."""
+    from rich.console import Console
+
+    from overlapkit.cli import _describe_scenario
+
+    console = Console(width=80, record=True)
+    console.print(_describe_scenario(load_scenario(Path(ROOT) / "scenarios/tune-contend.yaml")))
+    line = next(x for x in console.export_text().splitlines() if "search.ddp_overlap" in x)
+    assert "[intensity]" in line

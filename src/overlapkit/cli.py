@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 
@@ -272,7 +273,8 @@ def _describe_scenario(scenario: Scenario) -> Table:
     for section, rows in describe(scenario):
         table.add_row(f"[bold]{section}[/]", "", end_section=False)
         for key, value in rows:
-            table.add_row(f"  {key}", value)
+            # escaped: rich read a value such as [intensity] as markup and showed nothing
+            table.add_row(f"  {escape(key)}", escape(value))
     return table
 
 
