@@ -408,3 +408,18 @@ def test_the_plots_legends_hide_no_point_and_trials_are_whole_numbers(tmp_path):
     ]
     ticks = history(analysis).axes[0].get_xticks()
     assert len(ticks) > 1 and all(float(t).is_integer() for t in ticks)
+
+
+def test_the_history_does_not_call_one_lucky_trial_the_best_and_the_front_is_named(tmp_path):
+    """The history's line is the highest single measurement (a lucky one can lead it)
+    while the report's best is a median: it was labelled "best so far". The Pareto
+    front's points did not say which trials they were."""
+    from overlapkit.tuning.plots import history, pareto
+
+    analysis = study_of(PLANTED[:4], repeats=2)
+    labels = [t.get_text() for t in history(analysis).axes[0].get_legend().get_texts()]
+    assert labels == ["trial", "highest single trial so far"]
+    analysis.objectives = ["throughput", "goodput"]
+    front = analysis.pareto()
+    texts = [t.get_text() for t in pareto(analysis).axes[0].texts]
+    assert front and texts == [f"#{m.number}" for m in front]
