@@ -126,3 +126,26 @@ def test_the_hardware_line_names_machines_gpus_and_versions():
     typed = {"nodes": [{**cpu, "node_type": "gpu_4x_v100"}]}
     assert hardware_label(typed).startswith("1 machine (gpu_4x_v100), 2 cores")
     assert hardware_label(None) == "unknown hardware"
+
+
+def test_the_plot_puts_every_study_s_levels_in_order_and_names_mixed_metrics(tmp_path, monkeypatch):
+    """Levels drawn as text went in the order first drawn: a second study's 0.25 and
+    0.75 after the first's 1.0, its curve zigzagging; and a goodput study was labelled
+    with the first study's throughput."""
+    from overlapkit.tuning import compare
+
+    figures = []
+    monkeypatch.setattr(compare, "save_figure", lambda fig, path: figures.append(fig) or path)
+    studies = [
+        {"label": "coarse", "hardware": "A", "metric": "throughput",
+         "curves": {"ddp_overlap": [(0.0, 10.0), (0.5, 20.0), (1.0, 15.0)]}},
+        {"label": "fine", "hardware": "B", "metric": "goodput",
+         "curves": {"ddp_overlap": [(0.0, 1.0), (0.25, 2.0), (0.5, 3.0), (0.75, 4.0), (1.0, 5.0)]}},
+    ]  # fmt: skip
+    compare._plot({"studies": studies, "optimizations": ["ddp_overlap"]}, tmp_path / "c.png")
+    ax = figures[0].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.0", "0.25", "0.5", "0.75", "1.0"]
+    coarse, fine = ax.get_lines()
+    assert list(coarse.get_xdata()) == [0, 2, 4] and list(fine.get_xdata()) == [0, 1, 2, 3, 4]
+    assert ax.get_ylabel() == "each study's metric, share of the study's peak"
+    assert fine.get_label().startswith("fine (goodput)")

@@ -104,3 +104,24 @@ def test_a_summary_without_phases_shows_them_as_not_measured(two_runs, tmp_path)
     assert set(second["phases_ms"].values()) == {None}
     table = cli_here("compare", checkpointed, bare, "--out", tmp_path / "d").stdout
     assert "n/a" in table.split("ckpt_stall ms")[1].splitlines()[0]
+
+
+def test_at_80_columns_the_row_names_stay_whole_and_the_run_names_fold(two_runs, tmp_path):
+    """Three runs in folders named as `run` names them: rich narrowed every column
+    alike, cutting the row names mid-word ("communicat / ion efficiency")."""
+    import shutil
+
+    from rich.console import Console
+
+    from overlapkit.compare_runs import compare_document, comparison_table
+
+    folders = []
+    for i, run in enumerate((*two_runs, two_runs[0])):
+        folders.append(tmp_path / f"quickstart-20250611-10150{i}")
+        shutil.copytree(run, folders[-1])
+    console = Console(width=80, record=True)
+    console.print(comparison_table(compare_document(folders), console.width))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    for name in ("communication efficiency", "checkpoint: checkpoints", "comm_exposed ms"):
+        assert any(name in line for line in lines), name

@@ -436,3 +436,18 @@ def test_a_study_keeps_its_colour_in_every_compare_plot(tmp_path, monkeypatch):
     colour = lambda line: colors.to_hex(line.get_color())  # noqa: E731
     assert [colour(line) for line in ddp.lines] == [colors.to_hex("C0"), colors.to_hex("C1")]
     assert [colour(line) for line in prefetch.lines] == [colors.to_hex("C1")]
+
+
+def test_the_history_does_not_call_one_lucky_trial_the_best_and_the_front_is_named(tmp_path):
+    """The history's line is the highest single measurement (a lucky one can lead it)
+    while the report's best is a median: it was labelled "best so far". The Pareto
+    front's points did not say which trials they were."""
+    from overlapkit.tuning.plots import history, pareto
+
+    analysis = study_of(PLANTED[:4], repeats=2)
+    labels = [t.get_text() for t in history(analysis).axes[0].get_legend().get_texts()]
+    assert labels == ["trial", "highest single trial so far"]
+    analysis.objectives = ["throughput", "goodput"]
+    front = analysis.pareto()
+    texts = [t.get_text() for t in pareto(analysis).axes[0].texts]
+    assert front and texts == [f"#{m.number}" for m in front]

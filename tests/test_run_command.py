@@ -205,3 +205,30 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
     )
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed at step {newest['step']}" in resumed.stderr
+
+
+def test_the_summary_tables_read_at_80_columns(tiny_scenario, tmp_path):
+    """The phases' title broke after "(mean" over the narrow table, and the settings
+    showed stall_s_mean=0.018160840000443084 and bytes_written=44040192."""
+    from rich.console import Console
+
+    from conftest import run_cli
+    from overlapkit.runtime.report import summary_tables
+
+    done = run_cli(
+        "run", tiny_scenario(), "--quiet", "--out", tmp_path / "r",
+        "--set", "optimizations.checkpoint.every=2",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    console = Console(record=True, width=80)
+    for table in summary_tables(summary):
+        console.print(table)
+    text = console.export_text()
+    assert "where each step's time went" in text and "ms per step" in text
+    titled = [line.strip() for line in text.splitlines() if "time went" in line]
+    assert titled == ["where each step's time went"]  # on one line of its own
+    checkpoint = summary["optimizations"]["checkpoint"]
+    stall, written = checkpoint["stall_s_mean"], checkpoint["bytes_written"]
+    assert f"stall_s_mean={stall:.3g}" in text and str(stall) not in text
+    assert f"bytes_written={written / 2**20:.1f} MiB" in text

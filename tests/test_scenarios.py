@@ -314,3 +314,35 @@ def test_optimizations_that_cannot_run_together_are_not_both_searched():
     assert "cannot run beside" in left_out["pipeline"] and "2 replicas" in left_out["pipeline"]
     four = load_scenario(ROOT / "scenarios" / "quickstart.yaml", ["world.nprocs=4"])
     assert {"ddp_overlap", "pipeline"} <= set(four.applicable_optimizations()[0])
+
+
+def test_list_at_80_columns_shows_every_knob_name_whole():
+    """As nine columns, rich cut the names at 80 columns ("max_ov…", "bucke…")."""
+    from rich.console import Console
+
+    from overlapkit.cli import _catalogue, _print_catalogue
+
+    catalogue = _catalogue()
+    console = Console(width=80, record=True)
+    _print_catalogue(console, catalogue)
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    cells = {c.strip() for line in text.splitlines() for c in line.split("│")}
+    for entry in catalogue["optimizations"]:
+        for knob in entry["knobs"]:
+            assert knob["name"] in cells, knob["name"]
+    # What each intensity sets: one row per level, the knobs it maps as columns.
+    buckets = next(line for line in text.splitlines() if line.startswith("│ @0.5 "))
+    assert "…" not in text and buckets
+
+
+def test_check_shows_a_search_of_the_intensity_not_a_blank():
+    """[intensity] read as rich markup: `search.ddp_overlap` showed an empty value."""
+    from rich.console import Console
+
+    from overlapkit.cli import _describe_scenario
+
+    console = Console(width=80, record=True)
+    console.print(_describe_scenario(load_scenario(Path(ROOT) / "scenarios/tune-contend.yaml")))
+    line = next(x for x in console.export_text().splitlines() if "search.ddp_overlap" in x)
+    assert "[intensity]" in line

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
 
 from . import __version__
@@ -271,7 +273,8 @@ def _describe_scenario(scenario: Scenario) -> Table:
     for section, rows in describe(scenario):
         table.add_row(f"[bold]{section}[/]", "", end_section=False)
         for key, value in rows:
-            table.add_row(f"  {key}", value)
+            # escaped: rich read a value such as [intensity] as markup and showed nothing
+            table.add_row(f"  {escape(key)}", escape(value))
     return table
 
 
@@ -302,13 +305,14 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
             title=f"{entry['name']}: {entry['doc']}  (resources: {', '.join(entry['resources'])}; "
             f"runs on {' and '.join(entry['frameworks'])})"
         )
-        table.add_column("knob")
+        # The knobs, then what each intensity sets in a table of its own: as nine columns
+        # at 80 columns, rich cut the knob names ("max_ov…", "bucke…").
+        table.add_column("knob", no_wrap=True)
         table.add_column("type")
-        table.add_column("range / choices")
-        table.add_column("default")
+        table.add_column("range / choices", overflow="fold")
+        table.add_column("default", overflow="fold")
         points = [p for p in ("0", *map(str, INTENSITY_POINTS)) if p in entry["intensity_mapping"]]
-        for point in points:
-            table.add_column(f"@{float(point):g}", justify="right")
+        mapped = []
         for knob in entry["knobs"]:
             if "choices" in knob:
                 span = "|".join(map(str, knob["choices"]))
@@ -319,15 +323,29 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
             else:
                 span = ""
             values = [entry["intensity_mapping"][p][knob["name"]] for p in points]
-            cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in values]
-            name = knob["name"] + (
+            if any(v != knob["default"] for v in values):
+                mapped.append((knob["name"], values))
+            kind = knob["type"] + (
                 f" ({', '.join(knob['frameworks'])})" if "frameworks" in knob else ""
             )
-            table.add_row(name, knob["type"], span, str(knob["default"]), *cells)
+            table.add_row(knob["name"], kind, span, str(knob["default"]))
         console.print(table)
+        if mapped:
+            title = f"{entry['name']}: what each intensity sets"
+            by_intensity = Table(title=title, min_width=len(title))  # the title on one line
+            by_intensity.add_column("intensity")
+            for name, _ in mapped:
+                by_intensity.add_column(name, justify="right")
+            for i, point in enumerate(points):
+                cells = [v[i] for _, v in mapped]
+                by_intensity.add_row(
+                    f"@{float(point):g}",
+                    *(f"{v:.3g}" if isinstance(v, float) else str(v) for v in cells),
+                )
+            console.print(by_intensity)
     console.print(
-        "intensity 0 turns an optimization off, unless an @0 column shows a mode of its own; "
-        "knobs set explicitly override the mapping"
+        "intensity 0 turns an optimization off, unless an @0 row shows a mode of its own; "
+        "a knob no intensity sets keeps its default; knobs set explicitly override the mapping"
     )
     console.print(f"models: {', '.join(catalogue['models'])}")
     console.print(f"data: {', '.join(catalogue['data'])}")
@@ -337,9 +355,9 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
         for knob in knobs:
             span = f" {knob['range'][0]}..{knob['range'][1]}" if "range" in knob else ""
             default = "unset" if knob["default"] is None else knob["default"]
-            console.print(
-                f"    {knob['name']} ({knob['type']}{span}, default {default}): {knob['help']}"
-            )
+            console.print(f"    {knob['name']} ({knob['type']}{span}, default {default}):")
+            # Indented under its knob: as one line it wrapped back to column 0.
+            console.print(Padding(knob["help"], (0, 0, 0, 6)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -517,7 +535,7 @@ def _command(
         if args.json:
             print(json.dumps(document, indent=2))
         else:
-            console.print(comparison_table(document))
+            console.print(comparison_table(document, console.width))
             console.print(f"phases: {files['plot']}  (also {files['json'].name})", highlight=False)
         return 0
     if args.command == "run" and args.ray and (args.node_rank, args.master) != (None, None):

@@ -141,15 +141,14 @@ def _labels(folders: list[Path]) -> list[str]:
     ]
 
 
-def comparison_table(document: dict[str, Any]) -> Table:
+def comparison_table(document: dict[str, Any], width: int = 80) -> Table:
+    """The runs side by side, for a terminal ``width`` columns wide."""
     runs = document["runs"]
     table = Table(title="runs side by side", show_lines=False)
-    table.add_column("", overflow="fold")
-    for run in runs:
-        table.add_column(run["label"], justify="right", overflow="fold")
+    rows: list[tuple[str, list[str]]] = []
 
     def row(label: str, cells: list[str]) -> None:
-        table.add_row(label, *cells)
+        rows.append((label, cells))
 
     row("scenario", [str(r["name"]) for r in runs])
     row("framework, ranks", [f"{r['framework']}, {r['world_size']}" for r in runs])
@@ -169,6 +168,15 @@ def comparison_table(document: dict[str, Any]) -> Table:
                 section = r["optimizations"].get(name)
                 cells.append("off" if section is None else _value(section.get(figure)))
             row(f"{name}: {figure}", cells)
+    # The row names stay whole where the figures fit beside them, and the long run
+    # names fold; else rich narrows every column alike ("communicat / ion efficiency").
+    names_width = max(len(label) for label, _ in rows) + 3
+    figures_width = sum(max(len(cells[i]) for _, cells in rows) + 3 for i in range(len(runs)))
+    table.add_column("", overflow="fold", no_wrap=names_width + figures_width + 1 <= width)
+    for run in runs:
+        table.add_column(run["label"], justify="right", overflow="fold")
+    for label, cells in rows:
+        table.add_row(label, *cells)
     sampled = [r["label"] for r in runs if r["phases_profiled_steps"]]
     if sampled:
         table.caption = (

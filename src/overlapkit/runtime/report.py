@@ -107,9 +107,10 @@ def summary_tables(summary: dict[str, Any]) -> list[Table]:
             f"in {result['time_s']:.2f} s",
         )
 
-    phases = Table(title="where each step's time went (mean per step, all ranks)")
+    # Short enough not to wrap over the narrow table (it broke after "(mean").
+    phases = Table(title="where each step's time went", caption="mean over all ranks")
     phases.add_column("phase")
-    phases.add_column("ms", justify="right")
+    phases.add_column("ms per step", justify="right")
     phases.add_column("share", justify="right")
     measured = {p: s for p, s in summary["phases_s"].items() if s is not None}
     # TensorFlow's compiled step, where no profile split it into its phases.
@@ -133,7 +134,7 @@ def summary_tables(summary: dict[str, Any]) -> list[Table]:
         opts.add_column("settings")
         for name, section in summary["optimizations"].items():
             flat = {k: v for k, v in section.items() if not isinstance(v, (dict, list))}
-            opts.add_row(name, ", ".join(f"{k}={v}" for k, v in flat.items()))
+            opts.add_row(name, ", ".join(f"{k}={_setting(k, v)}" for k, v in flat.items()))
             for note in section.get("notes", []):
                 opts.add_row("", f"note: {note}")
         tables.append(opts)
@@ -147,6 +148,16 @@ def summary_tables(summary: dict[str, Any]) -> list[Table]:
                     table.add_row(*map(str, row))
                 tables.append(table)
     return tables
+
+
+def _setting(key: str, value: Any) -> str:
+    """A setting or figure as a person reads it: 0.0182, not 0.018160840000443084;
+    42.0 MiB, not 44040192 (bytes)."""
+    if "bytes" in key and isinstance(value, int) and not isinstance(value, bool):
+        return f"{value / 2**20:.1f} MiB" if value >= 2**20 else f"{value} B"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
 
 
 def _or_not_measured(value: float | None, form: str) -> str:

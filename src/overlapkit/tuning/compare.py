@@ -17,7 +17,8 @@ from rich.table import Table
 
 from ..folders import new_stamped
 from .analysis import Analysis, stops_paying
-from .plots import legend_below, plt, save_figure
+from .plots import legend_below, ordered_levels, plt, save_figure
+from .space import short_setting
 
 
 def compare_command(targets: list[str], args: argparse.Namespace, console: Console) -> int:
@@ -100,16 +101,20 @@ def comparison_table(document: dict[str, Any]) -> Table:
     table.add_column("")
     for study in studies:
         table.add_column(study["label"], overflow="fold")
-    metric = studies[0]["metric"]
+    metrics = {s["metric"] for s in studies}
+    # Studies of different objectives: each figure names its own (a goodput study's
+    # best read as throughput).
+    unit = (lambda s: "") if len(metrics) == 1 else (lambda s: f" {s['metric']}")
+    metric = metrics.pop() if len(metrics) == 1 else "(each study's metric)"
 
     def row(label: str, cell) -> None:
         table.add_row(label, *(cell(s) for s in studies))
 
     row("hardware", lambda s: s["hardware"])
     row("trials", lambda s: str(s["trials"]))
-    row(f"best {metric}", lambda s: _num(s["best"]["value"]) if s["best"] else "-")
-    row("best setting", lambda s: _setting(s["best"]["params"]) if s["best"] else "-")
-    row("naive (all at full)", lambda s: _num(s["naive"]))
+    row(f"best {metric}", lambda s: _num(s["best"]["value"]) + unit(s) if s["best"] else "-")
+    row("best setting", lambda s: short_setting(s["best"]["params"]) if s["best"] else "-")
+    row("naive (all at full)", lambda s: _num(s["naive"]) + unit(s))
     row("tuned vs naive", lambda s: _times(s["tuned_vs_naive"]))
     row("tuned vs baseline", lambda s: _times(s["tuned_vs_baseline"]))
     for name in document["optimizations"]:
@@ -173,26 +178,35 @@ def _plot(document: dict[str, Any], path: Path) -> Path | None:
     ]
     if not names:
         return None
+    metrics = {s["metric"] for s in document["studies"]}
     fig, axes = plt.subplots(1, len(names), figsize=(4.4 * len(names), 3.6), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
-        for index, study in enumerate(document["studies"]):
-            curve = study["curves"].get(name) or []
+        # One axis of every study's levels in order: as text, matplotlib put them in the
+        # order first drawn (a second study's 0.25 after the first's 1.0).
+        curves = [s["curves"].get(name) or [] for s in document["studies"]]
+        levels = ordered_levels([x for curve in curves for x, _ in curve])
+        where = {level: i for i, level in enumerate(levels)}
+        for index, (study, curve) in enumerate(zip(document["studies"], curves, strict=True)):
             if not curve:
                 continue
             peak = max(y for _, y in curve) or 1.0
+            curve = sorted(curve, key=lambda point: where[point[0]])
+            metric = f" ({study['metric']})" if len(metrics) > 1 else ""
             ax.plot(
-                [str(x) for x, _ in curve],
+                [where[x] for x, _ in curve],
                 [y / peak for _, y in curve],
                 "o-",
                 color=f"C{index}",  # a study's colour in every plot: one legend for all
-                label=f"{study['label']}: {study['hardware'].split(';')[0]}",
+                label=f"{study['label']}{metric}: {study['hardware'].split(';')[0]}",
             )
+        ax.set_xticks(range(len(levels)), [str(level) for level in levels])
         ax.set_title(name)
         knobs = {s.get("levels", {}).get(name) for s in document["studies"]} - {None}
         knob = knobs.pop().removeprefix(f"{name}.") if len(knobs) == 1 else "level"
         ax.set_xlabel(f"{knob} (the others at the search's best)")
         ax.set_ylim(0, 1.05)
-    axes[0][0].set_ylabel(f"{document['studies'][0]['metric']}, share of the study's peak")
+    metric = metrics.pop() if len(metrics) == 1 else "each study's metric"
+    axes[0][0].set_ylabel(f"{metric}, share of the study's peak")
     fig.tight_layout()
     legend_below(fig, axes[0])
     return save_figure(fig, path)

@@ -78,7 +78,7 @@ def overview(rows: list[dict[str, Any]], metric: str) -> Any:
             va="center",
             fontsize=8,
         )
-    ax.set_xlabel(f"{metric} (samples/s): median, bar = range of the repeats")
+    ax.set_xlabel(f"{metric} (samples/s): median, error bar = range of the repeats")
     # Every row at 0 (goodput priced at an MTBF far below the job): an axis of its own,
     # where (0, 0) would make matplotlib warn on the user's terminal.
     ax.set_xlim(0, max(r["high"] for r in rows) * 1.3 or 1.0)
@@ -141,7 +141,8 @@ def history(analysis: Analysis) -> Any:
     values = [m.value(analysis.metric) for m in ordered]
     ax.plot([m.number for m in ordered], values, "o", label="trial", alpha=0.6)
     best_so_far = [max(values[: i + 1]) for i in range(len(values))]
-    ax.plot([m.number for m in ordered], best_so_far, "-", label="best so far")
+    # One lucky measurement, not the report's best (a median of repeats): said so.
+    ax.plot([m.number for m in ordered], best_so_far, "-", label="highest single trial so far")
     ax.set_xlabel("trial")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(f"{analysis.metric} (samples/s)")
@@ -153,7 +154,7 @@ def importances(values: dict[str, float]) -> Any:
     fig, ax = plt.subplots(figsize=(6, 0.5 + 0.4 * len(values)))
     names = list(values)[::-1]
     ax.barh(names, [values[n] for n in names])
-    ax.set_xlabel("importance")
+    ax.set_xlabel("importance (share of the total: the knobs' bars sum to 1)")
     return fig
 
 
@@ -174,6 +175,15 @@ def pareto(analysis: Analysis) -> Any:
         color="red",
         label="Pareto front",
     )
+    for m in front:  # which trial each choice is (its setting: report.md)
+        ax.annotate(
+            f"#{m.number}",
+            (m.throughput, m.goodput),
+            xytext=(4, 4),
+            textcoords="offset points",
+            fontsize=7,
+        )
+    ax.margins(0.12)  # room for the trial numbers inside the axes
     ax.set_xlabel("throughput (samples/s)")
     ax.set_ylabel("goodput (samples/s)")
     ax.legend(fontsize=7)
