@@ -65,7 +65,7 @@ def checkpoint_root(folder: Path) -> Path:
         )
     except (OSError, yaml.YAMLError, AttributeError):
         pass  # a script's folder, or none: the default place
-    root = folder / directory
+    root = folder / Path(str(directory)).expanduser()  # as the run: absolute stays so
     if not (root / MANIFEST).is_file():
         raise ExportError(
             f"{folder} holds no checkpoint ({root / MANIFEST} is missing): export reads a "
