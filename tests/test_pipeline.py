@@ -550,13 +550,28 @@ def test_pipedream_checkfreq_scenario_checkpoints_each_stage_and_resumes(tmp_pat
     assert torch.equal(state["head.2.weight"], last["layers.head.2.weight"])
     assert torch.equal(state["layer3.0.conv1.weight"], last["layers.layer3_0.conv1.weight"])
     # A machine without a shared file system holds only its own stages: not a model.
+    # The second machine's (rank 1: stage 1) moved where run --ray puts it on the driver.
     manifest = json.loads((alone / "manifest.json").read_text())
-    for entry in manifest["checkpoints"]:
-        del entry["files"]["stage001.ckpt"]
+    theirs = json.loads(json.dumps(manifest))
+    other = alone.parent / "nodes" / "node1" / "checkpoints"
+    for mine, entry in zip(manifest["checkpoints"], theirs["checkpoints"], strict=True):
+        moved = ("stage001.ckpt", "rank00001.ckpt")
+        entry["files"] = {name: mine["files"].pop(name) for name in moved}
+        (other / f"step-{entry['step']:08d}").mkdir(parents=True)
+        for name in moved:
+            shutil.move(
+                alone / f"step-{entry['step']:08d}" / name, other / f"step-{entry['step']:08d}"
+            )
     (alone / "manifest.json").write_text(json.dumps(manifest))
     partial = run_cli("export", alone, "--to", tmp_path / "partial.pt")
+    (other / "manifest.json").write_text(json.dumps(theirs))
     assert partial.returncode == 2 and "holds 1 of the pipeline's 2 stage files" in partial.stderr
     assert not (tmp_path / "partial.pt").exists()
+    # With the other machine's folder under nodes/, as run --ray leaves it: the model.
+    spread = run_cli("export", alone.parent, "--to", tmp_path / "spread.pt")
+    assert spread.returncode == 0, spread.stderr
+    again = torch.load(tmp_path / "spread.pt")
+    assert again.keys() == state.keys() and all(torch.equal(again[k], state[k]) for k in state)
 
 
 @pytest.mark.slow

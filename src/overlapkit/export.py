@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from .optimizations.checkpoint.store import Manifest, load_state, verify
+from .optimizations.checkpoint.store import CheckpointError, Manifest, load_state, verify
 from .optimizations.pipeline.optimization import PARTITION_FILE
 from .runtime.checkpoint_folder import MANIFEST
 
@@ -86,44 +86,77 @@ def export_model(folder: Path, step: int | None = None, to: Path | None = None) 
             raise ExportError(f"{root} holds no checkpoint at step {step} (it holds: {listed})")
     problems = []
     for entry in entries:
-        files = model_files(entry)
-        problem = verify(root, entry, files) if files else "it holds no model"
-        if problem is None:
-            state, framework = _model_state(root, entry, files)
+        held = _held_files(root, entry)
+        files = model_files(held)
+        problem = next((p for f in files if (p := held[f].problem())), None)
+        if problem is None and files:
+            state, framework = _model_state(root, entry["step"], [held[f] for f in files], held)
             target = to or _default_path(folder, root, entry["step"], framework)
             return _write(state, framework, target, entry["step"], problems)
-        problems.append(f"step {entry['step']}: {problem}")
+        problems.append(f"step {entry['step']}: {problem or 'it holds no model'}")
     raise ExportError(f"no intact checkpoint in {root}: {'; '.join(problems) or 'none listed'}")
 
 
-def model_files(entry: dict[str, Any]) -> list[str]:
+@dataclass(frozen=True)
+class Held:
+    """One file of a checkpoint step, in the checkpoint folder whose manifest lists it."""
+
+    root: Path
+    entry: dict[str, Any]
+    name: str
+
+    def problem(self) -> str | None:
+        return verify(self.root, self.entry, [self.name])
+
+    def load(self) -> Any:
+        return load_state(self.root, self.entry["step"], self.name)
+
+
+def _held_files(root: Path, entry: dict[str, Any]) -> dict[str, Held]:
+    """The files of step ``entry`` in ``root``, and those of the same step that the
+    other machines of a run over several (``--ray``: ``RUN_DIR/nodes/*``) hold: a
+    pipeline's stages are spread over them when they share no file system."""
+    held = {name: Held(root, entry, name) for name in entry["files"]}
+    for other in sorted((root.parent / "nodes").glob(f"*/{root.name}")):
+        try:
+            theirs = [e for e in Manifest(other).read() if e["step"] == entry["step"]]
+        except CheckpointError:
+            continue  # a damaged manifest there: its files are not verifiable
+        for name in theirs[0]["files"] if theirs else []:
+            held.setdefault(name, Held(other, theirs[0], name))
+    return held
+
+
+def model_files(held: dict[str, Held]) -> list[str]:
     """The files of a checkpoint that hold the model: the replicated one, or one per
     pipeline stage."""
-    names = sorted(entry["files"])
+    names = sorted(held)
     stages = [n for n in names if n.startswith(STAGE_PREFIX) and n.endswith(".ckpt")]
     return stages or [n for n in names if n == SHARED]
 
 
-def _model_state(root: Path, entry: dict[str, Any], files: list[str]) -> tuple[Any, str]:
-    models = [load_state(root, entry["step"], name).get("model") for name in files]
+def _model_state(
+    root: Path, step: int, files: list[Held], held: dict[str, Held]
+) -> tuple[Any, str]:
+    models = [file.load().get("model") for file in files]
     if any(model is None for model in models):
-        raise ExportError(f"the checkpoint at step {entry['step']} in {root} holds no model")
+        raise ExportError(f"the checkpoint at step {step} in {root} holds no model")
     if isinstance(models[0], list):  # TensorFlow: its variables, in model.variables order
         return models[0], "tensorflow"
-    if len(files) == 1 and files[0] == SHARED:
+    if len(files) == 1 and files[0].name == SHARED:
         return own_names(models[0]), "torch"
-    names, expected = _stage_layer_names(root, entry)
+    names, expected = _stage_layer_names(held)
     if len(files) < expected:
         raise ExportError(
-            f"the checkpoint at step {entry['step']} in {root} holds {len(files)} of the "
-            f"pipeline's {expected} stage files ({', '.join(files)}): without a shared file "
-            "system each machine keeps its own stages; copy the other machines' step folders "
-            "here (and their manifests' entries), then export"
+            f"the checkpoint at step {step} in {root} holds {len(files)} of the pipeline's "
+            f"{expected} stage files ({', '.join(f.name for f in files)}): without a shared "
+            "file system each machine keeps its own stages; copy the other machines' step "
+            "folders here (and their manifests' entries), then export"
         )
     names = names or _partition_layer_names(root)
     if not names:
         raise ExportError(
-            f"the checkpoint at step {entry['step']} in {root} does not name its pipeline "
+            f"the checkpoint at step {step} in {root} does not name its pipeline "
             "layers (written before overlapkit recorded them, and no pipeline-partition.json "
             "beside it): resume the run for one more checkpoint, then export"
         )
@@ -143,17 +176,16 @@ def own_names(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _stage_layer_names(root: Path, entry: dict[str, Any]) -> tuple[dict[str, str], int]:
+def _stage_layer_names(held: dict[str, Held]) -> tuple[dict[str, str], int]:
     """Each pipeline layer's name as its stage module names it (dots made underscores)
     -> the model's own name, from the ranks' files; and how many stage files the
     pipeline writes (0 where the files do not say)."""
     names: dict[str, str] = {}
     expected = 0
-    ranks = sorted(n for n in entry["files"] if n.startswith("rank"))
-    for name in ranks:
-        if verify(root, entry, [name]) is not None:
+    for name in sorted(n for n in held if n.startswith("rank")):
+        if held[name].problem() is not None:
             continue
-        pipeline = load_state(root, entry["step"], name).get("optimizations", {}).get("pipeline")
+        pipeline = held[name].load().get("optimizations", {}).get("pipeline")
         expected = max(expected, (pipeline or {}).get("stage_files", 0))
         for stage in (pipeline or {}).get("stages", []):
             for layer in stage:
