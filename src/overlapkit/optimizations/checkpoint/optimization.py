@@ -16,8 +16,6 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-import torch
-
 from ...folders import stamped, unused
 from ...runtime import (
     CombinationError,
@@ -254,16 +252,14 @@ class Checkpoint(Optimization):
         try:
             state.restore(saved)
         except (RuntimeError, ValueError) as error:
-            # torch's load_state_dict (missing keys, other shapes: RuntimeError; another
-            # optimizer's parameter groups: ValueError), not memory or a lost peer.
-            if isinstance(error, (torch.OutOfMemoryError, torch.distributed.DistError)):
-                raise
+            if not str(error).startswith(DOES_NOT_FIT):
+                raise  # memory, a lost peer, a loader's or a script's own object's say
             said = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
             raise CheckpointError(
                 f"the checkpoint at step {step} in {self.root} does not fit this run "
                 f"(checkpoints of another model or optimizer?): "
-                f"{textwrap.shorten(said, 400, placeholder=' ...')}. Start over with "
-                "checkpoint resume: false, or use another checkpoint folder"
+                f"{textwrap.shorten(said, 400, placeholder=' ...').rstrip('.')}. Start over "
+                "with checkpoint resume: false, or use another checkpoint folder"
             ) from None
         self.resumed_from = step
         state.resumed_from = str(step_dir(self.root, step))
@@ -553,6 +549,11 @@ def _deferrable_storages(state: State) -> set[int] | None:
         for group in other.param_groups:
             storages -= {p.untyped_storage().data_ptr() for p in group["params"]}
     return storages
+
+
+# How torch's load_state_dict says a checkpoint is of another model (missing keys,
+# other shapes: RuntimeError) or another optimizer (its parameter groups: ValueError).
+DOES_NOT_FIT = ("Error(s) in loading state_dict", "loaded state dict")
 
 
 def _check_folder(root: Path) -> None:
