@@ -112,3 +112,20 @@ def test_a_compiled_models_export_has_the_models_own_names(tmp_path):
     state = torch.load(tmp_path / "m.pt")
     assert sorted(state) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert torch.equal(state["2.weight"], model[2].weight)
+
+
+def test_a_fresh_ray_run_moves_aside_every_machines_checkpoints(tmp_path):
+    """A run --ray --fresh over 2 machines moved aside node 1's checkpoints but left
+    those of an earlier run over 3 (nodes/node2): an export would have taken that
+    run's stage files for this one's."""
+    from overlapkit.launch.ray_run import _move_aside
+
+    machines = [tmp_path, tmp_path / "nodes" / "node1", tmp_path / "nodes" / "node2"]
+    for folder in machines:
+        (folder / "checkpoints").mkdir(parents=True)
+    _move_aside(tmp_path, 2)
+    for folder in machines:
+        assert not (folder / "checkpoints").exists()
+        assert [p.name.startswith("checkpoints.old-") for p in folder.glob("checkpoints*")] == [
+            True
+        ]

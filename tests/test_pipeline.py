@@ -565,13 +565,24 @@ def test_pipedream_checkfreq_scenario_checkpoints_each_stage_and_resumes(tmp_pat
     (alone / "manifest.json").write_text(json.dumps(manifest))
     partial = run_cli("export", alone, "--to", tmp_path / "partial.pt")
     (other / "manifest.json").write_text(json.dumps(theirs))
-    assert partial.returncode == 2 and "holds 1 of the pipeline's 2 stage files" in partial.stderr
+    assert partial.returncode == 2 and "1 of the pipeline's 2 stage files" in partial.stderr
+    assert "nodes/NAME/checkpoints (run --ray leaves them there)" in partial.stderr
     assert not (tmp_path / "partial.pt").exists()
     # With the other machine's folder under nodes/, as run --ray leaves it: the model.
     spread = run_cli("export", alone.parent, "--to", tmp_path / "spread.pt")
     assert spread.returncode == 0, spread.stderr
     again = torch.load(tmp_path / "spread.pt")
     assert again.keys() == state.keys() and all(torch.equal(again[k], state[k]) for k in state)
+    # The other machine's copy one checkpoint behind (a run --ray stopped mid-copy): the
+    # newest step every machine holds, the newer one skipped and said.
+    *older, newest = theirs["checkpoints"]
+    theirs["checkpoints"] = older
+    (other / "manifest.json").write_text(json.dumps(theirs))
+    behind = run_cli("export", alone.parent, "--to", tmp_path / "behind.pt", "--json")
+    assert behind.returncode == 0, behind.stderr
+    done = json.loads(behind.stdout)
+    assert done["step"] == older[-1]["step"]
+    assert f"step {newest['step']}: 1 of the pipeline's 2 stage files" in done["skipped"][0]
 
 
 @pytest.mark.slow

@@ -32,6 +32,10 @@ class ExportError(ValueError):
     """The run's checkpoints cannot give the model (named in the message)."""
 
 
+class MissingStages(ExportError):
+    """A checkpoint step whose pipeline stages are not all here (another machine's)."""
+
+
 @dataclass
 class Exported:
     path: Path
@@ -86,15 +90,28 @@ def export_model(folder: Path, step: int | None = None, to: Path | None = None) 
             raise ExportError(f"{root} holds no checkpoint at step {step} (it holds: {listed})")
     problems = []
     for entry in entries:
-        held = _held_files(root, entry)
+        held, damaged = _held_files(root, entry)
         files = model_files(held)
         problem = next((p for f in files if (p := held[f].problem())), None)
         if problem is None and files:
-            state, framework = _model_state(root, entry["step"], [held[f] for f in files], held)
+            try:
+                state, framework = _model_state(root, entry["step"], [held[f] for f in files], held)
+            except MissingStages as missing:  # another machine's copy lacks this step
+                problems.append(f"step {entry['step']}: {missing}{damaged}")
+                continue
             target = to or _default_path(folder, root, entry["step"], framework)
             return _write(state, framework, target, entry["step"], problems)
         problems.append(f"step {entry['step']}: {problem or 'it holds no model'}")
-    raise ExportError(f"no intact checkpoint in {root}: {'; '.join(problems) or 'none listed'}")
+    raise ExportError(
+        f"no intact checkpoint in {root}: {'; '.join(problems) or 'none listed'}"
+        + (
+            ". Without a shared file system each machine keeps its own pipeline stages: "
+            f"put each other machine's checkpoint folder under {root.parent / 'nodes'}/NAME/"
+            f"{root.name} (run --ray leaves them there), then export"
+            if any("stage files" in problem for problem in problems)
+            else ""
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -112,19 +129,22 @@ class Held:
         return load_state(self.root, self.entry["step"], self.name)
 
 
-def _held_files(root: Path, entry: dict[str, Any]) -> dict[str, Held]:
+def _held_files(root: Path, entry: dict[str, Any]) -> tuple[dict[str, Held], str]:
     """The files of step ``entry`` in ``root``, and those of the same step that the
     other machines of a run over several (``--ray``: ``RUN_DIR/nodes/*``) hold: a
-    pipeline's stages are spread over them when they share no file system."""
+    pipeline's stages are spread over them when they share no file system. Also what
+    could not be read there (a damaged manifest: its files cannot be verified)."""
     held = {name: Held(root, entry, name) for name in entry["files"]}
+    damaged = ""
     for other in sorted((root.parent / "nodes").glob(f"*/{root.name}")):
         try:
             theirs = [e for e in Manifest(other).read() if e["step"] == entry["step"]]
         except CheckpointError:
-            continue  # a damaged manifest there: its files are not verifiable
+            damaged += f" ({other / MANIFEST} is damaged: its files were not used)"
+            continue
         for name in theirs[0]["files"] if theirs else []:
             held.setdefault(name, Held(other, theirs[0], name))
-    return held
+    return held, damaged
 
 
 def model_files(held: dict[str, Held]) -> list[str]:
@@ -147,11 +167,9 @@ def _model_state(
         return own_names(models[0]), "torch"
     names, expected = _stage_layer_names(held)
     if len(files) < expected:
-        raise ExportError(
-            f"the checkpoint at step {step} in {root} holds {len(files)} of the pipeline's "
-            f"{expected} stage files ({', '.join(f.name for f in files)}): without a shared "
-            "file system each machine keeps its own stages; copy the other machines' step "
-            "folders here (and their manifests' entries), then export"
+        raise MissingStages(
+            f"{len(files)} of the pipeline's {expected} stage files found "
+            f"({', '.join(f.name for f in files)}) here and under {root.parent / 'nodes'}"
         )
     names = names or _partition_layer_names(root)
     if not names:

@@ -21,6 +21,7 @@ from ..scenarios import Scenario, dump_scenario
 from .interrupt import RunInterrupted
 from .ray_nodes import (
     CHECKPOINTS,
+    NODE_FOLDERS,
     RayClusterError,
     connect,
     machine_folder,
@@ -139,9 +140,11 @@ def _earlier_folders(run_dir: Path, nodes: int) -> dict[int, Path]:
 
 
 def _move_aside(run_dir: Path, nodes: int) -> None:
-    """A fresh start into a folder with checkpoints keeps them, beside the new ones."""
-    for k in range(nodes):
-        folder = machine_folder(run_dir, k)
+    """A fresh start into a folder with checkpoints keeps them, beside the new ones:
+    every machine's, those of an earlier run over more machines too (an export would
+    take their stages for this run's)."""
+    earlier = sorted(p for p in (run_dir / NODE_FOLDERS).glob("*") if p.is_dir())
+    for folder in dict.fromkeys([*(machine_folder(run_dir, k) for k in range(nodes)), *earlier]):
         if (folder / "checkpoints").is_dir():
             (folder / "checkpoints").rename(unused(stamped(folder, "checkpoints.old")))
 
