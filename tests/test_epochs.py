@@ -758,7 +758,6 @@ def test_prefetch_over_a_loader_without_workers_advises_what_keeps_its_draws():
     assert any("has 0 workers, prefetch loads with 4" in note for note in notes), notes
     assert not any("workers=0) keeps" in note for note in notes), notes
     assert any("only intensity 0 keeps its draws" in note for note in notes), notes
-    assert run(get_optimization("prefetch")(1.0, workers=0))[0] != plain  # the old advice
     assert run(get_optimization("prefetch")(0.0))[0] == plain
 
 

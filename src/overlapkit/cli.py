@@ -357,7 +357,7 @@ def _print_catalogue(console: Console, catalogue: dict[str, Any]) -> None:
             default = "unset" if knob["default"] is None else knob["default"]
             console.print(f"    {knob['name']} ({knob['type']}{span}, default {default}):")
             # Indented under its knob: as one line it wrapped back to column 0.
-            console.print(Padding(knob["help"], (0, 0, 0, 6)))
+            console.print(Padding(knob["help"], (0, 0, 0, 6), expand=False))
 
 
 def main(argv: list[str] | None = None) -> int:
