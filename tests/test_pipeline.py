@@ -315,18 +315,19 @@ def test_batch_norm_statistics_are_those_of_the_microbatches_alone():
 
 @pytest.mark.slow
 @needs_runnable_torch
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
-def test_the_replicas_of_a_stage_hold_its_first_replicas_statistics(schedule):
+def test_the_replicas_of_a_stage_hold_its_first_replicas_statistics():
     """The flat all-reduce gives the replicas of a stage the first one's batch-norm
     statistics; deferred to the next forward (as DDP does for a script's model), they
     never arrived under pipeline: several stages on a rank are called one by one, not
     as the list the hook was on, and torch's set-up forward at the evaluation put each
     rank's own back. The replicas then evaluated with their own statistics."""
-    results = launch_local(pipeline_replica_buffers, 4, schedule)
-    for stage_ranks in ((0, 1), (2, 3)):  # pp rank 0: ranks 0, 1; pp rank 1: 2, 3
-        first, other = (results[r] for r in stage_ranks)
-        assert first and first.keys() == other.keys()
-        assert all(torch.equal(first[k], other[k]) for k in first)
+    schedules = ["gpipe", "interleaved_1f1b"]
+    results = launch_local(pipeline_replica_buffers, 4, schedules)
+    for schedule in schedules:
+        for stage_ranks in ((0, 1), (2, 3)):  # pp rank 0: ranks 0, 1; pp rank 1: 2, 3
+            first, other = (results[r][schedule] for r in stage_ranks)
+            assert first and first.keys() == other.keys()
+            assert all(torch.equal(first[k], other[k]) for k in first), schedule
 
 
 @pytest.mark.slow

@@ -499,33 +499,35 @@ def pipeline_batchnorm(evaluate: bool) -> dict[str, Any]:
         torch.distributed.destroy_process_group()
 
 
-def pipeline_replica_buffers(schedule: str) -> dict[str, torch.Tensor]:
-    """The batch-norm MLP in 2 stages, each with 2 replicas (4 ranks), ``schedule``
-    (with several stages per rank when it interleaves): 2 steps, then an evaluation;
-    returns this rank's buffers after it (before `finish`)."""
+def pipeline_replica_buffers(schedules: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """The batch-norm MLP in 2 stages, each with 2 replicas (4 ranks), under each of
+    ``schedules`` (with several stages per rank when it interleaves): 2 steps, then an
+    evaluation; returns this rank's buffers after it (before `finish`), by schedule."""
     world = init_world("cpu", "gloo")
+    results = {}
     try:
-        seed_everything(0)
-        model = batchnorm_mlp()
-        per_rank = {"stages_per_rank": 2} if schedule == "interleaved_1f1b" else {}
-        pipe = get_optimization("pipeline")(
-            stages=2, microbatches=4, schedule=schedule, split="equal", **per_rank
-        )
-        session = Session([pipe], world=world, device="cpu")
-        shard, shards = session.data_shard
-        dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=512, seed=0)
-        loader = ResumableLoader(dataset, 16, ShardedSampler(len(dataset), shard, shards))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        model, optimizer, _ = session.prepare(model, optimizer, loader)
-        for inputs, targets in session.steps(2):
-            session.forward_backward(inputs, targets, nn.functional.cross_entropy)
-            session.optimizer_step()
-            session.end_step()
-        eval_set = SyntheticImages(SHAPE, num_classes=4, num_samples=32, seed=1)
-        session.evaluate(torch.utils.data.DataLoader(eval_set, batch_size=16))
-        buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
-        session.finish()
-        return buffers
+        for schedule in schedules:
+            seed_everything(0)
+            model = batchnorm_mlp()
+            per_rank = {"stages_per_rank": 2} if schedule == "interleaved_1f1b" else {}
+            pipe = get_optimization("pipeline")(
+                stages=2, microbatches=4, schedule=schedule, split="equal", **per_rank
+            )
+            session = Session([pipe], world=world, device="cpu")
+            shard, shards = session.data_shard
+            dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=512, seed=0)
+            loader = ResumableLoader(dataset, 16, ShardedSampler(len(dataset), shard, shards))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            model, optimizer, _ = session.prepare(model, optimizer, loader)
+            for inputs, targets in session.steps(2):
+                session.forward_backward(inputs, targets, nn.functional.cross_entropy)
+                session.optimizer_step()
+                session.end_step()
+            eval_set = SyntheticImages(SHAPE, num_classes=4, num_samples=32, seed=1)
+            session.evaluate(torch.utils.data.DataLoader(eval_set, batch_size=16))
+            results[schedule] = {k: v.detach().clone() for k, v in model.named_buffers()}
+            session.finish()
+        return results
     finally:
         torch.distributed.destroy_process_group()
 
