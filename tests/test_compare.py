@@ -149,3 +149,23 @@ def test_the_plot_puts_every_study_s_levels_in_order_and_names_mixed_metrics(tmp
     assert list(coarse.get_xdata()) == [0, 2, 4] and list(fine.get_xdata()) == [0, 1, 2, 3, 4]
     assert ax.get_ylabel() == "each study's metric, share of the study's peak"
     assert fine.get_label().startswith("fine (goodput)")
+
+
+def test_the_markdown_names_each_studys_metric_when_they_differ():
+    """compare.md gave a goodput study's best under 'best' beside a throughput study's,
+    unlabelled (the terminal's table named them), and the terminal appended the
+    metric to 'not measured'."""
+    from overlapkit.tuning import compare
+
+    def study(label, metric, naive):
+        return {
+            "label": label, "hardware": "cpu", "trials": 3, "metric": metric, "naive": naive,
+            "best": {"value": 12.0, "params": {"ddp_overlap.intensity": 0.5}},
+            "tuned_vs_naive": None, "tuned_vs_baseline": None, "contention_points": {},
+        }  # fmt: skip
+
+    document = {"studies": [study("a", "throughput", 10.0), study("b", "goodput", None)]}
+    document["optimizations"] = []
+    text = compare._markdown(document, plot=False)
+    assert "| best (each study's metric) | 12.0 throughput | 12.0 goodput |" in text
+    assert "| naive (all at full) | 10.0 throughput | not measured |" in text

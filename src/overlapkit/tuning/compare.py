@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,20 +102,16 @@ def comparison_table(document: dict[str, Any]) -> Table:
     table.add_column("")
     for study in studies:
         table.add_column(study["label"], overflow="fold")
-    metrics = {s["metric"] for s in studies}
-    # Studies of different objectives: each figure names its own (a goodput study's
-    # best read as throughput).
-    unit = (lambda s: "") if len(metrics) == 1 else (lambda s: f" {s['metric']}")
-    metric = metrics.pop() if len(metrics) == 1 else "(each study's metric)"
+    metric, figure = _figures(studies)
 
     def row(label: str, cell) -> None:
         table.add_row(label, *(cell(s) for s in studies))
 
     row("hardware", lambda s: s["hardware"])
     row("trials", lambda s: str(s["trials"]))
-    row(f"best {metric}", lambda s: _num(s["best"]["value"]) + unit(s) if s["best"] else "-")
+    row(f"best {metric}", lambda s: figure(s, s["best"]["value"]) if s["best"] else "-")
     row("best setting", lambda s: short_setting(s["best"]["params"]) if s["best"] else "-")
-    row("naive (all at full)", lambda s: _num(s["naive"]) + unit(s))
+    row("naive (all at full)", lambda s: figure(s, s["naive"]))
     row("tuned vs naive", lambda s: _times(s["tuned_vs_naive"]))
     row("tuned vs baseline", lambda s: _times(s["tuned_vs_baseline"]))
     for name in document["optimizations"]:
@@ -138,8 +135,21 @@ def write_comparison(
     return files
 
 
+def _figures(studies: list[dict[str, Any]]) -> tuple[str, Callable[[dict[str, Any], Any], str]]:
+    """(the metric the figures are of, how a study's figure reads): studies of different
+    objectives name each figure's own (a goodput study's best read as throughput)."""
+    metrics = {s["metric"] for s in studies}
+    if len(metrics) == 1:
+        return metrics.pop(), lambda study, value: _num(value)
+    return (
+        "(each study's metric)",
+        lambda study, value: _num(value) + (f" {study['metric']}" if value is not None else ""),
+    )
+
+
 def _markdown(document: dict[str, Any], plot: bool) -> str:
     studies = document["studies"]
+    metric, figure = _figures(studies)
     head = "| | " + " | ".join(s["label"] for s in studies) + " |"
     lines = [
         "# Studies side by side",
@@ -154,9 +164,9 @@ def _markdown(document: dict[str, Any], plot: bool) -> str:
     cells = {
         "hardware": [s["hardware"] for s in studies],
         "trials": [str(s["trials"]) for s in studies],
-        "best": [_num(s["best"]["value"]) if s["best"] else "-" for s in studies],
+        f"best {metric}": [figure(s, s["best"]["value"]) if s["best"] else "-" for s in studies],
         "best setting": [_setting(s["best"]["params"]) if s["best"] else "-" for s in studies],
-        "naive (all at full)": [_num(s["naive"]) for s in studies],
+        "naive (all at full)": [figure(s, s["naive"]) for s in studies],
         "tuned vs naive": [_times(s["tuned_vs_naive"]) for s in studies],
         "tuned vs baseline": [_times(s["tuned_vs_baseline"]) for s in studies],
     }
