@@ -140,13 +140,15 @@ class Prefetch(Optimization):
                 f"prefetch needs a map-style torch DataLoader or an overlapkit.data."
                 f"ResumableLoader, got {got}: either keeps the position that exact resume needs"
             )
-        custom = [k for k in ("collate_fn", "worker_init_fn") if loader_setting(loader, k)]
-        if s["backend"] != "torch" and custom:
+        if s["backend"] != "torch":  # an overlapkit loader (a script's was refused above)
             # tf.data and DALI call __getitem__ and stack the samples themselves.
-            raise PrefetchError(
-                f"prefetch backend {s['backend']} stacks samples as torch's default collate "
-                f"does and has no {' or '.join(custom)}: the loader's own runs with backend: torch"
-            )
+            custom = [k for k in ("collate_fn", "worker_init_fn") if loader.loader_kwargs.get(k)]
+            if custom:
+                raise PrefetchError(
+                    f"prefetch backend {s['backend']} stacks samples as torch's default "
+                    f"collate does and has no {' or '.join(custom)}: the loader's own runs "
+                    "with backend: torch"
+                )
         device = state.world.device
         pin = s["pin_memory"] and device.type == "cuda"
         # Workers (processes, or a back end's threads) call the policy's gate before each
@@ -231,12 +233,6 @@ class Prefetch(Optimization):
                 "divides them by what each costs)"
             )
         return out
-
-
-def loader_setting(loader: ResumableLoader | ScriptLoader, name: str) -> Any:
-    """A DataLoader setting of the loader (None where it has none)."""
-    settings = loader.settings if isinstance(loader, ScriptLoader) else loader.loader_kwargs
-    return settings.get(name)
 
 
 def _build_backend(
