@@ -3,6 +3,7 @@ workers sharing a study, failed trials, an interrupted study, the report."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -352,6 +353,14 @@ def test_the_study_plan_bounds_each_phase_and_time_left_comes_from_finished_tria
     )
     plan.started("confirm", 2)
     assert plan.counts["confirm"] == 2 and plan.total == 8 + 4 + 2 + 2 * plan.counts["analysis"]
+    # Trials a stopped run queued are in their phase's bound already: not counted twice.
+    from rich.console import Console
+
+    from overlapkit.tuning.progress import StudyProgress
+
+    before = plan.total
+    StudyProgress(plan, 0, 1, Console(file=io.StringIO())).phase("queued earlier", 3)
+    assert plan.total == before
     # Time left: the median trial (outliers aside) per remaining trial, 2 at once.
     assert time_left([], 10, 2) is None
     assert time_left([10.0, 12.0, 300.0], 5, 2) == 12.0 * 3

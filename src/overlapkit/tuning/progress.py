@@ -113,7 +113,8 @@ class StudyProgress:
             self._progress.start()
 
     def phase(self, name: str, trials: int) -> None:
-        self.plan.started(name, trials)
+        if name in self.plan.counts:  # trials queued earlier are in their phase's bound
+            self.plan.started(name, trials)
         self._update(description=name)
 
     def finished(self, duration_s: float | None) -> None:
