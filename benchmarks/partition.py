@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from _cli import description, positive_int
 from rich.console import Console
 from rich.table import Table
 
@@ -94,8 +95,8 @@ def run(scenario: Path, sets: list[str], folder: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     console = Console(stderr=True)

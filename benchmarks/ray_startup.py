@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import yaml
+from _cli import description, positive_int
 from rich.console import Console
 from rich.table import Table
 
@@ -50,8 +51,8 @@ def scenario(nprocs: int, nodes: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser.add_argument("--rounds", type=positive_int, default=5)
     args = parser.parse_args()
     short = Path(tempfile.mkdtemp(prefix="okr", dir="/tmp"))
     os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=str(short))

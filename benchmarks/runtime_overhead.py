@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from _cli import description, positive_int
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -116,8 +117,10 @@ def measure(case: Case, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=6, help="runs per side (interleaved)")
+    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser.add_argument(
+        "--repeats", type=positive_int, default=6, help="runs per side (interleaved)"
+    )
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
