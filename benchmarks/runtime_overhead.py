@@ -141,15 +141,17 @@ def main() -> None:
 
     table = Table(
         title=f"runtime overhead: built-in loop vs plain PyTorch loop, 32x32 inputs, batch 32 "
-        f"({args.repeats} interleaved runs each, medians, {torch.get_num_threads()} threads)"
+        f"({args.repeats} interleaved runs each, medians, {torch.get_num_threads()} threads; "
+        "ratio = overlapkit / plain)"
+        + (" --quick: a smoke test, too few steps to quote" if args.quick else "")
     )
     table.add_column("model")
     table.add_column("plain ms/step", justify="right")
     table.add_column("overlapkit ms/step", justify="right")
     table.add_column("overhead µs/step", justify="right")
     table.add_column("ratio", justify="right")
-    table.add_column("pairs min-max", justify="right")
-    table.add_column("implied by null-step cost", justify="right")
+    table.add_column("per pair", justify="right")
+    table.add_column("implied by null step", justify="right")
     for name, r in results.items():
         table.add_row(
             name,

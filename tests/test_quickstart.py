@@ -37,6 +37,8 @@ def run_benchmark(script: str) -> tuple[str, dict]:
 def test_runtime_overhead_benchmark_runs():
     output, numbers = run_benchmark("runtime_overhead.py")
     assert "runtime overhead" in output
+    # the ratio says what over what, and a --quick table says it is not to be quoted
+    assert "ratio = overlapkit / plain" in output and "--quick: a smoke test" in output
     assert all(r["ratio"] > 0 and r["plain_step_ms"] > 0 for r in numbers.values())
 
 
@@ -161,3 +163,13 @@ def test_a_benchmarks_help_gives_its_docstrings_whole_first_paragraph():
     # it was the docstring's first line only, cut mid-sentence
     result = run_benchmark_args("checkpoint.py", "--help")
     assert "checkpoint every k; and overlapkit in auto mode" in " ".join(result.stdout.split())
+
+
+def test_ray_startups_local_rows_are_the_reference_not_a_measured_zero():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ray_startup
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert ray_startup.more_than_local("local worker, 1 rank", 2.0, 2.0) == "— (reference)"
+    assert ray_startup.more_than_local("Ray, 1 machine x 1 rank", 2.5, 2.0) == "+0.50 s (1.25x)"
