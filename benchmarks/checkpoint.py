@@ -141,9 +141,16 @@ def raw_copy_time(repeats: int = 5) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=description(__doc__))
-    parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--every", type=positive_int, default=10)
-    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--steps", type=positive_int, default=200, help="steps per run")
+    parser.add_argument(
+        "--every",
+        type=positive_int,
+        default=10,
+        help="steps between checkpoints (not in auto mode)",
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=5, help="runs of each configuration, rotating order"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="overlapkit-ckpt-bench-"))

@@ -169,7 +169,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="two configurations, for a smoke test")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="two configurations, 2 steps, 1 repeat, no scaling table: a smoke test "
+        "(it overrides --steps, --warmup, --repeats)",
+    )
     args = parser.parse_args()
     console = Console(width=150)
     names = list(CONFIGS)

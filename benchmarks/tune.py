@@ -84,7 +84,13 @@ def trials_to_find(analysis: Analysis) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--out", type=Path, help="keep both studies here")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "tune-contention.png")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=ROOT / "docs" / "tune-contention.png",
+        help="the contention plot, with tune-overview.png beside it (default: the README's "
+        "docs/tune-contention.png and docs/tune-overview.png, overwritten)",
+    )
     parser.add_argument(
         "--trials", type=positive_int, default=24, help="the tuned study's TPE trials"
     )
