@@ -173,3 +173,25 @@ def test_ray_startups_local_rows_are_the_reference_not_a_measured_zero():
         sys.path.remove(str(ROOT / "benchmarks"))
     assert ray_startup.more_than_local("local worker, 1 rank", 2.0, 2.0) == "— (reference)"
     assert ray_startup.more_than_local("Ray, 1 machine x 1 rank", 2.5, 2.0) == "+0.50 s (1.25x)"
+
+
+def test_partitions_benchmark_removes_its_run_folders(monkeypatch):
+    # each `overlapkit run` keeps its checkpoints: 3 rounds left hundreds of MB in /tmp
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import partition
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    folders = []
+
+    def fake_run(scenario, sets, folder):
+        folders.append(folder)
+        folder.mkdir()
+        (folder / "checkpoint").write_bytes(b"x")
+        raise RuntimeError("stop after the first run")
+
+    monkeypatch.setattr(partition, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["partition.py", "--rounds", "1"])
+    with pytest.raises(RuntimeError, match="stop after the first run"):
+        partition.main()
+    assert len(folders) == 1 and not folders[0].parent.exists()
