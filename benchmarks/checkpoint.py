@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from _cli import description, positive_int
 from rich.console import Console
 from rich.table import Table
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -139,10 +140,17 @@ def raw_copy_time(repeats: int = 5) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser.add_argument("--steps", type=positive_int, default=200, help="steps per run")
+    parser.add_argument(
+        "--every",
+        type=positive_int,
+        default=10,
+        help="steps between checkpoints (not in auto mode)",
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=5, help="runs of each configuration, rotating order"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="overlapkit-ckpt-bench-"))

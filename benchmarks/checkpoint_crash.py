@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _cli import description, positive_int
 
 BATCH = 16
 
@@ -232,13 +233,20 @@ def kill_loop(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--train", type=Path, help="run one training process in this folder")
     parser.add_argument("--zygote", action="store_true", help="fork training processes (internal)")
-    parser.add_argument("--steps", type=int, default=10**6)
-    parser.add_argument("--every", type=int, default=2)
-    parser.add_argument("--kills", type=int, default=300)
-    parser.add_argument("--dir", type=Path, default=Path("runs/checkpoint-crash"))
+    parser.add_argument(
+        "--steps", type=positive_int, default=10**6, help="with --train: steps to train"
+    )
+    parser.add_argument("--every", type=positive_int, default=2, help="steps between checkpoints")
+    parser.add_argument("--kills", type=int, default=300, help="SIGKILLs to deliver")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("runs/checkpoint-crash"),
+        help="each stress run makes a timestamped folder here",
+    )
     args = parser.parse_args()
     if args.zygote:
         zygote_main()

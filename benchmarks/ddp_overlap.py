@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _cli import description, positive_int
 from rich.console import Console
 from rich.table import Table
 
@@ -162,13 +163,18 @@ def profile_table(summary: dict[str, Any], title: str) -> Table:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="measured steps per run")
+    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser.add_argument("--steps", type=positive_int, default=8, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="two configurations, for a smoke test")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="two configurations, 2 steps, 1 repeat, no scaling table: a smoke test "
+        "(it overrides --steps, --warmup, --repeats)",
+    )
     args = parser.parse_args()
     console = Console(width=150)
     names = list(CONFIGS)

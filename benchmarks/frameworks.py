@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from _cli import description, positive_int
 from rich.console import Console
 from rich.table import Table
 
@@ -148,9 +149,11 @@ def table(numbers: dict[str, dict[str, dict[str, Any]]], names: list[str]) -> Ta
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included")
+    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument(
+        "--steps", type=positive_int, default=30, help="steps per run, warm-up included"
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help="two settings, one round")

@@ -69,6 +69,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _cli import description, positive_int
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -1055,7 +1056,7 @@ def header(console: Console, env: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default=None, help="default: cuda if there is one"
     )
@@ -1067,11 +1068,13 @@ def main() -> None:
     )
     parser.add_argument("--parts", default="a,b,c,d", help="which parts to run (comma-separated)")
     parser.add_argument(
-        "--rounds", type=int, default=None, help="rounds per configuration (default 3)"
+        "--rounds", type=positive_int, default=None, help="rounds per configuration (default 3)"
     )
-    parser.add_argument("--steps", type=int, default=None, help="(a) measured steps")
-    parser.add_argument("--ckpt-steps", type=int, default=None, help="(b) measured steps")
-    parser.add_argument("--every", type=int, default=None, help="(b) steps between checkpoints")
+    parser.add_argument("--steps", type=positive_int, default=None, help="(a) measured steps")
+    parser.add_argument("--ckpt-steps", type=positive_int, default=None, help="(b) measured steps")
+    parser.add_argument(
+        "--every", type=positive_int, default=None, help="(b) steps between checkpoints"
+    )
     parser.add_argument(
         "--auto-max-overhead", type=float, default=TARGET_CKPT, help="(b) auto mode's budget"
     )
@@ -1088,6 +1091,11 @@ def main() -> None:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if unknown := [p for p in parts if p not in "abcd" or len(p) != 1]:
         parser.error(f"unknown parts {unknown}: choose from a, b, c, d")
+    if args.dir is not None:
+        try:
+            args.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--dir {args.dir}: cannot make the folder ({error.strerror})")
     sizes = Sizes.quick() if args.quick else Sizes()
     for name, value in (
         ("rounds", args.rounds),

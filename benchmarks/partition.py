@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from _cli import description, positive_int
 from rich.console import Console
 from rich.table import Table
 
@@ -94,28 +96,31 @@ def run(scenario: Path, sets: list[str], folder: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     console = Console(stderr=True)
     scratch = Path(tempfile.mkdtemp(prefix="bench-partition-"))
-    files = {}
-    for data, _, _ in CASES.values():
-        path = scratch / f"{data['name']}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        files[data["name"]] = path
-    rows = [(case, policy) for case, (_, _, policies) in CASES.items() for policy in policies]
-    results: dict[tuple[str, str], list[dict]] = {row: [] for row in rows}
-    console.print(f"{len(rows)} settings x {args.rounds} rounds, {os.cpu_count()} cores")
-    for round_ in range(args.rounds):
-        shift = round_ * len(rows) // args.rounds
-        for case, policy in rows[shift:] + rows[:shift]:
-            data, sets, _ = CASES[case]
-            folder = scratch / f"run-{sum(map(len, results.values()))}"
-            out = run(files[data["name"]], sets + settings_of(policy), folder)
-            results[(case, policy)].append(out)
-            console.print(f"round {round_ + 1}: {case} / {policy}: {out['samples_per_s']:.1f}")
+    try:  # every run keeps its checkpoints: hundreds of MB over 3 rounds
+        files = {}
+        for data, _, _ in CASES.values():
+            path = scratch / f"{data['name']}.yaml"
+            path.write_text(yaml.safe_dump(data))
+            files[data["name"]] = path
+        rows = [(case, policy) for case, (_, _, policies) in CASES.items() for policy in policies]
+        results: dict[tuple[str, str], list[dict]] = {row: [] for row in rows}
+        console.print(f"{len(rows)} settings x {args.rounds} rounds, {os.cpu_count()} cores")
+        for round_ in range(args.rounds):
+            shift = round_ * len(rows) // args.rounds
+            for case, policy in rows[shift:] + rows[:shift]:
+                data, sets, _ = CASES[case]
+                folder = scratch / f"run-{sum(map(len, results.values()))}"
+                out = run(files[data["name"]], sets + settings_of(policy), folder)
+                results[(case, policy)].append(out)
+                console.print(f"round {round_ + 1}: {case} / {policy}: {out['samples_per_s']:.1f}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
     table = Table(
         title=f"scheduler policies on {os.cpu_count()} cores (samples/s, median of {args.rounds})"

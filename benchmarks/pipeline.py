@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _cli import description, positive_int
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -140,10 +141,18 @@ def baseline(steps: int, warmup: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--steps", type=int, default=8)
+    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser.add_argument(
+        "--stages", type=positive_int, nargs="+", default=[2, 4], help="one rank each"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=positive_int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16],
+        help="for the schedules' tables; the 2 x 2 DDP table always runs 1, 2, 4 and 8",
+    )
+    parser.add_argument("--steps", type=positive_int, default=8, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--skip-mesh", action="store_true", help="no 2 x 2 DDP table")
     parser.add_argument("--json", action="store_true")

@@ -25,10 +25,12 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
+from _cli import csv_choices, description, positive_int
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -41,6 +43,7 @@ from overlapkit.optimizations.prefetch.extras import missing
 Prefetch = get_optimization("prefetch")
 BATCH, SHAPE, HIDDEN = 32, (3, 32, 32), 2048
 INTENSITIES = (0.0, 0.25, 0.5, 1.0)  # workers 0, 1, 2, 4
+KINDS = ("sleep", "cpu")  # --kinds: the source waits (storage) or burns a core (decoding)
 
 
 def make_model() -> nn.Module:
@@ -132,17 +135,30 @@ def cores_bound_step(ideal_s: float, compute_cpu_s: float, load_cpu_s: float) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--load-ms", type=float, default=40.0, help="L, per batch of 32")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kinds", default="sleep,cpu")
-    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--steps", type=positive_int, default=30)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument(
+        "--kinds", default="sleep,cpu", help="sources: sleep, cpu (comma-separated)"
+    )
+    parser.add_argument(
+        "--backends", default=",".join(BACKENDS), help=f"{', '.join(BACKENDS)} (comma-separated)"
+    )
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
 
-    backends = [b for b in args.backends.split(",") if not missing(b)]
-    kinds = args.kinds.split(",")
+    try:
+        kinds = csv_choices(args.kinds, KINDS, "--kinds")
+        asked = csv_choices(args.backends, tuple(BACKENDS), "--backends")
+    except ValueError as error:
+        parser.error(str(error))
+    backends = [b for b in asked if not missing(b)]
+    for backend in asked:
+        if reason := missing(backend):
+            print(f"skipped: {reason}", file=sys.stderr)
+    if not backends:
+        parser.error("--backends: none of them is installed here")
     configs = [Config(k, b, i) for k in kinds for b in backends for i in INTENSITIES]
     console = Console(stderr=True)
     console.print(f"{os.cpu_count()} cores, torch {torch.__version__}, {len(configs)} configs")

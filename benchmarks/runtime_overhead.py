@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from _cli import description, positive_int
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -116,8 +117,10 @@ def measure(case: Case, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=6, help="runs per side (interleaved)")
+    parser = argparse.ArgumentParser(description=description(__doc__))
+    parser.add_argument(
+        "--repeats", type=positive_int, default=6, help="runs per side (interleaved)"
+    )
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -138,15 +141,17 @@ def main() -> None:
 
     table = Table(
         title=f"runtime overhead: built-in loop vs plain PyTorch loop, 32x32 inputs, batch 32 "
-        f"({args.repeats} interleaved runs each, medians, {torch.get_num_threads()} threads)"
+        f"({args.repeats} interleaved runs each, medians, {torch.get_num_threads()} threads; "
+        "ratio = overlapkit / plain)"
+        + (" --quick: a smoke test, too few steps to quote" if args.quick else "")
     )
     table.add_column("model")
     table.add_column("plain ms/step", justify="right")
     table.add_column("overlapkit ms/step", justify="right")
     table.add_column("overhead µs/step", justify="right")
     table.add_column("ratio", justify="right")
-    table.add_column("pairs min-max", justify="right")
-    table.add_column("implied by null-step cost", justify="right")
+    table.add_column("per pair", justify="right")
+    table.add_column("implied by null step", justify="right")
     for name, r in results.items():
         table.add_row(
             name,

@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from _cli import description, positive_int
 from rich.console import Console
 from rich.table import Table
 
@@ -81,10 +82,18 @@ def trials_to_find(analysis: Analysis) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--out", type=Path, help="keep both studies here")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "tune-contention.png")
-    parser.add_argument("--trials", type=int, default=24, help="the tuned study's TPE trials")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=ROOT / "docs" / "tune-contention.png",
+        help="the contention plot, with tune-overview.png beside it (default: the README's "
+        "docs/tune-contention.png and docs/tune-overview.png, overwritten)",
+    )
+    parser.add_argument(
+        "--trials", type=positive_int, default=24, help="the tuned study's TPE trials"
+    )
     parser.add_argument(
         "--no-grid", action="store_true", help="skip the exhaustive grid study (the longest part)"
     )

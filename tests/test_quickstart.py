@@ -37,6 +37,8 @@ def run_benchmark(script: str) -> tuple[str, dict]:
 def test_runtime_overhead_benchmark_runs():
     output, numbers = run_benchmark("runtime_overhead.py")
     assert "runtime overhead" in output
+    # the ratio says what over what, and a --quick table says it is not to be quoted
+    assert "ratio = overlapkit / plain" in output and "--quick: a smoke test" in output
     assert all(r["ratio"] > 0 and r["plain_step_ms"] > 0 for r in numbers.values())
 
 
@@ -89,3 +91,107 @@ def test_gpu_benchmark_runs_every_part_on_a_cpu(tmp_path):
     prefetch = numbers["c"]["rows"]
     assert prefetch["intensity 1"]["settings"]["workers"] > 0
     assert prefetch["intensity 1"]["data_wait_share"] < prefetch["intensity 0"]["data_wait_share"]
+
+
+def run_benchmark_args(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("runtime_overhead.py", ["--repeats", "0"], "--repeats: 0 is too small: at least 1"),
+        (
+            "checkpoint.py",
+            ["--every", "0", "--steps", "2", "--repeats", "1"],
+            "--every: 0 is too small: at least 1",
+        ),
+        (
+            "prefetch.py",
+            ["--repeats", "0", "--steps", "1"],
+            "--repeats: 0 is too small: at least 1",
+        ),
+        ("partition.py", ["--rounds", "0"], "--rounds: 0 is too small: at least 1"),
+        ("frameworks.py", ["--rounds", "0"], "--rounds: 0 is too small: at least 1"),
+        ("ray_startup.py", ["--rounds", "x"], "--rounds: 'x' is not a whole number"),
+        (
+            "pipeline.py",
+            ["--microbatches", "0", "--stages", "2", "--steps", "1", "--skip-mesh"],
+            "--microbatches: 0 is too small: at least 1",
+        ),
+        (
+            "gpu.py",
+            ["--device", "cpu", "--quick", "--parts", "a", "--rounds", "0"],
+            "--rounds: 0 is too small: at least 1",
+        ),
+        # an unknown source ran as the CPU-burning one, labelled with the unknown name
+        (
+            "prefetch.py",
+            ["--kinds", "disk", "--steps", "1", "--repeats", "1", "--backends", "torch"],
+            "--kinds: unknown disk: choose from sleep, cpu",
+        ),
+        (
+            "prefetch.py",
+            ["--backends", "jax", "--steps", "1", "--repeats", "1"],
+            "--backends: unknown jax: choose from",
+        ),
+    ],
+)
+def test_a_benchmarks_bad_flag_is_one_line_and_exit_2(script, args, message):
+    result = run_benchmark_args(script, *args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_gpu_benchmark_makes_its_scratch_folder(tmp_path):
+    # --dir named a folder that did not exist yet: a FileNotFoundError traceback
+    result = run_benchmark_args(
+        "gpu.py", "--device", "cpu", "--quick", "--parts", "a", "--rounds", "1",
+        "--steps", "1", "--dir", str(tmp_path / "new" / "scratch"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "new" / "scratch").is_dir()
+
+
+def test_a_benchmarks_help_gives_its_docstrings_whole_first_paragraph():
+    # it was the docstring's first line only, cut mid-sentence
+    result = run_benchmark_args("checkpoint.py", "--help")
+    assert "checkpoint every k; and overlapkit in auto mode" in " ".join(result.stdout.split())
+
+
+def test_ray_startups_local_rows_are_the_reference_not_a_measured_zero():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ray_startup
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert ray_startup.more_than_local("local worker, 1 rank", 2.0, 2.0) == "— (reference)"
+    assert ray_startup.more_than_local("Ray, 1 machine x 1 rank", 2.5, 2.0) == "+0.50 s (1.25x)"
+
+
+def test_partitions_benchmark_removes_its_run_folders(monkeypatch):
+    # each `overlapkit run` keeps its checkpoints: 3 rounds left hundreds of MB in /tmp
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import partition
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    folders = []
+
+    def fake_run(scenario, sets, folder):
+        folders.append(folder)
+        folder.mkdir()
+        (folder / "checkpoint").write_bytes(b"x")
+        raise RuntimeError("stop after the first run")
+
+    monkeypatch.setattr(partition, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["partition.py", "--rounds", "1"])
+    with pytest.raises(RuntimeError, match="stop after the first run"):
+        partition.main()
+    assert len(folders) == 1 and not folders[0].parent.exists()
