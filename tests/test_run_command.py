@@ -161,7 +161,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
     import sys
     import time
 
-    from conftest import ROOT
+    from conftest import ROOT, run_cli
 
     scenario = tiny_scenario()
     out = tmp_path / "run"
@@ -180,13 +180,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
             assert first.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
         scenario_yaml = (out / "scenario.yaml").read_text()
-        second = subprocess.run(
-            [*command, *sets, "train.steps=99999"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        second = run_cli(*command[3:], *sets, "train.steps=99999", timeout=120)
         assert second.returncode == 2, second.stderr
         assert f"{out} is in use by another run (pid {first.pid})" in second.stderr
         assert len(second.stderr.strip().splitlines()) == 1  # one line, no traceback
@@ -196,13 +190,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     newest = json.loads((out / "checkpoints" / "manifest.json").read_text())["checkpoints"][-1]
-    resumed = subprocess.run(
-        [*command, *sets, f"train.steps={newest['step'] + 2}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    resumed = run_cli(*command[3:], *sets, f"train.steps={newest['step'] + 2}", timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed at step {newest['step']}" in resumed.stderr
 

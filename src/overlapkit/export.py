@@ -20,7 +20,13 @@ from typing import Any
 
 import yaml
 
-from .optimizations.checkpoint.store import CheckpointError, Manifest, load_state, verify
+from .optimizations.checkpoint.store import (
+    CheckpointError,
+    Manifest,
+    checkpoint_folder,
+    load_state,
+    verify,
+)
 from .optimizations.pipeline.optimization import PARTITION_FILE
 from .runtime.checkpoint_folder import MANIFEST
 
@@ -69,7 +75,7 @@ def checkpoint_root(folder: Path) -> Path:
         )
     except (OSError, yaml.YAMLError, AttributeError):
         pass  # a script's folder, or none: the default place
-    root = folder / Path(str(directory)).expanduser()  # as the run: absolute stays so
+    root = checkpoint_folder(folder, str(directory))  # where the run put them
     if not (root / MANIFEST).is_file():
         raise ExportError(
             f"{folder} holds no checkpoint ({root / MANIFEST} is missing): export reads a "

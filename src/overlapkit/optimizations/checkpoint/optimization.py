@@ -36,7 +36,7 @@ from .persister import Persister, split_state
 from .policy import AutoInterval
 from .restore import check_rank_count, load, newest_common_step, valid_steps
 from .snapshot import Snapshot, Snapshotter, tensor_layout
-from .store import MANIFEST, CheckpointError, Manifest, step_dir
+from .store import MANIFEST, CheckpointError, Manifest, checkpoint_folder, step_dir
 
 # In auto mode the ranks agree on when to checkpoint by a vote cast this many
 # steps ahead, so that the training thread never waits for it.
@@ -215,8 +215,7 @@ class Checkpoint(Optimization):
 
     def folder_in(self, run_dir: Path) -> Path:
         """The checkpoint folder: ``dir`` as set, under ``run_dir`` unless absolute."""
-        configured = Path(self.settings["dir"]).expanduser()
-        return configured if configured.is_absolute() else run_dir / configured
+        return checkpoint_folder(run_dir, self.settings["dir"])
 
     def cpu_demands(self, state: State) -> list[Demand]:
         # The persist thread (and, on a CPU, each snapshot's background copy).

@@ -43,6 +43,13 @@ def shard_file(name: str) -> str:
     return f"{name}.ckpt"
 
 
+def checkpoint_folder(run_dir: Path, configured: str | Path) -> Path:
+    """The checkpoint folder of a run in ``run_dir``: ``configured`` (checkpoint.dir)
+    under it, unless absolute."""
+    path = Path(configured).expanduser()
+    return path if path.is_absolute() else run_dir / path
+
+
 def write_state(path: Path, tree: Any, gate: Callable[[], None] | None = None) -> dict[str, Any]:
     """Durably write ``tree`` (see `fileformat`); return its checksum and size.
     ``gate`` is called between chunks (background work yields there)."""
@@ -62,12 +69,23 @@ class Manifest:
         damaged one (it is replaced atomically, so something else cut or edited it) is
         a `CheckpointError`: read as empty, a resume would start over and the next
         checkpoint's clean-up would delete the step folders it no longer listed."""
+        return self._document().get("checkpoints", [])
+
+    def setup(self) -> dict[str, Any] | None:
+        """The setup the checkpoints are of (see `State.setup`; None: not recorded)."""
+        document = self._document()
+        setup = document.get("setup") if document.get("checkpoints") else None
+        return setup if isinstance(setup, dict) else None
+
+    def _document(self) -> dict[str, Any]:
+        """The manifest as written, its checkpoints checked ({} when there is none)."""
         try:
             text = self.path.read_text()
         except (FileNotFoundError, NotADirectoryError):
-            return []
+            return {}
         try:
-            entries = json.loads(text)["checkpoints"]
+            document = json.loads(text)
+            entries = document["checkpoints"]
             if not isinstance(entries, list) or not all(map(_well_formed, entries)):
                 raise TypeError("no list of checkpoints, each with a step number and files")
         except (json.JSONDecodeError, KeyError, TypeError) as error:
@@ -76,14 +94,7 @@ class Manifest:
                 "beside it cannot be verified, so none is resumed and none is deleted. "
                 "Restore the file, or start over (overlapkit run --fresh keeps them aside)"
             ) from None
-        return entries
-
-    def setup(self) -> dict[str, Any] | None:
-        """The setup the checkpoints are of (see `State.setup`; None: not recorded)."""
-        if not self.read():
-            return None
-        setup = json.loads(self.path.read_text()).get("setup")
-        return setup if isinstance(setup, dict) else None
+        return document
 
     def add(
         self, entry: dict[str, Any], keep: int, setup: dict[str, Any] | None = None
