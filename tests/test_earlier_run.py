@@ -17,9 +17,9 @@ from overlapkit.earlier_run import (
     EarlierRunError,
     ScheduleWarning,
     check_earlier_run,
-    setup_changes,
 )
 from overlapkit.optimizations.checkpoint import CheckpointError
+from overlapkit.optimizations.checkpoint.setup import setup_changes
 from overlapkit.run import run_scenario
 from overlapkit.scenarios import dump_scenario, load_scenario
 
@@ -187,8 +187,11 @@ def test_checkpoints_in_a_shared_folder_are_checked_against_their_own_setup(tmp_
             assert not (tmp_path / "b").exists() and not (tmp_path / "runs").exists()
     # Through the Python API (no command line to check first): the ranks refuse.
     seeded = load_scenario(scenario, ["train.seed=5", "train.steps=10"])
-    with pytest.raises(CheckpointError, match="holds checkpoints of another setup"):
+    with pytest.raises(CheckpointError, match="holds checkpoints of another setup") as refused:
         run_scenario(seeded, tmp_path / "c", progress=False, print_summary=False)
+    # named as the command line names it (the same comparison), with the same way out
+    assert "(train.seed 0 -> 5)" in str(refused.value), refused.value
+    assert "overlapkit run --fresh" in str(refused.value)
     assert snapshot(shared) == before
     same = cli_here("run", scenario, "--out", tmp_path / "d", "--quiet", "--set", "train.steps=10")
     assert same.returncode == 0, same.stderr  # the same setup trains on

@@ -17,7 +17,7 @@ from rich.table import Table
 from .folders import new_stamped
 from .optimizations import get_optimization
 from .runtime import KnobError
-from .scenarios.diff import value_at
+from .runtime.plain_data import value_at
 from .tuning.plots import plt, save_figure
 
 POP = {

@@ -5,33 +5,17 @@ write over)."""
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .optimizations.checkpoint.setup import setup_changes, setup_record
+from .optimizations.checkpoint.store import fresh_flags, holds
 from .runtime import KnobError
 from .scenarios import Scenario
 from .scenarios.config import build_optimizations
-from .scenarios.diff import first_difference, value_at
-
-# What a checkpoint's state depends on: a change in any of these makes a resume load
-# a different model, optimizer or data position (the step count and the learning rate
-# may change: they train on).
-SAVED_WITH = (
-    "framework",
-    "model",
-    "data.name",
-    "data.shape",
-    "data.num_classes",
-    "data.num_samples",
-    "train.optimizer.name",
-    "train.batch_size",
-    "train.accumulate",
-    "train.seed",
-)
 
 
 class EarlierRunError(ValueError):
@@ -58,14 +42,13 @@ def check_earlier_run(folder: Path, scenario: Scenario, fresh: bool) -> None:
         recorded = next((s for o in optimizations if (s := o.saved_setup(folder))), None)
         if recorded is None and (earlier := scenario_in(folder)) is not None:
             recorded = _setup_of(earlier)  # checkpoints of a version that recorded none
-        root = next((o.folder_in(folder) for o in optimizations if o.name == "checkpoint"), None)
-        inside = root is None or root.resolve().is_relative_to(folder.resolve())
+        root = next((o.folder_in(folder) for o in optimizations if o.name == "checkpoint"), folder)
         # An absolute checkpoint.dir may be shared by several run folders: it is named.
-        where, again = (folder, f"--out {folder} --fresh") if inside else (root, "--fresh")
+        inside = holds(folder, root)
+        where, again = (folder if inside else root), fresh_flags(folder, root)
         if recorded is None:  # an older version's checkpoints outside any run folder
             return
-        changes = setup_changes(recorded, scenario.model_dump(mode="json"))
-        changes += layout_changes(recorded.get("layouts"), optimizations)
+        changes = setup_changes(recorded, saved_setup(scenario))
         if changes:
             raise EarlierRunError(
                 f"{where} holds checkpoints of another setup ({'; '.join(changes)}): "
@@ -116,62 +99,24 @@ def _warn_if_schedule_stretches(
 
 
 def saved_setup(scenario: Scenario) -> dict[str, Any]:
-    """What the checkpoints of a run of ``scenario`` depend on (`SAVED_WITH`, and the
-    optimizations' `saved_layout` under ``layouts``), as plain JSON data: recorded in
-    their manifest, so that a run resuming them is checked against it wherever they are."""
+    """What the checkpoints of a run of ``scenario`` depend on (see `setup_record`), as
+    recorded in their manifest, so that a run resuming them is checked against it
+    wherever they are."""
     return _setup_of(scenario.model_dump(mode="json"), scenario.build_optimizations())
 
 
 def _setup_of(data: dict[str, Any], optimizations: list[Any] | None = None) -> dict[str, Any]:
-    setup: dict[str, Any] = {}
-    for path in SAVED_WITH:
-        *parents, key = path.split(".")
-        place = setup
-        for part in parents:
-            place = place.setdefault(part, {})
-        place[key] = value_at(data, path)
     if optimizations is None:
         try:
             optimizations = build_optimizations(data.get("optimizations") or {})
         except (KnobError, TypeError, AttributeError):
             optimizations = None  # a section this version cannot read: the setup decides
-    setup["layouts"] = _layouts(optimizations) if optimizations is not None else None
-    return json.loads(json.dumps(setup))  # as a manifest gives it back: lists, not tuples
-
-
-def setup_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """What differs between two scenarios (as plain data) in what checkpoints depend
-    on, as ``path before -> now`` (a whole section by its first differing key)."""
-    found = (
-        first_difference(value_at(earlier, path), value_at(now, path), path) for path in SAVED_WITH
+    layouts = (
+        {o.name: layout for o in optimizations if (layout := o.saved_layout())}
+        if optimizations is not None
+        else None
     )
-    return [change for change in found if change is not None]
-
-
-def layout_changes(before: dict[str, Any] | None, optimizations: list[Any]) -> list[str]:
-    """How the earlier run's optimizations laid out its checkpoints (``before``, by
-    optimization; None: not known) differently from ``optimizations`` (see
-    `Optimization.saved_layout`), as ``optimizations.NAME before -> now`` ("off" where
-    one of the two runs lacks it)."""
-    if before is None:
-        return []
-    now = _layouts(optimizations)
-    changes = []
-    for name in sorted(before.keys() | now.keys()):
-        was, is_now = before.get(name), now.get(name)
-        if was is None or is_now is None:  # turned on or off
-            changes.append(f"optimizations.{name} {_said(was)} -> {_said(is_now)}")
-        elif change := first_difference(was, is_now, f"optimizations.{name}"):
-            changes.append(change)
-    return changes
-
-
-def _layouts(optimizations: list[Any]) -> dict[str, dict[str, Any]]:
-    return {o.name: layout for o in optimizations if (layout := o.saved_layout())}
-
-
-def _said(layout: dict[str, Any] | None) -> str:
-    return "off" if layout is None else " ".join(f"{k}={v}" for k, v in layout.items())
+    return setup_record(data, layouts)
 
 
 def scenario_in(folder: Path) -> dict[str, Any] | None:

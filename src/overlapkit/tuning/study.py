@@ -44,7 +44,7 @@ from optuna.trial import FrozenTrial, TrialState
 from ..launch.ray_nodes import RayClusterError
 from ..optimizations import get_optimization
 from ..runtime.hardware import hardware_label
-from ..scenarios.diff import first_difference
+from ..runtime.plain_data import first_difference
 from . import TuneError
 from .analysis import UNUSED, Analysis, setting_key
 from .config import TuneConfig

@@ -35,8 +35,16 @@ from .coordination import Collectives, Domains, probe_domains
 from .persister import Persister, split_state
 from .policy import AutoInterval
 from .restore import check_rank_count, load, newest_common_step, valid_steps
+from .setup import setup_changes
 from .snapshot import Snapshot, Snapshotter, tensor_layout
-from .store import MANIFEST, CheckpointError, Manifest, checkpoint_folder, step_dir
+from .store import (
+    MANIFEST,
+    CheckpointError,
+    Manifest,
+    checkpoint_folder,
+    fresh_flags,
+    step_dir,
+)
 
 # In auto mode the ranks agree on when to checkpoint by a vote cast this many
 # steps ahead, so that the training thread never waits for it.
@@ -196,12 +204,10 @@ class Checkpoint(Optimization):
         root = self.folder_in(run_dir)
         _check_folder(root)
         if self.settings["resume"]:
-            # Named as the run was (overlapkit run --out RUN_DIR): an absolute dir by itself.
-            inside = root.resolve().is_relative_to(run_dir.resolve())
-            again = (
-                f"overlapkit run --out {run_dir} --fresh" if inside else "overlapkit run --fresh"
+            again = fresh_flags(run_dir, root)
+            start_over = (
+                f"start over with overlapkit run {again} (the old checkpoints are kept aside)"
             )
-            start_over = f"start over with {again} (the old checkpoints are kept aside)"
             check_rank_count(root, world_size, start_over, error=CombinationError)
 
     def resumes_at(self, run_dir: Path) -> int | None:
@@ -235,17 +241,15 @@ class Checkpoint(Optimization):
         if step is None:
             return
         recorded = Manifest(self.root).setup()
-        if None not in (recorded, state.setup) and recorded != state.setup:
-            differ = sorted(
-                k
-                for k in recorded.keys() | state.setup.keys()
-                if recorded.get(k) != state.setup.get(k)
-            )
+        if None not in (recorded, state.setup) and (
+            changes := setup_changes(recorded, state.setup)
+        ):
+            again = fresh_flags(state.run_dir or Path.cwd(), self.root)
             raise CheckpointError(
-                f"{self.root} holds checkpoints of another setup ({', '.join(differ)} "
-                "differ): resuming would load them into a different model, optimizer or data "
-                "order. Start over (overlapkit run --fresh keeps them aside) or use another "
-                "checkpoint folder"
+                f"{self.root} holds checkpoints of another setup ({'; '.join(changes)}): "
+                "resuming would load them into a different model, optimizer or data order. "
+                f"Start over with overlapkit run {again} (the old checkpoints are kept aside) "
+                "or use another checkpoint folder"
             )
         saved = load(self.root, step, state.world.rank, state.replicated_shard)
         try:

@@ -50,6 +50,18 @@ def checkpoint_folder(run_dir: Path, configured: str | Path) -> Path:
     return path if path.is_absolute() else run_dir / path
 
 
+def fresh_flags(run_dir: Path, root: Path) -> str:
+    """The ``overlapkit run`` flags that start a run of ``run_dir`` over with its
+    checkpoint folder ``root`` kept aside: the run folder is named only when it holds
+    ``root`` (an absolute checkpoint.dir may be shared by several run folders)."""
+    return f"--out {run_dir} --fresh" if holds(run_dir, root) else "--fresh"
+
+
+def holds(run_dir: Path, root: Path) -> bool:
+    """Whether the checkpoint folder ``root`` lies inside the run folder ``run_dir``."""
+    return root.resolve().is_relative_to(run_dir.resolve())
+
+
 def write_state(path: Path, tree: Any, gate: Callable[[], None] | None = None) -> dict[str, Any]:
     """Durably write ``tree`` (see `fileformat`); return its checksum and size.
     ``gate`` is called between chunks (background work yields there)."""

@@ -1,5 +1,5 @@
-"""Scenarios as plain data: a value at a dotted path, and the first difference
-between two, said in one phrase."""
+"""Nested plain data (scenarios, setups, as JSON gives them): a value at a dotted
+path, and the first difference between two, said in one phrase."""
 
 from __future__ import annotations
 
