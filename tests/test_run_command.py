@@ -195,6 +195,56 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
     assert f"resumed at step {newest['step']}" in resumed.stderr
 
 
+def test_a_run_into_a_shared_checkpoint_folder_in_use_is_refused(tiny_scenario, tmp_path):
+    """An absolute checkpoint.dir may be shared by several run folders: a second run in
+    another folder (named or new) checkpointed into the folder a first run was writing.
+    The launcher holds it as it holds its run folder, and keeps holding it when --fresh
+    moves the old checkpoints aside."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, run_cli
+
+    shared = tmp_path / "shared"
+    scenario = tiny_scenario()
+    sets = ["--quiet", "--set", f"optimizations.checkpoint={{every: 2, dir: {shared}}}"]
+    done = run_cli("run", scenario, "--out", tmp_path / "a", *sets, "--set", "train.steps=2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "overlapkit", "run", str(scenario), "--out", str(tmp_path / "a")]
+        + [*sets, "--fresh", "--set", "train.steps=100000"],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (list(tmp_path.glob("shared.old-*")) and (shared / "manifest.json").exists()):
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        for out in (["--out", tmp_path / "b"], []):  # another folder, named or new
+            second = run_cli("run", scenario, *out, *sets, "--set", "train.steps=9", cwd=tmp_path)
+            assert second.returncode == 2, second.stderr
+            assert f"{shared} is in use by another run (pid {first.pid})" in second.stderr
+            assert "set another checkpoint.dir" in second.stderr
+            assert len(second.stderr.strip().splitlines()) == 1
+            assert not (tmp_path / "b").exists() and not (tmp_path / "runs").exists()
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    (aside,) = tmp_path.glob("shared.old-*")
+    assert (aside / "manifest.json").exists() and not (aside / ".lock").exists()
+    newest = json.loads((shared / "manifest.json").read_text())["checkpoints"][-1]["step"]
+    more = f"train.steps={newest + 2}"
+    again = run_cli("run", scenario, "--out", tmp_path / "b", *sets, "--set", more)
+    assert again.returncode == 0, again.stderr[-2000:]  # a killed run holds nothing
+    assert f"resumed at step {newest}" in again.stderr
+
+
 def test_the_summary_tables_read_at_80_columns(tiny_scenario, tmp_path):
     """The phases' title broke after "(mean" over the narrow table, and the settings
     showed stall_s_mean=0.018160840000443084 and bytes_written=44040192."""

@@ -43,6 +43,7 @@ from .launch.ray_run import RayRunFailed
 from .models import MODEL_NAMES
 from .optimizations import PluginError, plugin_blamed, registered_optimizations
 from .optimizations.checkpoint import CheckpointError
+from .optimizations.checkpoint.store import holds
 from .runtime import POLICIES, CombinationError
 from .runtime.gpus import GPUSetupError
 from .scenarios import Scenario, ScenarioError, load_scenario
@@ -464,6 +465,7 @@ PATH_ERRORS = {
 
 # A run folder that holds nothing and can hold nothing (what a new one holds at first).
 NO_FOLDER = Path(os.devnull)
+ANOTHER_DIR = "set another checkpoint.dir"  # the way out for a checkpoint folder in use
 
 
 class UsageError(ValueError):
@@ -575,6 +577,12 @@ def _run_command(
             where.update(folder=folder)
             if _holds_the_folder(args):
                 holding.enter_context(held(folder))
+                if (shared := _own_checkpoint_folder(scenario, folder, args)) is not None:
+                    try:
+                        shared.mkdir(parents=True, exist_ok=True)
+                        holding.enter_context(held(shared, ANOTHER_DIR))
+                    except OSError:  # read-only, say: no run can checkpoint there
+                        pass  # (the checkpoint optimization says what is wrong with it)
 
         summary = _run(scenario, args, out, on_folder)
     if summary is None or not is_rank_zero():  # another machine, or torchrun's rank > 0
@@ -665,7 +673,7 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
                 "(a folder runs/NAME-* holding scenario.yaml and checkpoints/); name one "
                 "with --out"
             )
-        _check_free(earlier[0], args)
+        _check_free(earlier[0], scenario, args)
         check_earlier_run(earlier[0], scenario, fresh=False)
         return earlier[0]
     if args.out is not None:
@@ -676,12 +684,13 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
                     raise UsageError(f"--out {args.out}: {what}; the run folder must be a folder")
                 break
         _check_not_foreign(args.out, args.scenario)
-        _check_free(args.out, args)
+        _check_free(args.out, scenario, args)
         check_earlier_run(args.out, scenario, fresh=args.fresh)
     elif under_torchrun():  # a folder every rank names: a rerun finds the earlier run's
-        _check_free(torchrun_run_dir(scenario.name), args)
+        _check_free(torchrun_run_dir(scenario.name), scenario, args)
         check_earlier_run(torchrun_run_dir(scenario.name), scenario, fresh=args.fresh)
     else:  # a new folder, empty: only an absolute checkpoint.dir can hold checkpoints
+        _check_free(NO_FOLDER, scenario, args)
         check_earlier_run(NO_FOLDER, scenario, fresh=args.fresh)
     if args.out is None and not args.fresh:
         earlier = [run for run in _earlier_runs(scenario.name) if (run / "checkpoints").is_dir()]
@@ -695,10 +704,26 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
     return args.out
 
 
-def _check_free(folder: Path, args: argparse.Namespace) -> None:
-    """Refuse at once a folder another run is training in (its launcher holds it)."""
+def _check_free(folder: Path, scenario: Scenario, args: argparse.Namespace) -> None:
+    """Refuse at once a folder another run is training in (its launcher holds it), and
+    a checkpoint folder of its own that another run is checkpointing into."""
     if _holds_the_folder(args):
         check_free(folder)
+        if (shared := _own_checkpoint_folder(scenario, folder, args)) is not None:
+            check_free(shared, ANOTHER_DIR)
+
+
+def _own_checkpoint_folder(
+    scenario: Scenario, folder: Path, args: argparse.Namespace
+) -> Path | None:
+    """The checkpoint folder of a run in ``folder`` when it lies outside it (an absolute
+    checkpoint.dir, which several run folders may share), held as the run folder is;
+    None without one. Under --ray each machine checkpoints to its own disk: not here."""
+    if args.ray or "checkpoint" not in scenario.optimizations:
+        return None
+    optimizations = scenario.build_optimizations()
+    root = next(o.folder_in(folder) for o in optimizations if o.name == "checkpoint")
+    return None if holds(folder, root) else root
 
 
 def _holds_the_folder(args: argparse.Namespace) -> bool:

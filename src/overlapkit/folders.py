@@ -11,11 +11,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-LOCK = ".lock"  # in a run folder: held by the run's launcher while it runs (see `held`)
+# In a run folder (and in an absolute checkpoint.dir outside it, which several run
+# folders may share): held by the run's launcher while it runs (see `held`).
+LOCK = ".lock"
+ANOTHER_OUT = "name another folder with --out"  # the way out for a run folder in use
 
 
 class FolderInUseError(ValueError):
-    """Another run holds the run folder."""
+    """Another run holds the run folder (or its checkpoint folder)."""
 
 
 def stamped(parent: Path, stem: str) -> Path:
@@ -56,13 +59,14 @@ def new_stamped(parent: Path, stem: str) -> Path:
 
 
 @contextmanager
-def held(folder: Path) -> Iterator[None]:
+def held(folder: Path, way_out: str = ANOTHER_OUT) -> Iterator[None]:
     """Hold ``folder``'s lock (`LOCK`, with this process's id in it) while the block
-    runs; `FolderInUseError` when another run holds it. An OS lock (flock): it goes
-    with the process however that ends, so a killed run leaves none behind."""
+    runs; `FolderInUseError` (saying ``way_out``) when another run holds it. An OS
+    lock (flock): it goes with the process however that ends, so a killed run leaves
+    none behind."""
     fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        _lock(fd, folder)
+        _lock(fd, folder, way_out)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         yield
@@ -70,25 +74,25 @@ def held(folder: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def check_free(folder: Path) -> None:
+def check_free(folder: Path, way_out: str = ANOTHER_OUT) -> None:
     """Raise `FolderInUseError` when a run holds ``folder`` now (creating nothing)."""
     try:
         fd = os.open(folder / LOCK, os.O_RDONLY)
     except (FileNotFoundError, NotADirectoryError):
         return
     try:
-        _lock(fd, folder)
+        _lock(fd, folder, way_out)
     finally:
         os.close(fd)  # and with it the lock, if taken
 
 
-def _lock(fd: int, folder: Path) -> None:
+def _lock(fd: int, folder: Path, way_out: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         pid = os.pread(fd, 20, 0).decode(errors="replace").strip()
         raise FolderInUseError(
             f"{folder} is in use by another run{f' (pid {pid})' if pid else ''}: two runs "
-            "in one folder would write over each other's checkpoints and results. Let it "
-            "finish or stop it, or name another folder with --out"
+            f"in one folder would write over each other's checkpoints and results. Let it "
+            f"finish or stop it, or {way_out}"
         ) from None

@@ -16,7 +16,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-from ...folders import stamped, unused
+from ...folders import LOCK, claim, stamped
 from ...runtime import (
     CombinationError,
     Demand,
@@ -159,9 +159,12 @@ class Checkpoint(Optimization):
         elif self._domains.leader(world.rank) and (
             (self.root / MANIFEST).exists() or any(self.root.glob("step-*"))
         ):
-            # A fresh start keeps the old checkpoints (a manifest lost or not) out of the way.
-            aside = unused(stamped(self.root.parent, f"{self.root.name}.old"))
-            shutil.move(str(self.root), str(aside))
+            # A fresh start keeps the old checkpoints (a manifest lost or not) out of the way;
+            # the launcher's lock on a checkpoint.dir of its own (see `held`) stays.
+            aside = claim(stamped(self.root.parent, f"{self.root.name}.old"))
+            for entry in self.root.iterdir():
+                if entry.name != LOCK:
+                    shutil.move(str(entry), str(aside / entry.name))
         all_gather_objects(None, world)  # no rank writes into a folder being moved away
         self._make_root()
         self._start_writers(state)
