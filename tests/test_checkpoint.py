@@ -347,6 +347,24 @@ def test_a_damaged_manifest_is_said_and_its_checkpoints_are_kept(tmp_path, tiny_
     assert "Traceback" not in again.stderr and "internal error" not in again.stderr
 
 
+def test_step_folders_without_a_manifest_are_kept_aside_and_said(tmp_path):
+    """A manifest deleted by hand: the run started over silently, wrote its own step 6
+    over the old one and its clean-up deleted step 3. Nothing can check or resume them:
+    they are moved aside whole, and the run says so."""
+    train(tmp_path, 7, every=3, final=False)  # steps 3 and 6
+    folder = tmp_path / "checkpoints"
+    old = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    (folder / "manifest.json").unlink()
+    del old[Path("manifest.json")]
+    with pytest.warns(UserWarning, match="step folders but no manifest.json") as said:
+        losses, _, section = train(tmp_path, 7, every=3, final=False)
+    (aside,) = tmp_path.glob("checkpoints.old-*")
+    assert str(aside) in str(said[0].message)
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == old
+    assert min(losses) == 0  # started over, at its first step
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-00000003", "step-00000006"]
+
+
 @pytest.mark.parametrize(
     "edited",
     [

@@ -156,18 +156,31 @@ class Checkpoint(Optimization):
         world = state.world
         if self.settings["resume"]:
             self._resume(state)
-        elif self._domains.leader(world.rank) and (
-            (self.root / MANIFEST).exists() or any(self.root.glob("step-*"))
+        manifest, steps = (self.root / MANIFEST).exists(), any(self.root.glob("step-*"))
+        if self._domains.leader(world.rank) and (
+            (manifest or steps) if not self.settings["resume"] else (steps and not manifest)
         ):
-            # A fresh start keeps the old checkpoints (a manifest lost or not) out of the way;
-            # the launcher's lock on a checkpoint.dir of its own (see `held`) stays.
-            aside = claim(stamped(self.root.parent, f"{self.root.name}.old"))
-            for entry in self.root.iterdir():
-                if entry.name != LOCK:
-                    shutil.move(str(entry), str(aside / entry.name))
+            aside = self._move_aside()
+            if self.settings["resume"]:  # nothing says which are complete, nor checks them
+                warn(
+                    f"{self.root} holds step folders but no {MANIFEST} (deleted, or the run "
+                    "was killed before its first checkpoint was complete): without it they "
+                    f"cannot be checked or resumed, so this run starts over; they are kept "
+                    f"in {aside}"
+                )
         all_gather_objects(None, world)  # no rank writes into a folder being moved away
         self._make_root()
         self._start_writers(state)
+
+    def _move_aside(self) -> Path:
+        """Keep the old checkpoints (a manifest lost or not) out of a fresh start's way, in
+        a folder beside; the launcher's lock on a checkpoint.dir of its own (see `held`)
+        stays."""
+        aside = claim(stamped(self.root.parent, f"{self.root.name}.old"))
+        for entry in self.root.iterdir():
+            if entry.name != LOCK:
+                shutil.move(str(entry), str(aside / entry.name))
+        return aside
 
     def _open(self, state: State, root: Path) -> None:
         self.root = root
