@@ -3,6 +3,7 @@ their own folder, the checksums travel by collectives, resume is agreed by a col
 Two ranks, each with a folder of its own, stand in for two machines."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -178,6 +179,29 @@ def test_a_run_folder_is_sent_without_the_checkpoints_moved_aside(tmp_path):
     archive = pack(tmp_path, skip=("nodes", "checkpoints"))
     with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
         assert tar.getnames() == ["summary.json"]
+
+
+def test_a_machines_run_folder_comes_back_without_its_lock(tmp_path):
+    """What a machine sends back at the end of a --ray run is unpacked over the
+    driver's run folder: a .lock in it wrote the machine's launcher's pid into the file
+    the driver holds its lock on, and a second run into that folder was refused
+    naming a process that is not the run (nor on this machine)."""
+    from overlapkit.folders import FolderInUseError, check_free, held
+    from overlapkit.launch.ray_nodes import NodeRunner, unpack
+
+    machine = NodeRunner()
+    (machine.folder / "run").mkdir()
+    (machine.folder / "run" / ".lock").write_text("4242\n")  # its launcher's, long gone
+    (machine.folder / "run" / "summary.json").write_text("{}")
+    for name in ("stdout.txt", "stderr.txt"):
+        (machine.folder / name).write_text("")
+    driver = tmp_path / "run"
+    driver.mkdir()
+    with held(driver):
+        unpack(machine.collect(), driver)
+        assert (driver / "summary.json").exists()
+        with pytest.raises(FolderInUseError, match=f"pid {os.getpid()}"):
+            check_free(driver)
 
 
 def test_an_earlier_runs_checkpoints_are_sent_back_a_chunk_at_a_time(tmp_path, monkeypatch):
