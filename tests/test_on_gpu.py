@@ -192,6 +192,91 @@ def test_a_session_in_a_nccl_group_evaluates_and_checkpoints(tmp_path):
         dist.destroy_process_group()
 
 
+def test_the_collectives_overlapkit_uses_run_on_its_nccl_group():
+    """The runtime's collectives skip a one-rank world, so the session test above
+    sends nothing through NCCL: here each kind the runtime uses runs on the group it
+    starts (`cpu:gloo,cuda:nccl`, bound to the GPU): device tensors (evaluation's
+    sums), CPU tensors (the checkpoint vote), objects (checksums, the partition), a
+    gloo subgroup (a checkpoint's own groups) and a barrier."""
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from overlapkit.runtime.distributed import process_group_backend
+
+    device = torch.device("cuda", 0)
+    dist.init_process_group(
+        process_group_backend("nccl"),
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        device_id=device,
+    )
+    try:
+        on_device = torch.tensor([2.0, 3.0], dtype=torch.float64, device=device)
+        dist.all_reduce(on_device)
+        on_host = torch.tensor([5], dtype=torch.int64)
+        dist.all_reduce(on_host, op=dist.ReduceOp.MAX)
+        gathered = [None]
+        dist.all_gather_object(gathered, {"crc32c": "0a1b2c3d"})
+        sent = [{"split": [0, 3, 7]}]
+        dist.broadcast_object_list(sent, src=0)
+        own = dist.new_group([0], backend="gloo")
+        pieces = [torch.zeros(1)]
+        dist.all_gather(pieces, torch.ones(1), group=own)
+        dist.barrier()
+        torch.cuda.synchronize()
+        assert on_device.tolist() == [2.0, 3.0] and on_host.item() == 5
+        assert gathered == [{"crc32c": "0a1b2c3d"}] and sent == [{"split": [0, 3, 7]}]
+        assert pieces[0].item() == 1.0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_step_times_are_the_devices_while_the_host_runs_ahead(tmp_path):
+    """On a model the GPU is the bottleneck of, the host queues steps ahead of the
+    device (no step waits for it), yet the step times in steps.jsonl, read from CUDA
+    events, add up to the wall clock of the measured steps (within 5 %), not to the
+    host's time to queue them."""
+    import time
+
+    from overlapkit import Optimization
+
+    device = torch.device("cuda", 0)
+    marks: dict[str, float] = {}
+
+    class Window(Optimization):
+        name = "test_window"
+
+        def on_step_start(self, state):
+            if state.step == state.warmup_steps and "start" not in marks:
+                torch.cuda.synchronize(device)
+                marks["start"] = time.perf_counter()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(6)]).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6, fused=True)
+    batch = torch.randn(4096, 4096, device=device)
+    session = Session([Window()], device="cuda", warmup_steps=5, run_dir=tmp_path)
+    model, optimizer, batches = session.prepare(model, optimizer, [batch] * 4)
+    for inputs in session.steps(45):
+        with session.forward():
+            loss = model(inputs).square().mean()
+        session.backward(loss)
+        session.optimizer_step()
+    queued = time.perf_counter()  # the host is done queueing; the device is not
+    torch.cuda.synchronize(device)
+    wall = time.perf_counter() - marks["start"]
+    summary = session.finish()
+    records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    measured = [r for r in records if not r["warmup"]]
+    assert len(measured) == summary["steps"] == 40
+    total = sum(r["step_time_s"] for r in measured)
+    assert abs(total - wall) <= 0.05 * wall, (total, wall)
+    for r in measured:  # the phases still add up to each step
+        assert abs(sum(r["phases_s"].values()) - r["step_time_s"]) <= 0.03 * r["step_time_s"]
+    assert queued - marks["start"] < 0.5 * wall  # the host ran ahead of the device
+
+
 def test_bucket_timing_on_nccl_reads_cuda_events_of_the_work():
     """The exposed-communication figure on NCCL: DDP's buckets, timed by the comm
     hook's CUDA events (launch on the backward's stream, completion in the future's
