@@ -347,6 +347,45 @@ def test_a_peek_at_one_batch_takes_nothing_from_the_epoch(tmp_path):
     again.finish()
 
 
+def test_a_peek_in_every_epoch_is_no_step(tmp_path):
+    """pytorch/examples' ddp-tutorial-series Trainer looks at a batch's size at the
+    start of every epoch (``len(next(iter(self.train_data))[0])``). Each look was a
+    step: the summary noted "24 steps and 20 optimizer steps" of a loop with one
+    update per batch, and a run resumed mid-epoch made its epoch's look again, so it
+    ended a step later than the run never stopped."""
+
+    def script(run_dir, stop_at=None):
+        model, optimizer, loader = parts()  # 5 batches an epoch
+        session = Session([Checkpoint(every=3)], run_dir=run_dir)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        start = session.start()
+        for _epoch in range(start.epoch, 4):
+            assert len(next(iter(loader))[0]) == 8  # the script's look at the batch size
+            for x, y in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                if session.state.step + 1 == stop_at:
+                    session.save()
+                    session.finish()
+                    return None, None
+        summary = session.finish()
+        return summary, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    summary, straight = script(tmp_path / "a")
+    assert summary["steps"] == 20 and session_step(tmp_path / "a") == 20
+    assert not [n for n in summary.get("notes", []) if "optimizer steps" in n]
+    script(tmp_path / "b", stop_at=12)  # epoch 2, after its second batch
+    resumed_summary, resumed = script(tmp_path / "b")
+    assert torch.equal(resumed, straight)
+    assert session_step(tmp_path / "b") == 20  # was 21: the resumed epoch's look again
+
+
+def session_step(run_dir):
+    """The step of the run's newest checkpoint (its final one)."""
+    return Manifest(run_dir / "checkpoints").read()[-1]["step"]
+
+
 def test_a_break_with_persistent_workers_is_said_to_resume_inexactly(tmp_path):
     """Persistent workers had loaded batches ahead when the pass was left: their draws
     never come back to be saved, so a resume's workers would draw otherwise."""

@@ -143,9 +143,12 @@ class EpochLoop:
             if peeked:
                 # One batch looked at, nothing trained (``next(iter(loader))`` for a
                 # shape): as if not taken, the loader goes on where it was (a list
-                # starts again anyway), and no epoch is counted.
+                # starts again anyway), and no epoch is counted, nor a step (a script
+                # looking every epoch counted one more step than updates per epoch).
                 if getattr(loader, "position", 0) > 0:
                     loader.position -= 1
+                self._in_step = False
+                self.state.clock.pause()
             else:
                 # A break in the script's loop: a next pass over the loader is a new
                 # epoch, as over the script's own DataLoader (not the rest of this one).
