@@ -859,6 +859,74 @@ def test_a_loop_without_an_optimizer_checkpoints_and_resumes(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
 
 
+class TinyRNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x, hidden):
+        out, hidden = self.rnn(x, hidden)
+        return self.head(out), hidden
+
+
+def carrying_script(run_dir, register, stop_at=None):
+    """pytorch/examples' word_language_model's shape: the RNN's hidden state carried
+    from batch to batch (detached), parameters updated by hand, 10 batches an epoch."""
+    torch.manual_seed(0)
+    data = torch.randn(41, 2, 3)  # (time, batch, features)
+    targets = (data.sum(-1) > 0).long()
+    model = TinyRNN()
+    session = Session([Checkpoint(every=3)], run_dir=run_dir)
+    model, _, offsets = session.prepare(model, None, DataLoader(range(0, 40, 4), batch_size=None))
+    carry = {}
+    start = session.start(**({"carry": carry} if register else {}))
+    for epoch in range(start.epoch, 2):
+        resumed = register and epoch == start.epoch and start.batch > 0
+        hidden = carry["hidden"] if resumed else torch.zeros(1, 2, 5)
+        for i in offsets:
+            output, hidden = model(data[i : i + 4], hidden.detach())
+            model.zero_grad()
+            loss = nn.functional.cross_entropy(
+                output.reshape(-1, 2), targets[i : i + 4].reshape(-1)
+            )
+            loss.backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+            carry["hidden"] = hidden
+            if session.state.step + 1 == stop_at:
+                break  # its final checkpoint: the resume goes on with the next batch
+        else:
+            continue
+        break
+    summary = session.finish()
+    return summary, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("register", [True, False])
+def test_state_carried_from_batch_to_batch_is_registered_or_told(tmp_path, register):
+    """An RNN's hidden state carried across batches is no state the session sees: a
+    resume mid-epoch started it afresh, silently (the parameters parted from the run
+    never stopped). Now a LoopWarning at the forward that takes it, and a note,
+    unless something registered holds it; registered, the resume is exact."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LoopWarning)
+        summary, straight = carrying_script(tmp_path / "a", register)
+        carrying_script(tmp_path / "b", register, stop_at=14)  # epoch 1, batch 4
+        resumed_summary, resumed = carrying_script(tmp_path / "b", register)
+    assert resumed_summary["optimizations"]["checkpoint"]["resumed_from_step"] == 14
+    told = [w for w in said if "carried from batch to batch" in str(w.message)]
+    notes = [n for n in summary.get("notes", []) if "carried from batch to batch" in n]
+    if register:
+        assert torch.equal(resumed, straight) and not told and not notes
+        return
+    assert not torch.equal(resumed, straight)  # what it is told about
+    assert len(told) == 3 and len(notes) == 1  # once in each of the 3 runs
+    assert "session.start(carry=carry)" in str(told[0].message)
+    assert told[0].filename == __file__
+    assert "model(data[i" in Path(__file__).read_text().splitlines()[told[0].lineno - 1]
+
+
 def test_a_script_accumulating_batches_itself_resumes_exactly(tmp_path):
     """Each batch is a step: in a script that steps its optimizer every second batch, a
     checkpoint due between the two would lose the first's gradient. It waits for the

@@ -10,6 +10,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
 
+from .batch import tensors_in
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng
 from .script import Start, note, script_locals, warn
@@ -58,6 +59,14 @@ class SavedState:
         held = [*self._stateful.values(), self.state.lr_scheduler]
         held += [value for owner in held for value in getattr(owner, "__dict__", {}).values()]
         return any(owner is obj for owner in held)
+
+    def holds_storage_of(self, tensors: list[torch.Tensor]) -> bool:
+        """One of ``tensors`` shares its storage with a tensor a registered object or
+        value would checkpoint now (a dict holding an RNN's hidden state)."""
+        wanted = {tensor.untyped_storage().data_ptr() for tensor in tensors}
+        saved = [obj.state_dict() for obj in self._stateful.values()]
+        saved.append(self._values.state_dict())
+        return any(held.untyped_storage().data_ptr() in wanted for held in tensors_in(saved))
 
     def check_unsaved_state(self) -> None:
         """As a checkpointed run starts: the script's state that a resume would restart
