@@ -170,6 +170,54 @@ def test_the_scripts_set_epoch_is_kept_and_restored():
     assert [x.tolist() for (x,) in again] == orders[1][1:]
 
 
+def own_resume_script(run_dir, own_resume, stop_at=None):
+    """pytorch/examples' ddp-tutorial-series Trainer (one rank): set_epoch each epoch;
+    with ``own_resume`` it still starts at the epoch of its own snapshot file (0 here,
+    saved at each epoch's end), not at start.epoch."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    model, optimizer, _ = parts()
+    data = TensorDataset(torch.randn(40, 6), torch.randint(3, (40,)))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=1)
+    loader = DataLoader(data, batch_size=8, sampler=sampler)  # 5 batches an epoch
+    session = Session([Checkpoint(every=100)], run_dir=run_dir)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    start = session.start()
+    for epoch in range(0 if own_resume else start.epoch, 3):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if session.state.step == stop_at:
+                session.finish()  # its final checkpoint, mid-way through epoch 1
+                return None, None
+    summary = session.finish()
+    return summary, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("own_resume", [False, True])
+def test_a_script_still_resuming_its_own_epoch_count_is_told(tmp_path, own_resume):
+    """A port that kept the script's own resume (its epoch loop at its snapshot file's
+    epoch) set its sampler to another epoch than the resumed pass had: that pass came
+    in another order and whole epochs were trained again, silently. Now a LoopWarning
+    and a note; one resume (start.epoch) is exact and told nothing."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LoopWarning)
+        _, straight = own_resume_script(tmp_path / "a", own_resume=False)
+        own_resume_script(tmp_path / "b", own_resume, stop_at=7)
+        summary, resumed = own_resume_script(tmp_path / "b", own_resume)
+    told = [w for w in said if "set_epoch" in str(w.message)]
+    notes = [n for n in summary.get("notes", []) if "set_epoch" in n]
+    if not own_resume:
+        assert torch.equal(resumed, straight) and not told and not notes
+        return
+    assert not torch.equal(resumed, straight)  # what it is told about
+    assert len(told) == 1 and len(notes) == 1
+    assert "set its sampler's epoch to 0" in notes[0] and "had set to 1" in notes[0]
+    assert told[0].filename == __file__
+
+
 def test_steps_sets_the_epoch_of_a_prepared_loaders_distributed_sampler():
     """steps() owns the epoch loop: each epoch its own shuffle (was epoch 0's, always)."""
     from torch.utils.data.distributed import DistributedSampler
