@@ -907,6 +907,47 @@ def test_a_loop_without_an_optimizer_checkpoints_and_resumes(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
 
 
+@pytest.mark.parametrize("register", [True, False])
+def test_a_learning_rate_annealed_by_hand_without_an_optimizer_is_told(tmp_path, register):
+    """word_language_model updates its parameters itself with an ``lr`` it divides by 4
+    when the validation loss does not improve: left unregistered, a resume went on
+    with the first lr (16 times too large after two anneals), with no word. Without
+    an optimizer, the session now says what to register, naming what is."""
+
+    def script(run_dir, stop_at=None):
+        torch.manual_seed(0)
+        x = torch.randn(40, 4)
+        loader = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=4)
+        model = nn.Linear(4, 2)
+        session = Session([Checkpoint(every=3)], run_dir=run_dir)
+        model, _, loader = session.prepare(model, None, loader)
+        lr = 1.0
+        start = session.start(**({"lr": lambda: lr} if register else {}))
+        lr = start.values.get("lr", lr)
+        for _epoch in range(start.epoch, 3):
+            for xb, yb in loader:
+                model.zero_grad()
+                nn.functional.cross_entropy(model(xb), yb).backward()
+                for p in model.parameters():
+                    p.data.add_(p.grad, alpha=-lr)
+                if session.state.step + 1 == stop_at:
+                    return session.finish(), None
+            lr /= 4.0  # annealed by hand at each epoch's end
+        summary = session.finish()
+        return summary, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    summary, straight = script(tmp_path / "a")
+    script(tmp_path / "b", stop_at=24)  # epoch 2, after two anneals
+    _, resumed = script(tmp_path / "b")
+    said = [n for n in summary.get("notes", []) if "no optimizer" in n]
+    assert len(said) == 1 and "session.start(lr=lambda: lr)" in said[0]
+    if register:
+        assert torch.equal(resumed, straight) and "(lr here)" in said[0]
+        return
+    assert not torch.equal(resumed, straight)  # what it is told about
+    assert "(nothing here)" in said[0]
+
+
 class TinyRNN(nn.Module):
     def __init__(self):
         super().__init__()

@@ -74,9 +74,23 @@ class SavedState:
         optimizer's param groups): the learning rate would be the saved one, but the
         schedule's count would start again. An EMA or SWA copy of the model
         (``AveragedModel``, among the variables of the function starting the run): its
-        average would start again from the resumed model."""
+        average would start again from the resumed model. Without an optimizer: what
+        the script's own update reads is said to be its to register, with the names
+        registered (word_language_model anneals its ``lr`` by hand)."""
         state = self.state
-        if not self.checkpointing or not self.runs_a_script or state.optimizer is None:
+        if not self.checkpointing or not self.runs_a_script:
+            return
+        if state.optimizer is None:
+            if self._raw_model is not None:
+                names = [*self._stateful, *self._values.getters]
+                self._note(
+                    "prepare() was given no optimizer: the script updates the parameters "
+                    "itself, and checkpoints hold them, but of what its update reads (a "
+                    "learning rate it anneals by hand, momentum buffers) only what it "
+                    f"registers ({', '.join(names) or 'nothing'} here): register the "
+                    "rest, session.start(lr=lambda: lr), and take it back from "
+                    "start.values, or a resume goes on with its first value"
+                )
             return
         unsaved = []
         scheduled = any("initial_lr" in group for group in state.optimizer.param_groups)
