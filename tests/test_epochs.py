@@ -907,6 +907,47 @@ def test_a_loop_without_an_optimizer_checkpoints_and_resumes(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
 
 
+def saving_without_an_optimizer(run_dir, save_at=None, stop=None):
+    """A script updating its parameters itself that saves in its loop body (at its
+    top or its bottom) after ``stop`` batches and stops there; 10 batches."""
+    torch.manual_seed(0)
+    x = torch.randn(40, 4)
+    loader = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=4)
+    model = nn.Linear(4, 2)
+    session = Session([Checkpoint(every=100, final=False)], run_dir=run_dir)
+    model, _, loader = session.prepare(model, None, loader)
+    session.start()
+    trained = 0
+    for xb, yb in loader:
+        if save_at == "top" and trained == stop:
+            session.save()
+            break
+        model.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.1)
+        trained += 1
+        if save_at == "bottom" and trained == stop:
+            session.save()
+            break
+    session.finish()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), session.state.step
+
+
+def test_a_save_in_a_loop_without_an_optimizer_is_numbered_or_told(tmp_path):
+    """Without an optimizer, a save after the script's own update was numbered one
+    step early (the resume ended a step short of the run never stopped: steps(n)
+    trained a batch more), and a save before its forward, its batch taken, had the
+    resume skip that batch, silently (an optimizer's loop is told)."""
+    straight, steps = saving_without_an_optimizer(tmp_path / "a")
+    saving_without_an_optimizer(tmp_path / "b", "bottom", stop=4)
+    resumed, resumed_steps = saving_without_an_optimizer(tmp_path / "b")
+    assert torch.equal(resumed, straight) and resumed_steps == steps == 10  # was 9
+    with pytest.warns(LoopWarning, match="before its forward: its batch") as said:
+        saving_without_an_optimizer(tmp_path / "c", "top", stop=4)
+    assert said[0].filename == __file__
+
+
 @pytest.mark.parametrize("register", [True, False])
 def test_a_learning_rate_annealed_by_hand_without_an_optimizer_is_told(tmp_path, register):
     """word_language_model updates its parameters itself with an ``lr`` it divides by 4

@@ -172,16 +172,18 @@ class SavedState:
         Inside a step, after its optimizer step (a script saving every N updates in
         its loop body), the checkpoint is the step's end: a resume goes on with the
         next step. Before it (the step's batch fetched, or its gradients accumulated
-        but not applied), a resume cannot be exact: a `LoopWarning` says so."""
+        but not applied), a resume cannot be exact: a `LoopWarning` says so. Without
+        an optimizer (the script updates the parameters itself, after its forward), a
+        step whose training forward ran is taken as trained."""
         state = self.state
-        trained = self._in_step and state.optimizer is not None and not state.update_pending
+        trained = self._in_step and not state.update_pending
         if trained and self._forwards_in_step > 0:
             # The step's batch is trained and applied: saved as after the step, as the
             # checkpoint at the next step's start would be (labelled one step early, a
             # resume ran that step's batch count again: one step more in steps(n)).
             with temporarily(state, "step", state.step + 1):
                 return self._save(directory)
-        if self._in_step and state.optimizer is not None:
+        if self._in_step:
             self._warn_save_inside_update()
         return self._save(directory)
 
