@@ -170,6 +170,54 @@ def test_the_scripts_set_epoch_is_kept_and_restored():
     assert [x.tolist() for (x,) in again] == orders[1][1:]
 
 
+def own_resume_script(run_dir, own_resume, stop_at=None):
+    """pytorch/examples' ddp-tutorial-series Trainer (one rank): set_epoch each epoch;
+    with ``own_resume`` it still starts at the epoch of its own snapshot file (0 here,
+    saved at each epoch's end), not at start.epoch."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    model, optimizer, _ = parts()
+    data = TensorDataset(torch.randn(40, 6), torch.randint(3, (40,)))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=1)
+    loader = DataLoader(data, batch_size=8, sampler=sampler)  # 5 batches an epoch
+    session = Session([Checkpoint(every=100)], run_dir=run_dir)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    start = session.start()
+    for epoch in range(0 if own_resume else start.epoch, 3):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if session.state.step == stop_at:
+                session.finish()  # its final checkpoint, mid-way through epoch 1
+                return None, None
+    summary = session.finish()
+    return summary, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("own_resume", [False, True])
+def test_a_script_still_resuming_its_own_epoch_count_is_told(tmp_path, own_resume):
+    """A port that kept the script's own resume (its epoch loop at its snapshot file's
+    epoch) set its sampler to another epoch than the resumed pass had: that pass came
+    in another order and whole epochs were trained again, silently. Now a LoopWarning
+    and a note; one resume (start.epoch) is exact and told nothing."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LoopWarning)
+        _, straight = own_resume_script(tmp_path / "a", own_resume=False)
+        own_resume_script(tmp_path / "b", own_resume, stop_at=7)
+        summary, resumed = own_resume_script(tmp_path / "b", own_resume)
+    told = [w for w in said if "set_epoch" in str(w.message)]
+    notes = [n for n in summary.get("notes", []) if "set_epoch" in n]
+    if not own_resume:
+        assert torch.equal(resumed, straight) and not told and not notes
+        return
+    assert not torch.equal(resumed, straight)  # what it is told about
+    assert len(told) == 1 and len(notes) == 1
+    assert "set its sampler's epoch to 0" in notes[0] and "had set to 1" in notes[0]
+    assert told[0].filename == __file__
+
+
 def test_steps_sets_the_epoch_of_a_prepared_loaders_distributed_sampler():
     """steps() owns the epoch loop: each epoch its own shuffle (was epoch 0's, always)."""
     from torch.utils.data.distributed import DistributedSampler
@@ -345,6 +393,45 @@ def test_a_peek_at_one_batch_takes_nothing_from_the_epoch(tmp_path):
     again.prepare(*parts()[:2], batches)
     assert again.start().epoch == 1  # one epoch trained
     again.finish()
+
+
+def test_a_peek_in_every_epoch_is_no_step(tmp_path):
+    """pytorch/examples' ddp-tutorial-series Trainer looks at a batch's size at the
+    start of every epoch (``len(next(iter(self.train_data))[0])``). Each look was a
+    step: the summary noted "24 steps and 20 optimizer steps" of a loop with one
+    update per batch, and a run resumed mid-epoch made its epoch's look again, so it
+    ended a step later than the run never stopped."""
+
+    def script(run_dir, stop_at=None):
+        model, optimizer, loader = parts()  # 5 batches an epoch
+        session = Session([Checkpoint(every=3)], run_dir=run_dir)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        start = session.start()
+        for _epoch in range(start.epoch, 4):
+            assert len(next(iter(loader))[0]) == 8  # the script's look at the batch size
+            for x, y in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                if session.state.step + 1 == stop_at:
+                    session.save()
+                    session.finish()
+                    return None, None
+        summary = session.finish()
+        return summary, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    summary, straight = script(tmp_path / "a")
+    assert summary["steps"] == 20 and session_step(tmp_path / "a") == 20
+    assert not [n for n in summary.get("notes", []) if "optimizer steps" in n]
+    script(tmp_path / "b", stop_at=12)  # epoch 2, after its second batch
+    resumed_summary, resumed = script(tmp_path / "b")
+    assert torch.equal(resumed, straight)
+    assert session_step(tmp_path / "b") == 20  # was 21: the resumed epoch's look again
+
+
+def session_step(run_dir):
+    """The step of the run's newest checkpoint (its final one)."""
+    return Manifest(run_dir / "checkpoints").read()[-1]["step"]
 
 
 def test_a_break_with_persistent_workers_is_said_to_resume_inexactly(tmp_path):
@@ -818,6 +905,156 @@ def test_a_loop_without_an_optimizer_checkpoints_and_resumes(tmp_path):
     run(tmp_path / "b", stop=10)  # its final checkpoint: step 10
     resumed, _ = run(tmp_path / "b")
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
+def saving_without_an_optimizer(run_dir, save_at=None, stop=None):
+    """A script updating its parameters itself that saves in its loop body (at its
+    top or its bottom) after ``stop`` batches and stops there; 10 batches."""
+    torch.manual_seed(0)
+    x = torch.randn(40, 4)
+    loader = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=4)
+    model = nn.Linear(4, 2)
+    session = Session([Checkpoint(every=100, final=False)], run_dir=run_dir)
+    model, _, loader = session.prepare(model, None, loader)
+    session.start()
+    trained = 0
+    for xb, yb in loader:
+        if save_at == "top" and trained == stop:
+            session.save()
+            break
+        model.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.1)
+        trained += 1
+        if save_at == "bottom" and trained == stop:
+            session.save()
+            break
+    session.finish()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), session.state.step
+
+
+def test_a_save_in_a_loop_without_an_optimizer_is_numbered_or_told(tmp_path):
+    """Without an optimizer, a save after the script's own update was numbered one
+    step early (the resume ended a step short of the run never stopped: steps(n)
+    trained a batch more), and a save before its forward, its batch taken, had the
+    resume skip that batch, silently (an optimizer's loop is told)."""
+    straight, steps = saving_without_an_optimizer(tmp_path / "a")
+    saving_without_an_optimizer(tmp_path / "b", "bottom", stop=4)
+    resumed, resumed_steps = saving_without_an_optimizer(tmp_path / "b")
+    assert torch.equal(resumed, straight) and resumed_steps == steps == 10  # was 9
+    with pytest.warns(LoopWarning, match="before its forward: its batch") as said:
+        saving_without_an_optimizer(tmp_path / "c", "top", stop=4)
+    assert said[0].filename == __file__
+
+
+@pytest.mark.parametrize("register", [True, False])
+def test_a_learning_rate_annealed_by_hand_without_an_optimizer_is_told(tmp_path, register):
+    """word_language_model updates its parameters itself with an ``lr`` it divides by 4
+    when the validation loss does not improve: left unregistered, a resume went on
+    with the first lr (16 times too large after two anneals), with no word. Without
+    an optimizer, the session now says what to register, naming what is."""
+
+    def script(run_dir, stop_at=None):
+        torch.manual_seed(0)
+        x = torch.randn(40, 4)
+        loader = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=4)
+        model = nn.Linear(4, 2)
+        session = Session([Checkpoint(every=3)], run_dir=run_dir)
+        model, _, loader = session.prepare(model, None, loader)
+        lr = 1.0
+        start = session.start(**({"lr": lambda: lr} if register else {}))
+        lr = start.values.get("lr", lr)
+        for _epoch in range(start.epoch, 3):
+            for xb, yb in loader:
+                model.zero_grad()
+                nn.functional.cross_entropy(model(xb), yb).backward()
+                for p in model.parameters():
+                    p.data.add_(p.grad, alpha=-lr)
+                if session.state.step + 1 == stop_at:
+                    return session.finish(), None
+            lr /= 4.0  # annealed by hand at each epoch's end
+        summary = session.finish()
+        return summary, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    summary, straight = script(tmp_path / "a")
+    script(tmp_path / "b", stop_at=24)  # epoch 2, after two anneals
+    _, resumed = script(tmp_path / "b")
+    said = [n for n in summary.get("notes", []) if "no optimizer" in n]
+    assert len(said) == 1 and "session.start(lr=lambda: lr)" in said[0]
+    if register:
+        assert torch.equal(resumed, straight) and "(lr here)" in said[0]
+        return
+    assert not torch.equal(resumed, straight)  # what it is told about
+    assert "(nothing here)" in said[0]
+
+
+class TinyRNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x, hidden):
+        out, hidden = self.rnn(x, hidden)
+        return self.head(out), hidden
+
+
+def carrying_script(run_dir, register, stop_at=None):
+    """pytorch/examples' word_language_model's shape: the RNN's hidden state carried
+    from batch to batch (detached), parameters updated by hand, 10 batches an epoch."""
+    torch.manual_seed(0)
+    data = torch.randn(41, 2, 3)  # (time, batch, features)
+    targets = (data.sum(-1) > 0).long()
+    model = TinyRNN()
+    session = Session([Checkpoint(every=3)], run_dir=run_dir)
+    model, _, offsets = session.prepare(model, None, DataLoader(range(0, 40, 4), batch_size=None))
+    carry = {}
+    start = session.start(**({"carry": carry} if register else {}))
+    for epoch in range(start.epoch, 2):
+        resumed = register and epoch == start.epoch and start.batch > 0
+        hidden = carry["hidden"] if resumed else torch.zeros(1, 2, 5)
+        for i in offsets:
+            output, hidden = model(data[i : i + 4], hidden.detach())
+            model.zero_grad()
+            loss = nn.functional.cross_entropy(
+                output.reshape(-1, 2), targets[i : i + 4].reshape(-1)
+            )
+            loss.backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+            carry["hidden"] = hidden
+            if session.state.step + 1 == stop_at:
+                break  # its final checkpoint: the resume goes on with the next batch
+        else:
+            continue
+        break
+    summary = session.finish()
+    return summary, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("register", [True, False])
+def test_state_carried_from_batch_to_batch_is_registered_or_told(tmp_path, register):
+    """An RNN's hidden state carried across batches is no state the session sees: a
+    resume mid-epoch started it afresh, silently (the parameters parted from the run
+    never stopped). Now a LoopWarning at the forward that takes it, and a note,
+    unless something registered holds it; registered, the resume is exact."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LoopWarning)
+        summary, straight = carrying_script(tmp_path / "a", register)
+        carrying_script(tmp_path / "b", register, stop_at=14)  # epoch 1, batch 4
+        resumed_summary, resumed = carrying_script(tmp_path / "b", register)
+    assert resumed_summary["optimizations"]["checkpoint"]["resumed_from_step"] == 14
+    told = [w for w in said if "carried from batch to batch" in str(w.message)]
+    notes = [n for n in summary.get("notes", []) if "carried from batch to batch" in n]
+    if register:
+        assert torch.equal(resumed, straight) and not told and not notes
+        return
+    assert not torch.equal(resumed, straight)  # what it is told about
+    assert len(told) == 3 and len(notes) == 1  # once in each of the 3 runs
+    assert "session.start(carry=carry)" in str(told[0].message)
+    assert told[0].filename == __file__
+    assert "model(data[i" in Path(__file__).read_text().splitlines()[told[0].lineno - 1]
 
 
 def test_a_script_accumulating_batches_itself_resumes_exactly(tmp_path):

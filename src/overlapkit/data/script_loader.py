@@ -191,6 +191,8 @@ class ScriptLoader:
         self._shift = 0
         self._start_workers: tuple[dict[int, Any], int] | None = None
         self.inexact_resume: str | None = None  # why a resume would not be exact, if so
+        # After a resume mid-epoch: the sampler's epoch (set_epoch) in the pass it goes on with.
+        self.resumed_sampler_epoch: int | None = None
         self._loader: DataLoader | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -364,6 +366,7 @@ class ScriptLoader:
         }
         if hasattr(self.sampler, "set_epoch") and "sampler_epoch" in state:
             self.sampler.set_epoch(int(state["sampler_epoch"]))
+            self.resumed_sampler_epoch = int(state["sampler_epoch"]) if self.position else None
         saved_rng = state.get("worker_rng") or {}
         if saved_rng and state.get("workers") == self._workers and self._tracks_workers:
             # The next pass's worker m gets the batches the run's worker (k + m) mod W had.

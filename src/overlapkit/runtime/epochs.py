@@ -131,6 +131,7 @@ class EpochLoop:
                 updates = self._optimizer_steps
                 yield self._arrived(batch)
                 if self._resumed_mid_epoch is not None:
+                    self._check_resumed_sampler_epoch(loader)
                     self._check_first_resumed_batch(updates)
                 if self._in_step:
                     self.end_step()
@@ -143,9 +144,12 @@ class EpochLoop:
             if peeked:
                 # One batch looked at, nothing trained (``next(iter(loader))`` for a
                 # shape): as if not taken, the loader goes on where it was (a list
-                # starts again anyway), and no epoch is counted.
+                # starts again anyway), and no epoch is counted, nor a step (a script
+                # looking every epoch counted one more step than updates per epoch).
                 if getattr(loader, "position", 0) > 0:
                     loader.position -= 1
+                self._in_step = False
+                self.state.clock.pause()
             else:
                 # A break in the script's loop: a next pass over the loader is a new
                 # epoch, as over the script's own DataLoader (not the rest of this one).
@@ -173,6 +177,30 @@ class EpochLoop:
             "the skip; count batches from start.batch: enumerate(loader, start.batch)"
         )
         self.notes.append(message)
+        warn(message)
+
+    def _check_resumed_sampler_epoch(self, loader: Any) -> None:
+        """The first batch after a resume mid-epoch is done: the script set its sampler
+        to the epoch it had in that pass when the checkpoint was taken (or left it). A
+        script still resuming from its own checkpoint file too (its epoch loop starting
+        at that file's epoch, not start.epoch) set another one, silently."""
+        inner = getattr(loader, "inner", loader)  # under prefetch, the script's loader
+        saved = getattr(inner, "resumed_sampler_epoch", None)
+        if saved is None:
+            return
+        inner.resumed_sampler_epoch = None
+        now = getattr(inner.sampler, "epoch", saved)
+        if now == saved:
+            return
+        message = (
+            f"the script set its sampler's epoch to {now} (sampler.set_epoch) for the pass "
+            f"the resume goes on with, which it had set to {saved} when the checkpoint was "
+            "taken: the rest of that epoch comes in another order, and the script counts "
+            "its epochs otherwise than the run did (it trains epochs again, or skips some). "
+            "Does it still resume from its own checkpoint file too? Keep one resume: start "
+            "the epoch loop at start.epoch"
+        )
+        self.notes.append(f"cannot resume exactly: {message}")
         warn(message)
 
     def _next_epoch(self, loader: Any) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
 
+from .batch import tensors_in
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng
 from .script import Start, note, script_locals, warn
@@ -59,15 +60,37 @@ class SavedState:
         held += [value for owner in held for value in getattr(owner, "__dict__", {}).values()]
         return any(owner is obj for owner in held)
 
+    def holds_storage_of(self, tensors: list[torch.Tensor]) -> bool:
+        """One of ``tensors`` shares its storage with a tensor a registered object or
+        value would checkpoint now (a dict holding an RNN's hidden state)."""
+        wanted = {tensor.untyped_storage().data_ptr() for tensor in tensors}
+        saved = [obj.state_dict() for obj in self._stateful.values()]
+        saved.append(self._values.state_dict())
+        return any(held.untyped_storage().data_ptr() in wanted for held in tensors_in(saved))
+
     def check_unsaved_state(self) -> None:
         """As a checkpointed run starts: the script's state that a resume would restart
         silently, unregistered. Its LR schedule (torch's set ``initial_lr`` in the
         optimizer's param groups): the learning rate would be the saved one, but the
         schedule's count would start again. An EMA or SWA copy of the model
         (``AveragedModel``, among the variables of the function starting the run): its
-        average would start again from the resumed model."""
+        average would start again from the resumed model. Without an optimizer: what
+        the script's own update reads is said to be its to register, with the names
+        registered (word_language_model anneals its ``lr`` by hand)."""
         state = self.state
-        if not self.checkpointing or not self.runs_a_script or state.optimizer is None:
+        if not self.checkpointing or not self.runs_a_script:
+            return
+        if state.optimizer is None:
+            if self._raw_model is not None:
+                names = [*self._stateful, *self._values.getters]
+                self._note(
+                    "prepare() was given no optimizer: the script updates the parameters "
+                    "itself, and checkpoints hold them, but of what its update reads (a "
+                    "learning rate it anneals by hand, momentum buffers) only what it "
+                    f"registers ({', '.join(names) or 'nothing'} here): register the "
+                    "rest, session.start(lr=lambda: lr), and take it back from "
+                    "start.values, or a resume goes on with its first value"
+                )
             return
         unsaved = []
         scheduled = any("initial_lr" in group for group in state.optimizer.param_groups)
@@ -149,16 +172,18 @@ class SavedState:
         Inside a step, after its optimizer step (a script saving every N updates in
         its loop body), the checkpoint is the step's end: a resume goes on with the
         next step. Before it (the step's batch fetched, or its gradients accumulated
-        but not applied), a resume cannot be exact: a `LoopWarning` says so."""
+        but not applied), a resume cannot be exact: a `LoopWarning` says so. Without
+        an optimizer (the script updates the parameters itself, after its forward), a
+        step whose training forward ran is taken as trained."""
         state = self.state
-        trained = self._in_step and state.optimizer is not None and not state.update_pending
+        trained = self._in_step and not state.update_pending
         if trained and self._forwards_in_step > 0:
             # The step's batch is trained and applied: saved as after the step, as the
             # checkpoint at the next step's start would be (labelled one step early, a
             # resume ran that step's batch count again: one step more in steps(n)).
             with temporarily(state, "step", state.step + 1):
                 return self._save(directory)
-        if self._in_step and state.optimizer is not None:
+        if self._in_step:
             self._warn_save_inside_update()
         return self._save(directory)
 

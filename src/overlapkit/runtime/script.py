@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from .batch import tensors_in
 from .events import Event
 from .gradsync import BackwardEnd
 from .hooks import SessionHook, _inert_hook  # noqa: F401 - models pickled before name it here
@@ -97,6 +99,8 @@ class PlainCalls:
         self._looked_for_scaler = False
         self._backward_end = BackwardEnd(self._backward_ends)
         self._handles: list[Any] = []
+        # Looked for while checkpointing, until found once (`_look_for_carried_state`).
+        self._carried: CarriedState | None = None
 
     @property
     def in_session_call(self) -> bool:
@@ -104,7 +108,11 @@ class PlainCalls:
         return self.session.state.in_session_call
 
     def install(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self._handles.append(model.register_forward_pre_hook(SessionHook(self._before_forward)))
+        if self.session.checkpointing and self.session.runs_a_script:
+            self._carried = CarriedState()
+        self._handles.append(
+            model.register_forward_pre_hook(SessionHook(self._before_forward), with_kwargs=True)
+        )
         self._handles.append(model.register_forward_hook(SessionHook(self._after_forward)))
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(SessionHook(self._before_step)))
@@ -134,8 +142,19 @@ class PlainCalls:
             return False
         return module is None or (module.training and torch.is_grad_enabled())
 
+    def _training_forward(self, module: nn.Module) -> bool:
+        """A training forward inside a step, the script's own call or the session's."""
+        session = self.session
+        if not session.in_step or session.paused_now:
+            return False
+        if session.state.clock.current == "backward":
+            return False
+        return module.training and torch.is_grad_enabled()
+
     # ----------------------------------------------------------- forward
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
+    def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._carried is not None and self._training_forward(module):
+            self._look_for_carried_state((args, kwargs))
         if not self._plain(module):
             return
         self.session.check_plain_forward()
@@ -145,6 +164,8 @@ class PlainCalls:
         state.clock.switch("forward")
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._carried is not None and self._training_forward(module):
+            self._carried.returned(output, self.session.state.step)
         if not self._plain(module):
             return
         session = self.session
@@ -153,6 +174,28 @@ class PlainCalls:
         tensor = _first_tensor_with_grad(output)
         if tensor is not None:
             tensor.register_hook(_OutputReached(self, session.state.step))
+
+    def _look_for_carried_state(self, inputs: Any) -> None:
+        """Told once: a training forward takes a tensor an earlier step's forward
+        returned, and nothing registered for checkpointing holds it."""
+        session = self.session
+        step = session.state.step
+        carried = self._carried.carried(inputs, step)
+        if carried is None:
+            return
+        self._carried = None  # looked for once: not on every forward after it
+        if session.holds_storage_of(carried):
+            return
+        message = (
+            f"the model's forward in step {step} takes a tensor that its forward in step "
+            f"{step - 1} returned (state carried from batch to batch, as an RNN's hidden "
+            "state): no checkpoint holds it, so a resume mid-epoch starts it afresh and "
+            "is not exact. Register it, and take it back after a resume: a dict given "
+            "to session.start(carry=carry), with carry['hidden'] = hidden after each "
+            "batch (restored in place)"
+        )
+        session.notes.append(f"cannot resume exactly: {message}")
+        warn(message)
 
     def _backward_reaches_output(self, forward_step: int) -> None:
         session = self.session
@@ -198,6 +241,54 @@ class PlainCalls:
         if self.in_session_call or not self.session.in_step:
             return
         self.session.after_optimizer_step()
+
+
+class CarriedState:
+    """The storages of the tensors a step's training forwards returned, held weakly,
+    to tell a loop that feeds one of them to a later step's forward (an RNN's hidden
+    state, detached from its graph: a new tensor over the same storage)."""
+
+    def __init__(self) -> None:
+        self._step = -1
+        self._returned: set[StorageWeakRef] = set()  # by this step's forwards
+        self._before: set[StorageWeakRef] = set()  # by the step before
+
+    def _at(self, step: int) -> None:
+        if step != self._step:
+            self._before = self._returned if step == self._step + 1 else set()
+            self._returned, self._step = set(), step
+
+    def returned(self, output: Any, step: int) -> None:
+        self._at(step)
+        self._returned.update(_storages(output))
+
+    def carried(self, inputs: Any, step: int) -> list[torch.Tensor] | None:
+        """The inputs over a storage the step before returned, None if none. A weak
+        reference keeps its storage's record alive (not its data): no other storage
+        takes its address while it is held, so an equal one is that very storage."""
+        self._at(step)
+        if not self._before:
+            return None
+        found = [
+            tensor
+            for tensor in tensors_in(inputs)
+            if (ref := _storage_ref(tensor)) is not None and ref in self._before
+        ]
+        return found or None
+
+
+def _storage_ref(tensor: torch.Tensor) -> StorageWeakRef | None:
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, and other storage-less layouts
+        return None
+    return StorageWeakRef(storage) if storage.nbytes() else None
+
+
+def _storages(value: Any) -> Iterator[StorageWeakRef]:
+    for tensor in tensors_in(value):
+        if (ref := _storage_ref(tensor)) is not None:
+            yield ref
 
 
 class _OutputReached:
