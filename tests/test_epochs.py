@@ -479,14 +479,23 @@ def test_a_resume_before_the_scripts_schedule_step_gives_no_false_torch_warning(
 
 
 def test_a_loader_without_a_position_resumes_after_a_whole_epoch_at_the_next(tmp_path):
-    """A list of batches has no position: a run resumed at an epoch's end starts the
-    next epoch (it started epoch 0 again: a whole run trained twice)."""
+    """An iterable the script makes has no position: a run resumed at an epoch's end
+    starts the next epoch (it started epoch 0 again: a whole run trained twice)."""
+
+    class Batches:  # a script's own iterable: neither a sequence nor a DataLoader
+        def __init__(self):
+            self.batches = [(torch.randn(4, 6), torch.randint(3, (4,))) for _ in range(4)]
+
+        def __iter__(self):
+            return iter(self.batches)
+
+        def __len__(self):
+            return len(self.batches)
 
     def script(epochs):
         model, optimizer, _ = parts()
-        batches = [(torch.randn(4, 6), torch.randint(3, (4,))) for _ in range(4)]
         session = Session([Checkpoint(every=2)], run_dir=tmp_path)
-        model, optimizer, loader = session.prepare(model, optimizer, batches)
+        model, optimizer, loader = session.prepare(model, optimizer, Batches())
         start = session.start()
         for _epoch in range(start.epoch, epochs):
             one_epoch(model, loader, optimizer)
@@ -497,6 +506,83 @@ def test_a_loader_without_a_position_resumes_after_a_whole_epoch_at_the_next(tmp
     start, records = script(3)
     assert (start.step, start.epoch, start.batch) == (8, 2, 0)
     assert [r["step"] for r in records] == [8, 9, 10, 11]
+
+
+class Crash(Exception):
+    """Where a test's script stops as if killed (its checkpoints persisted)."""
+
+
+@pytest.mark.parametrize("kind", [list, tuple])
+@pytest.mark.parametrize("crash", ["in epoch 0's evaluation", "at step 7"])
+def test_a_list_of_batches_resumes_at_its_position(tmp_path, kind, crash):
+    """A list of batches had no position: a run resumed mid-epoch started the epoch
+    again, and one checkpointed at an epoch's end (before the script's end-of-epoch
+    code: an evaluation, a learning rate annealed by hand) resumed at the next epoch,
+    skipping that code (pytorch/examples' word_language_model: its lr stayed 4 times
+    too large, silently). The same items come in the same order every epoch: the
+    position is all a resume needs."""
+    torch.manual_seed(1)
+    batches = kind((torch.randn(4, 6), torch.randint(3, (4,))) for _ in range(4))
+
+    def script(run_dir, crash_at=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 3))
+        session = Session([Checkpoint(every=4 if crash_at == "eval" else 3, final=False)],
+                          run_dir=run_dir)  # fmt: skip
+        model, _, loader = session.prepare(model, None, batches)
+        lr, evaluated = 0.1, []
+        start = session.start(lr=lambda: lr, evaluated=lambda: evaluated)
+        lr, evaluated = start.values["lr"], start.values["evaluated"]
+        try:
+            for epoch in range(start.epoch, 3):
+                for x, y in loader:
+                    loss = nn.functional.cross_entropy(model(x), y)
+                    loss.backward()
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p -= lr * p.grad
+                            p.grad = None
+                    if crash_at == session.state.step:
+                        raise Crash
+                with session.paused():
+                    if crash_at == "eval":
+                        raise Crash
+                    evaluated.append(epoch)
+                lr /= 4
+        except Crash:
+            pass
+        session.finish()
+        return model, lr, evaluated, start
+
+    straight, lr, evaluated, _ = script(tmp_path / "a")
+    script(tmp_path / "b", "eval" if "evaluation" in crash else 7)
+    model, lr_b, evaluated_b, start = script(tmp_path / "b")
+    assert (start.epoch, start.batch) == ((0, 4) if "evaluation" in crash else (1, 2))
+    assert (lr_b, evaluated_b) == (lr, evaluated) == (0.1 / 64, [0, 1, 2])
+    for a, b in zip(straight.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_list_changed_between_epochs_is_said(tmp_path):
+    """The position is in the list the resumed script has: one shuffled in place each
+    epoch holds other batches there, and one of another length other batches too."""
+    import random
+
+    def script(size, epochs):
+        model, optimizer, _ = parts()
+        batches = [(torch.randn(4, 6), torch.randint(3, (4,))) for _ in range(size)]
+        session = Session([Checkpoint(every=3)], run_dir=tmp_path)
+        model, optimizer, loader = session.prepare(model, optimizer, batches)
+        start = session.start()
+        for _epoch in range(start.epoch, epochs):
+            random.shuffle(batches)
+            one_epoch(model, loader, optimizer)
+        return session.finish()
+
+    said = script(4, 2)["notes"]
+    assert any("list of batches changed between epochs" in n for n in said), said
+    said = script(5, 3)["notes"]
+    assert any("has 5 where the checkpointed run's had 4" in n for n in said), said
 
 
 def test_a_loop_the_session_cannot_see_is_told_not_silent(tmp_path):

@@ -12,6 +12,7 @@ from ..config import Config
 from .local import Cifar10, DataError, DataNotFoundError, ImageFolder, Imdb, hash_tokenize
 from .sampler import ResumableLoader, ShardedSampler
 from .script_loader import ScriptLoader, resume_problem, sampler_note
+from .sequence_loader import SEQUENCES, SequenceLoader
 from .synthetic import SyntheticImages, SyntheticTokens, spend
 
 
@@ -174,7 +175,9 @@ __all__ = [
     "ImageFolder",
     "Imdb",
     "ResumableLoader",
+    "SEQUENCES",
     "ScriptLoader",
+    "SequenceLoader",
     "ShardedSampler",
     "SyntheticImages",
     "SyntheticTokens",

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from ..data import ScriptLoader, resume_problem, sampler_note
+from ..data import SEQUENCES, ScriptLoader, SequenceLoader, resume_problem, sampler_note
 from .optimization import Optimization
 from .script import Start, StepLoader, note, warn
 
@@ -72,6 +72,8 @@ class EpochLoop:
     def _resumable(self, loader: Any) -> Any:
         if loader is None:
             return None
+        if isinstance(loader, SEQUENCES):  # the same items every epoch: a position is all
+            return SequenceLoader(loader)
         problem = resume_problem(loader)
         if problem is None and isinstance(loader, DataLoader):
             if self.checkpointing and (hint := sampler_note(loader)):
@@ -120,6 +122,7 @@ class EpochLoop:
                     if iterator is None:
                         iterator = iter(loader)
                     batch = next(iterator, _END)
+                self._say_inexact(loader)
                 if batch is _END:
                     self._end_of_epoch()
                     if self._epoch_batches == 0 and iterator is loader:
@@ -211,6 +214,10 @@ class EpochLoop:
         self._epoch_batches = 0
         if hasattr(loader, "next_epoch"):
             loader.next_epoch()
+        self._say_inexact(loader)
+
+    def _say_inexact(self, loader: Any) -> None:
+        """Once, when checkpointing: why the loader cannot resume exactly, as it found."""
         said = getattr(loader, "inexact_resume", None)
         if said and self.checkpointing and said not in self.notes:
             self._note(said)
@@ -218,7 +225,8 @@ class EpochLoop:
     def progress(self) -> dict[str, Any]:
         """Where a run resumed from a checkpoint taken now goes on: its step, and its
         epoch, the next one when this one's batches were all trained (a loader with no
-        position of its own, a range or a list, can only restart an epoch). A pass
+        position of its own, an iterable the script made, can only restart an epoch;
+        a loader with one says where it is itself, see `_where`). A pass
         the script left (a ``break``) is resumed where it was left: whether the run
         would have gone on to the next epoch or stopped there (a break to save and
         stop, an error), nothing says."""

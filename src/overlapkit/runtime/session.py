@@ -268,6 +268,7 @@ class Session(EpochLoop, SavedState):
                 iterator = self._new_epoch(loader)
             try:
                 batch = next(iterator)
+                self._say_inexact(loader)
                 break
             except StopIteration:
                 iterator = None

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ...data import ResumableLoader, ScriptLoader
+from ...data import ResumableLoader, ScriptLoader, SequenceLoader
 from ...runtime import (
     CombinationError,
     Demand,
@@ -132,7 +132,9 @@ class Prefetch(Optimization):
             )
         if not isinstance(loader, (ResumableLoader, ScriptLoader)):
             got = type(loader).__name__
-            if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
+            if isinstance(loader, SequenceLoader):  # the script's own list of batches
+                got = f"a {type(loader.items).__name__} of batches"
+            elif isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
                 got = f"a DataLoader over an IterableDataset ({type(loader.dataset).__name__})"
             elif hasattr(loader, "__next__"):
                 got += " (pass the DataLoader itself, not an iterator over it)"
