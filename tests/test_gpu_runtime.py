@@ -309,3 +309,21 @@ def test_the_grad_scalers_state_is_saved_as_tensors_and_resumes_exactly():
     resumed = with_scaler()
     resumed.load_state_dict(saved)  # ...not the saved one
     assert resumed.scaler.state_dict() == expected
+
+
+def test_fp16_with_an_unfused_optimizer_is_told_the_scaler_waits_for_the_gpu():
+    """GradScaler.step reads the inf check on the host (``.item()``) unless the
+    optimizer takes it on the device (a fused one): a ported script's own SGD made
+    every fp16 step wait for the GPU, unsaid. (Session(precision="fp16") needs a GPU:
+    tests/test_on_gpu.py sees the note in a run.)"""
+    from overlapkit.runtime.precision import scaler_wait_note
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    for unfused in (torch.optim.SGD(params, lr=0.1), torch.optim.AdamW(params, foreach=True)):
+        said = scaler_wait_note(unfused)
+        assert said is not None and type(unfused).__name__ in said and "fused=True" in said
+    for fused in (
+        torch.optim.SGD(params, lr=0.1, fused=True),
+        torch.optim.Adam(params, fused=True),
+    ):
+        assert scaler_wait_note(fused) is None

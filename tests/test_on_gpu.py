@@ -93,6 +93,13 @@ def test_steps_never_synchronise_the_host_with_the_gpu(tmp_path, precision, opti
         assert summary["optimizations"]["checkpoint"]["checkpoints"] >= 9
 
 
+def test_fp16_with_an_unfused_optimizer_says_each_step_waits(tmp_path):
+    session = Session([], device="cuda", precision="fp16", run_dir=tmp_path)
+    model = mlp()
+    session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05), None)
+    assert any("is not fused" in note for note in session.notes), session.notes
+
+
 def test_the_clock_never_waits_for_work_the_gpu_has_not_reached(tmp_path, monkeypatch):
     # A small model: the device finishes each step long before the host queues the
     # next, so every event the clock reads has completed when it reads it.

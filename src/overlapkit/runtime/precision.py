@@ -12,6 +12,20 @@ from .gpus import GPUFacts, check_build, check_precision
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 
 
+def scaler_wait_note(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why fp16's grad scaler would make every step wait for the GPU with ``optimizer``
+    (None: it would not). A fused optimizer takes the scaler's inf check on the device;
+    any other has `GradScaler.step` read it on the host (``.item()``) each step."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return None
+    return (
+        f"fp16: the optimizer ({type(optimizer).__name__}) is not fused, so the grad "
+        "scaler reads its inf check on the host at every step: the host waits for the GPU "
+        "and cannot queue the next step ahead. Build it with fused=True (torch's SGD, Adam "
+        "and AdamW take it) to keep the step on the device"
+    )
+
+
 class Precision:
     def __init__(self, name: PrecisionName, device: torch.device) -> None:
         if name == "fp16" and device.type != "cuda":

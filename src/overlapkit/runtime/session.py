@@ -57,7 +57,7 @@ from .gradsync import DDPView, GradientSync
 from .hardware import describe_node, nodes_of
 from .metrics import PhaseClock, summarize
 from .optimization import Optimization, needed_environment
-from .precision import Precision, PrecisionName
+from .precision import Precision, PrecisionName, scaler_wait_note
 from .progress import ProgressBar
 from .report import LiveSteps, print_summary, write_run_files
 from .saved_state import SavedState
@@ -210,6 +210,9 @@ class Session(EpochLoop, SavedState):
                 "backward, batch-norm statistics are the first rank's); a script that keeps "
                 "its ranks apart (local SGD, one model per rank) cannot run them in one session"
             )
+        if self.precision.scaler is not None and optimizer is not None:
+            if waits := scaler_wait_note(optimizer):
+                self._note(waits)
         self._plain_calls.install(state.model, state.optimizer)
         loader = StepLoader(self, state.loader) if state.loader is not None else None
         if came_in_ddp and not isinstance(state.model, DistributedDataParallel):
