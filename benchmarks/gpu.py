@@ -760,6 +760,13 @@ def part_b_measure(ctx: Context, wl: Workload, max_overhead: float) -> dict[str,
                 "window_s": result["window_s"],
                 "steps": result["steps"],
                 "phase_stalls_ms": ckpt_stalls_ms(result["records"]),
+                # The host buffers are reserved in a thread after step 0: if that held
+                # up the training thread, steps 1-5 would show it (JSON only).
+                "first_steps_ms": [
+                    r["step_time_s"] * 1e3
+                    for r in sorted(result["records"], key=lambda r: r["step"])[:6]
+                    if r.get("rank", 0) == 0
+                ],
                 "host_stalls_ms": [x * 1e3 for x in host],
                 "checkpoints": section.get("checkpoints", len(host)),
                 "checkpoint_section": {
@@ -825,6 +832,7 @@ def part_b_measure(ctx: Context, wl: Workload, max_overhead: float) -> dict[str,
             "host_wait_ms_per_ckpt": median(host) if host else None,
             "policy_estimate": median(estimates) if estimates else None,
             "checkpoint_section": runs[-1]["checkpoint_section"],
+            "first_steps_ms_per_round": [r["first_steps_ms"] for r in runs],
             "dcp_mode": runs[-1]["dcp_mode"],
             "pinned_bytes": runs[-1]["pinned_bytes"],
             "pinned_peak_bytes": runs[-1]["pinned_peak_bytes"],
