@@ -513,14 +513,15 @@ class Crash(Exception):
 
 
 @pytest.mark.parametrize("kind", [list, tuple])
-@pytest.mark.parametrize("crash", ["in epoch 0's evaluation", "at step 7"])
+@pytest.mark.parametrize("crash", ["in epoch 1's evaluation", "at step 7"])
 def test_a_list_of_batches_resumes_at_its_position(tmp_path, kind, crash):
     """A list of batches had no position: a run resumed mid-epoch started the epoch
-    again, and one checkpointed at an epoch's end (before the script's end-of-epoch
-    code: an evaluation, a learning rate annealed by hand) resumed at the next epoch,
-    skipping that code (pytorch/examples' word_language_model: its lr stayed 4 times
-    too large, silently). The same items come in the same order every epoch: the
-    position is all a resume needs."""
+    again, and one checkpointed as the epoch's batches ran out (before the script's
+    end-of-epoch code: an evaluation, a learning rate annealed by hand) resumed at the
+    next epoch, skipping that code (pytorch/examples' word_language_model: its lr
+    stayed 4 times too large, silently). The same items come in the same order every
+    epoch: the position is all a resume needs; and a checkpoint due as an epoch runs
+    out is taken at the next step's start, after the script's end-of-epoch code."""
     torch.manual_seed(1)
     batches = kind((torch.randn(4, 6), torch.randint(3, (4,))) for _ in range(4))
 
@@ -533,6 +534,7 @@ def test_a_list_of_batches_resumes_at_its_position(tmp_path, kind, crash):
         lr, evaluated = 0.1, []
         start = session.start(lr=lambda: lr, evaluated=lambda: evaluated)
         lr, evaluated = start.values["lr"], start.values["evaluated"]
+        resumed_with = (lr, list(evaluated))
         try:
             for epoch in range(start.epoch, 3):
                 for x, y in loader:
@@ -545,20 +547,148 @@ def test_a_list_of_batches_resumes_at_its_position(tmp_path, kind, crash):
                     if crash_at == session.state.step:
                         raise Crash
                 with session.paused():
-                    if crash_at == "eval":
+                    if crash_at == "eval" and epoch == 1:
                         raise Crash
                     evaluated.append(epoch)
                 lr /= 4
         except Crash:
             pass
         session.finish()
-        return model, lr, evaluated, start
+        return model, lr, evaluated, start, resumed_with
 
-    straight, lr, evaluated, _ = script(tmp_path / "a")
+    straight, lr, evaluated, *_ = script(tmp_path / "a")
     script(tmp_path / "b", "eval" if "evaluation" in crash else 7)
-    model, lr_b, evaluated_b, start = script(tmp_path / "b")
-    assert (start.epoch, start.batch) == ((0, 4) if "evaluation" in crash else (1, 2))
+    model, lr_b, evaluated_b, start, resumed_with = script(tmp_path / "b")
+    assert (start.epoch, start.batch, start.step) == ((1, 0, 4) if "eval" in crash else (1, 2, 6))
+    assert resumed_with == (0.1 / 4, [0])  # after epoch 0's evaluation and anneal
     assert (lr_b, evaluated_b) == (lr, evaluated) == (0.1 / 64, [0, 1, 2])
+    for a, b in zip(straight.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def manual_sgd(model, lr=0.1):
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+            p.grad = None
+
+
+@pytest.mark.parametrize("through", ["the list given to prepare", "the loader it returned"])
+def test_the_list_given_to_prepare_iterated_through_the_session_keeps_its_position(
+    tmp_path, through
+):
+    """session.epoch(batches) over the list given to prepare iterated the list itself:
+    the prepared loader never moved, and its (epoch 0, batch 0) was saved: a resume
+    trained two epochs again."""
+    torch.manual_seed(1)
+    batches = [(torch.randn(4, 6), torch.randint(3, (4,))) for _ in range(4)]
+
+    def script(run_dir, crash_at=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        session = Session([Checkpoint(every=3, final=False)], run_dir=run_dir)
+        model, _, loader = session.prepare(model, None, batches)
+        start = session.start()
+        try:
+            for _epoch in range(start.epoch, 3):
+                for x, y in session.epoch(batches) if "prepare" in through else loader:
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    manual_sgd(model)
+                    if session.state.step == crash_at:
+                        raise Crash
+        except Crash:
+            pass
+        summary = session.finish()
+        return model, start, summary
+
+    straight, _, _ = script(tmp_path / "a")
+    script(tmp_path / "b", crash_at=10)
+    model, start, summary = script(tmp_path / "b")
+    assert (start.step, start.epoch, start.batch) == (9, 2, 1)
+    assert summary["steps"] == 12 - 9
+    for a, b in zip(straight.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_list_saved_without_a_position_resumes_at_its_epoch(tmp_path, monkeypatch):
+    """Checkpoints of a list from before it had a position hold no loader state: the
+    list stayed at epoch 0, and a resume trained the whole run again."""
+    from overlapkit.data import SequenceLoader
+
+    batches = [(torch.randn(4, 6), torch.randint(3, (4,))) for _ in range(4)]
+
+    def script(epochs):
+        model, optimizer, _ = parts()
+        session = Session([Checkpoint(every=2)], run_dir=tmp_path)
+        model, optimizer, loader = session.prepare(model, optimizer, batches)
+        start = session.start()
+        for _epoch in range(start.epoch, epochs):
+            one_epoch(model, loader, optimizer)
+        return start, session.finish()
+
+    with monkeypatch.context() as old:
+        old.delattr(SequenceLoader, "state_dict")  # saved as an older version did
+        script(2)
+    start, summary = script(3)
+    assert (start.step, start.epoch, start.batch) == (8, 2, 0)
+    assert summary["steps"] == 4
+
+
+def test_a_break_after_a_batch_trained_by_hand_is_a_step(tmp_path):
+    """Without an optimizer nothing counted the batch as trained: a break after one
+    batch was taken for a look at it (next(iter(loader))), and no step was counted,
+    checkpointed or logged."""
+    model = nn.Sequential(nn.Linear(6, 3))
+    batches = [(torch.randn(4, 6), torch.randint(3, (4,))) for _ in range(4)]
+    session = Session([Checkpoint(every=1)], run_dir=tmp_path)
+    model, _, loader = session.prepare(model, None, batches)
+    for _epoch in range(3):
+        for x, y in loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            manual_sgd(model)
+            break
+    summary = session.finish()
+    assert summary["steps"] == 3 and session.state.step == 3
+    assert summary["optimizations"]["checkpoint"]["checkpoints"] >= 2
+
+
+def test_a_checkpoint_due_as_an_epoch_runs_out_waits_for_the_scripts_epoch_end(tmp_path):
+    """It was taken at the step that found the loader empty, before the script's
+    evaluation: resumed, the pass had nothing left, so the DDP tutorial's look at a
+    batch (next(iter(loader))) raised StopIteration, and the sampler's epoch, set by
+    the script for the next pass, was told as a script resuming twice."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = TensorDataset(torch.randn(20, 6), torch.randint(3, (20,)))
+
+    def script(run_dir, crash=False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 3))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=3)
+        loader = DataLoader(data, batch_size=4, sampler=sampler)
+        session = Session([Checkpoint(every=5, final=False)], run_dir=run_dir)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        start = session.start()
+        try:
+            for epoch in range(start.epoch, 3):
+                assert len(next(iter(loader))[0]) == 4  # the tutorial's look
+                sampler.set_epoch(epoch)
+                one_epoch(model, loader, optimizer)
+                with session.paused():
+                    if crash and epoch == 1:
+                        raise Crash
+        except Crash:
+            pass
+        return model, start, session.finish()
+
+    straight, _, _ = script(tmp_path / "a")
+    script(tmp_path / "b", crash=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoopWarning)
+        model, start, summary = script(tmp_path / "b")
+    assert (start.step, start.epoch, start.batch) == (5, 1, 0)
+    assert not [n for n in summary.get("notes", []) if "cannot resume exactly" in n]
     for a, b in zip(straight.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
 

@@ -366,7 +366,9 @@ class ScriptLoader:
         }
         if hasattr(self.sampler, "set_epoch") and "sampler_epoch" in state:
             self.sampler.set_epoch(int(state["sampler_epoch"]))
-            self.resumed_sampler_epoch = int(state["sampler_epoch"]) if self.position else None
+            # (a pass resumed at its end has no batch left to check it at)
+            within = 0 < self.position < len(self)
+            self.resumed_sampler_epoch = int(state["sampler_epoch"]) if within else None
         saved_rng = state.get("worker_rng") or {}
         if saved_rng and state.get("workers") == self._workers and self._tracks_workers:
             # The next pass's worker m gets the batches the run's worker (k + m) mod W had.

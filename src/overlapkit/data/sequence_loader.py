@@ -46,6 +46,11 @@ class SequenceLoader:
     def __len__(self) -> int:
         return len(self.items)
 
+    @property
+    def original(self) -> list[Any] | tuple[Any, ...] | range:
+        """What the script gave `Session.prepare` (as a `ScriptLoader`'s)."""
+        return self.items
+
     def _look_for_changes(self) -> None:
         if not isinstance(self.items, list) or self.inexact_resume is not None:
             return

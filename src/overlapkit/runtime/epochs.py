@@ -5,7 +5,7 @@ when the session cannot see its loop. (A part of `Session`; see `session`.)"""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,17 @@ USED_UP = (
     ": it is an iterator (a generator?), used up after one pass; pass something that "
     "can be iterated again (a DataLoader, a list)"
 )
+
+
+def _handed_out(loader: Any) -> bool:
+    """A loader with a position and a length has handed out its whole epoch."""
+    position = getattr(loader, "position", None)
+    if position is None:
+        return False
+    try:
+        return 0 < len(loader) <= position
+    except TypeError:  # no length
+        return False
 
 
 class EpochLoop:
@@ -116,12 +127,20 @@ class EpochLoop:
         self._epoch_batches = 0
         try:
             while True:
-                self.start_step()
-                state.micro_step = 0
-                with state.clock.phase("data_wait"):
+                # A loader that has handed out its whole epoch ends it with no step begun:
+                # a checkpoint due now is taken at the next step's start, after the
+                # script's end-of-epoch code (its evaluation, an lr annealed by hand).
+                over = _handed_out(loader)
+                if not over:
+                    self.start_step()
+                    state.micro_step = 0
+                with state.clock.phase("data_wait") if not over else nullcontext():
                     if iterator is None:
                         iterator = iter(loader)
                     batch = next(iterator, _END)
+                if over and batch is not _END:  # more batches than its length said
+                    self.start_step()
+                    state.micro_step = 0
                 self._say_inexact(loader)
                 if batch is _END:
                     self._end_of_epoch()
@@ -143,6 +162,7 @@ class EpochLoop:
                 self._epoch_batches == 1
                 and self._optimizer_steps == updates
                 and not state.update_pending
+                and self._forwards_in_step == 0  # (a script updating by hand trained it)
             )
             if peeked:
                 # One batch looked at, nothing trained (``next(iter(loader))`` for a
@@ -291,7 +311,12 @@ class EpochLoop:
         return self._in_step and not self._end_failed
 
     def _unwrap_loader(self, loader: Any) -> Any:
-        loader = loader if loader is not None else self.state.loader
+        """The prepared loader for ``loader``: the one `prepare` returned, or the one it
+        was given (the script's own DataLoader or list, iterated through the session:
+        its position is the prepared one's)."""
+        prepared = self.state.loader
+        if loader is None or loader is getattr(prepared, "original", None):
+            return prepared
         return loader.inner if isinstance(loader, StepLoader) else loader
 
     def _where(self) -> Start:

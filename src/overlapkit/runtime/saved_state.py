@@ -10,6 +10,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
 
+from ..data import SequenceLoader
 from .batch import tensors_in
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng
@@ -153,6 +154,9 @@ class SavedState:
                 obj.load_state_dict(self._loaded_user[name])
         self._values.load_state_dict(saved.get("values", {}))
         self.resume_progress(saved["progress"])
+        if "loader" not in saved and isinstance(state.loader, SequenceLoader):
+            # Saved before a list had a position: at an epoch's start, the run's epoch.
+            state.loader.epoch = int(saved["progress"]["epoch"])
         restore_rng(saved["rng"])
         if state.step > 0:
             # The run's optimizers stepped before the checkpoint. torch's LR schedules
