@@ -344,6 +344,31 @@ def test_a_file_in_the_way_of_the_run_folder_is_named_as_out_and_dotdot_is_resol
     assert not out.exists() and afile.read_text() == "mine"
 
 
+def test_a_checkpoint_dir_that_is_or_holds_the_run_folder_is_refused(tiny_scenario, tmp_path):
+    """``dir: .`` (or a folder above the run folder): a --fresh start moved the run's
+    own scenario.yaml aside with the old checkpoints (or the whole live run folder)."""
+    out = tmp_path / "exp" / "run"
+    for folder, said in ((".", "is the run folder"), (str(tmp_path / "exp"), "holds it")):
+        code, _, err = cli(
+            "run", tiny_scenario(), "--out", out, "--quiet",
+            "--set", f"optimizations.checkpoint={{every: 2, dir: {folder}}}",
+        )  # fmt: skip
+        assert code == 2 and f"checkpoint.dir {folder} (" in err and said in err, err
+        assert not out.exists()
+
+
+def test_the_start_over_flags_name_the_run_folder_unless_the_checkpoints_are_elsewhere():
+    """A relative checkpoint.dir outside the run folder (``../shared``) is found from the
+    run folder: plain --fresh (a new folder) would start over in another one."""
+    from overlapkit.optimizations.checkpoint.store import fresh_flags
+
+    run = Path("/data/runs/r1")
+    assert fresh_flags(run, "checkpoints") == f"--out {run} --fresh"
+    assert fresh_flags(run, "../shared") == f"--out {run} --fresh"
+    assert fresh_flags(run, "/data/shared") == "--fresh"
+    assert fresh_flags(run, "/data/runs/r1/ckpt") == f"--out {run} --fresh"
+
+
 def test_a_checkpoint_dir_of_its_own_under_ray_is_refused(tiny_scenario):
     """Under --ray the driver mirrors each machine's run-folder checkpoints/ and sends
     them back to resume: another folder would be neither (a failed run lost them)."""

@@ -186,6 +186,14 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
         assert len(second.stderr.strip().splitlines()) == 1  # one line, no traceback
         assert (out / "scenario.yaml").read_text() == scenario_yaml  # not its own
         assert not (out / "error.txt").exists()
+        # Its checkpoint folder is held too: another folder naming it is refused.
+        other = run_cli(
+            "run", scenario, "--out", tmp_path / "other", *sets[:-1],
+            "--set", f"optimizations.checkpoint.dir={out / 'checkpoints'}", timeout=120,
+        )  # fmt: skip
+        assert other.returncode == 2, other.stderr
+        assert f"{out / 'checkpoints'} is in use by another run (pid {first.pid})" in other.stderr
+        assert not (tmp_path / "other").exists()
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
@@ -272,3 +280,16 @@ def test_the_summary_tables_read_at_80_columns(tiny_scenario, tmp_path):
     assert str(stall) == f"{stall:.3g}" or str(stall) not in text  # not all its digits
     mib = f"{written / 2**20:.1f} MiB" if written >= 2**20 else f"{written} B"
     assert f"bytes_written={mib}" in text
+
+
+def test_checkpoint_at_intensity_0_runs_without_checkpoints(tiny_scenario, tmp_path):
+    """The README's way to turn an optimization off was an internal error (StopIteration)
+    when its section was checkpoint's."""
+    from conftest import run_cli
+
+    done = run_cli(
+        "run", tiny_scenario(), "--out", tmp_path / "r", "--quiet",
+        "--set", "optimizations.checkpoint.intensity=0", "--set", "train.steps=2",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (tmp_path / "r" / "checkpoints").exists()

@@ -43,7 +43,6 @@ from .launch.ray_run import RayRunFailed
 from .models import MODEL_NAMES
 from .optimizations import PluginError, plugin_blamed, registered_optimizations
 from .optimizations.checkpoint import CheckpointError
-from .optimizations.checkpoint.store import holds
 from .runtime import POLICIES, CombinationError
 from .runtime.gpus import GPUSetupError
 from .scenarios import Scenario, ScenarioError, load_scenario
@@ -577,7 +576,7 @@ def _run_command(
             where.update(folder=folder)
             if _holds_the_folder(args):
                 holding.enter_context(held(folder))
-                if (shared := _own_checkpoint_folder(scenario, folder, args)) is not None:
+                if (shared := _checkpoint_folder(scenario, folder, args)) is not None:
                     try:
                         shared.mkdir(parents=True, exist_ok=True)
                         holding.enter_context(held(shared, ANOTHER_DIR))
@@ -709,21 +708,19 @@ def _check_free(folder: Path, scenario: Scenario, args: argparse.Namespace) -> N
     a checkpoint folder of its own that another run is checkpointing into."""
     if _holds_the_folder(args):
         check_free(folder)
-        if (shared := _own_checkpoint_folder(scenario, folder, args)) is not None:
+        if (shared := _checkpoint_folder(scenario, folder, args)) is not None:
             check_free(shared, ANOTHER_DIR)
 
 
-def _own_checkpoint_folder(
-    scenario: Scenario, folder: Path, args: argparse.Namespace
-) -> Path | None:
-    """The checkpoint folder of a run in ``folder`` when it lies outside it (an absolute
-    checkpoint.dir, which several run folders may share), held as the run folder is;
-    None without one. Under --ray each machine checkpoints to its own disk: not here."""
-    if args.ray or "checkpoint" not in scenario.optimizations:
+def _checkpoint_folder(scenario: Scenario, folder: Path, args: argparse.Namespace) -> Path | None:
+    """The checkpoint folder of a run in ``folder``, held by its own lock as the run
+    folder is: another run may name it as its absolute checkpoint.dir, whether it lies
+    inside this run folder or not. None without one (or checkpoint at intensity 0).
+    Under --ray each machine checkpoints to its own disk: not here."""
+    if args.ray:
         return None
     optimizations = scenario.build_optimizations()
-    root = next(o.folder_in(folder) for o in optimizations if o.name == "checkpoint")
-    return None if holds(folder, root) else root
+    return next((o.folder_in(folder) for o in optimizations if o.name == "checkpoint"), None)
 
 
 def _holds_the_folder(args: argparse.Namespace) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from .optimizations.checkpoint.setup import setup_changes, setup_record
-from .optimizations.checkpoint.store import fresh_flags, holds
+from .optimizations.checkpoint.store import checkpoint_folder, fresh_flags, holds
 from .runtime import KnobError
 from .scenarios import Scenario
 from .scenarios.config import build_optimizations
@@ -42,10 +42,12 @@ def check_earlier_run(folder: Path, scenario: Scenario, fresh: bool) -> None:
         recorded = next((s for o in optimizations if (s := o.saved_setup(folder))), None)
         if recorded is None and (earlier := scenario_in(folder)) is not None:
             recorded = _setup_of(earlier)  # checkpoints of a version that recorded none
-        root = next((o.folder_in(folder) for o in optimizations if o.name == "checkpoint"), folder)
+        checkpoint = next((o for o in optimizations if o.name == "checkpoint"), None)
+        configured = checkpoint.settings["dir"] if checkpoint is not None else "."
         # An absolute checkpoint.dir may be shared by several run folders: it is named.
+        root = checkpoint_folder(folder, configured)
         inside = holds(folder, root)
-        where, again = (folder if inside else root), fresh_flags(folder, root)
+        where, again = (folder if inside else root), fresh_flags(folder, configured)
         if recorded is None:  # an older version's checkpoints outside any run folder
             return
         changes = setup_changes(recorded, saved_setup(scenario))

@@ -177,9 +177,15 @@ class Checkpoint(Optimization):
         a folder beside; the launcher's lock on a checkpoint.dir of its own (see `held`)
         stays."""
         aside = claim(stamped(self.root.parent, f"{self.root.name}.old"))
-        for entry in self.root.iterdir():
-            if entry.name != LOCK:
+        # The manifest first: cut short, the folder holds no manifest naming what left.
+        entries = sorted(self.root.iterdir(), key=lambda entry: entry.name != MANIFEST)
+        for entry in entries:
+            if entry.name == LOCK or entry.name.startswith(".probe-"):  # (the ranks' own)
+                continue
+            try:
                 shutil.move(str(entry), str(aside / entry.name))
+            except FileNotFoundError:  # gone since it was listed
+                pass
         return aside
 
     def _open(self, state: State, root: Path) -> None:
@@ -219,8 +225,15 @@ class Checkpoint(Optimization):
     def check_run_folder(self, run_dir: Path, world_size: int) -> None:
         root = self.folder_in(run_dir)
         _check_folder(root)
+        if run_dir.resolve().is_relative_to(root.resolve()):
+            what = "is the run folder" if root.resolve() == run_dir.resolve() else "holds it"
+            raise CombinationError(
+                f"checkpoint.dir {self.settings['dir']} ({root}) {what}: a fresh start moves "
+                "the checkpoint folder's contents aside, the run's own files with them. Name "
+                "a folder of its own (the default: checkpoints, inside the run folder)"
+            )
         if self.settings["resume"]:
-            again = fresh_flags(run_dir, root)
+            again = fresh_flags(run_dir, self.settings["dir"])
             start_over = (
                 f"start over with overlapkit run {again} (the old checkpoints are kept aside)"
             )
@@ -260,7 +273,7 @@ class Checkpoint(Optimization):
         if None not in (recorded, state.setup) and (
             changes := setup_changes(recorded, state.setup)
         ):
-            again = fresh_flags(state.run_dir or Path.cwd(), self.root)
+            again = fresh_flags(state.run_dir or Path.cwd(), self.settings["dir"])
             raise CheckpointError(
                 f"{self.root} holds checkpoints of another setup ({'; '.join(changes)}): "
                 "resuming would load them into a different model, optimizer or data order. "

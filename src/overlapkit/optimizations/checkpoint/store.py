@@ -50,11 +50,15 @@ def checkpoint_folder(run_dir: Path, configured: str | Path) -> Path:
     return path if path.is_absolute() else run_dir / path
 
 
-def fresh_flags(run_dir: Path, root: Path) -> str:
+def fresh_flags(run_dir: Path, configured: str | Path) -> str:
     """The ``overlapkit run`` flags that start a run of ``run_dir`` over with its
-    checkpoint folder ``root`` kept aside: the run folder is named only when it holds
-    ``root`` (an absolute checkpoint.dir may be shared by several run folders)."""
-    return f"--out {run_dir} --fresh" if holds(run_dir, root) else "--fresh"
+    checkpoint folder (``configured``: checkpoint.dir) kept aside: the run folder is
+    named unless the checkpoint folder is absolute and outside it (it may be shared by
+    several run folders; a relative one is found from the run folder)."""
+    absolute = Path(configured).expanduser().is_absolute()
+    if absolute and not holds(run_dir, checkpoint_folder(run_dir, configured)):
+        return "--fresh"
+    return f"--out {run_dir} --fresh"
 
 
 def holds(run_dir: Path, root: Path) -> bool:
