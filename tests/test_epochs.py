@@ -3,6 +3,7 @@ as an epoch of steps, the script's own backward and optimizer calls, its own Dat
 resumed exactly, plain values, session.paused(), save/load in one format."""
 
 import json
+import shutil
 import sys
 import textwrap
 import time
@@ -1271,6 +1272,36 @@ def test_state_carried_from_batch_to_batch_is_registered_or_told(tmp_path, regis
     assert "session.start(carry=carry)" in str(told[0].message)
     assert told[0].filename == __file__
     assert "model(data[i" in Path(__file__).read_text().splitlines()[told[0].lineno - 1]
+
+
+def test_a_model_returning_its_input_is_not_told_it_carries_state(tmp_path):
+    """A model returning a view of what it took (a VAE's ``[recon, input, mu,
+    logvar]``) over batches that are views of one tensor (data on the device, sliced)
+    was told it carried state from batch to batch: the next batch shares the storage
+    the forward before returned."""
+
+    class Returning(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.layer(x), x.flatten()
+
+    data = torch.randn(32, 6)
+    for batches in ([data[i : i + 4] for i in range(0, 32, 4)], [data[:4]] * 8):
+        model = Returning()
+        session = Session([Checkpoint(every=3)], run_dir=tmp_path)
+        model, _, loader = session.prepare(model, None, batches)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LoopWarning)
+            for x in loader:
+                out, _ = model(x)
+                out.square().mean().backward()
+                manual_sgd(model)
+        summary = session.finish()
+        assert not [n for n in summary.get("notes", []) if "carried" in n]
+        shutil.rmtree(tmp_path / "checkpoints")
 
 
 def test_a_script_accumulating_batches_itself_resumes_exactly(tmp_path):

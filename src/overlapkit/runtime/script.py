@@ -25,6 +25,11 @@ from .hooks import SessionHook, _inert_hook  # noqa: F401 - models pickled befor
 if TYPE_CHECKING:
     from .session import Session
 
+# The steps a prepared model's forwards are watched for state carried between them
+# (a loop that carries an RNN's hidden state does from its second step): a few, as
+# each look walks the forward's inputs and outputs.
+LOOK_STEPS = 4
+
 
 class LoopWarning(UserWarning):
     """The script's loop is not seen by the session (no steps, so no checkpoints)."""
@@ -113,7 +118,9 @@ class PlainCalls:
         self._handles.append(
             model.register_forward_pre_hook(SessionHook(self._before_forward), with_kwargs=True)
         )
-        self._handles.append(model.register_forward_hook(SessionHook(self._after_forward)))
+        self._handles.append(
+            model.register_forward_hook(SessionHook(self._after_forward), with_kwargs=True)
+        )
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(SessionHook(self._before_step)))
             self._handles.append(optimizer.register_step_post_hook(SessionHook(self._after_step)))
@@ -143,7 +150,10 @@ class PlainCalls:
         return module is None or (module.training and torch.is_grad_enabled())
 
     def _training_forward(self, module: nn.Module) -> bool:
-        """A training forward inside a step, the script's own call or the session's."""
+        """A training forward inside a step, the script's own call or the session's
+        (not while torch.compile traces it: the look would break its graph)."""
+        if torch.compiler.is_compiling():
+            return False
         session = self.session
         if not session.in_step or session.paused_now:
             return False
@@ -163,9 +173,11 @@ class PlainCalls:
         self.session.scheduler.fire(Event.BEFORE_FORWARD, state)
         state.clock.switch("forward")
 
-    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _after_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._carried is not None and self._training_forward(module):
-            self._carried.returned(output, self.session.state.step)
+            self._carried.returned(output, self.session.state.step, (args, kwargs))
+            if self._carried.steps_seen > LOOK_STEPS:  # a loop carries from the start
+                self._carried = None
         if not self._plain(module):
             return
         session = self.session
@@ -252,15 +264,20 @@ class CarriedState:
         self._step = -1
         self._returned: set[StorageWeakRef] = set()  # by this step's forwards
         self._before: set[StorageWeakRef] = set()  # by the step before
+        self.steps_seen = 0
 
     def _at(self, step: int) -> None:
         if step != self._step:
             self._before = self._returned if step == self._step + 1 else set()
             self._returned, self._step = set(), step
+            self.steps_seen += 1
 
-    def returned(self, output: Any, step: int) -> None:
+    def returned(self, output: Any, step: int, inputs: Any) -> None:
+        """What a forward returned, but for views of what it took (a model returning
+        its input, as a VAE's ``[recon, input, mu, logvar]``: the next batch may be
+        another view of one tensor of batches, or the same batch again)."""
         self._at(step)
-        self._returned.update(_storages(output))
+        self._returned.update(set(_storages(output)) - set(_storages(inputs)))
 
     def carried(self, inputs: Any, step: int) -> list[torch.Tensor] | None:
         """The inputs over a storage the step before returned, None if none. A weak
