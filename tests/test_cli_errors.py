@@ -650,3 +650,30 @@ def test_a_plugins_error_on_one_of_two_ranks_is_one_line_naming_it_and_a_file(
     assert said[0].endswith(f"; the traceback is in {out / 'error.txt'}")
     assert "Traceback" not in result.stderr
     assert "toy failure on rank 1" in (out / "error.txt").read_text()
+
+
+def test_a_stop_no_rank_reported_reads_the_newest_checkpoint_from_the_folder(tmp_path):
+    """A run whose ranks could not say where they stopped (killed at the end of the
+    launcher's wait) was told 'no checkpoint was written, so the run starts over'
+    beside a folder holding checkpoints."""
+    import argparse
+    import json
+    import signal
+
+    from overlapkit.cli import _stopped_line
+    from overlapkit.launch.interrupt import RunInterrupted
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    manifest = {"checkpoints": [{"step": 225, "files": {}}, {"step": 230, "files": {}}]}
+    (checkpoints / "manifest.json").write_text(json.dumps(manifest))
+    where = {"folder": tmp_path / "run", "checkpoints": checkpoints}
+    line = _stopped_line(
+        RunInterrupted(signal.SIGTERM), argparse.Namespace(), ["run", "s.yaml"], where
+    )
+    assert "the newest checkpoint is step 230. Resume: overlapkit run s.yaml" in line, line
+    (checkpoints / "manifest.json").unlink()
+    line = _stopped_line(
+        RunInterrupted(signal.SIGTERM), argparse.Namespace(), ["run", "s.yaml"], where
+    )
+    assert "no checkpoint was written" in line

@@ -349,6 +349,37 @@ def test_sigterm_says_the_step_and_the_newest_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_stops_two_workers_at_a_step(tmp_path):
+    """Over two workers TensorFlow's own SIGTERM handler (its preemption notifier)
+    replaced the run's: the workers trained on until the launcher killed them, and the
+    line said no checkpoint was written while the folder held some."""
+    out = tmp_path / "run"
+    scenario = scenario_file(
+        tmp_path, RESNET, world__nprocs=2, train__steps=100000, train__deterministic=False
+    )
+    command = [sys.executable, "-m", "overlapkit", "run", str(scenario), "--out", str(out)]
+    launcher = subprocess.Popen(
+        [*command, "--quiet"], stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoints" / "manifest.json").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 143, stderr[-3000:]
+    (line,) = [x for x in stderr.splitlines() if x.startswith("overlapkit: stopped by")]
+    assert line.startswith("overlapkit: stopped by SIGTERM at step "), line  # a rank said
+    newest = json.loads((out / "checkpoints" / "manifest.json").read_text())["checkpoints"][-1]
+    assert f"the newest checkpoint is step {newest['step']}. Resume:" in line
+
+
+@pytest.mark.slow
 def test_a_peer_that_never_starts_is_a_clear_error_within_the_time_out(tmp_path):
     scenario = scenario_file(tmp_path, BERT, world__timeout_s=2)
     env = {

@@ -44,6 +44,7 @@ from .models import MODEL_NAMES
 from .optimizations import PluginError, plugin_blamed, registered_optimizations
 from .optimizations.checkpoint import CheckpointError
 from .runtime import POLICIES, CombinationError
+from .runtime.checkpoint_folder import listed_steps, manifest_text
 from .runtime.gpus import GPUSetupError
 from .scenarios import Scenario, ScenarioError, load_scenario
 from .tuning import TuneError
@@ -574,6 +575,8 @@ def _run_command(
 
         def on_folder(folder: Path) -> None:  # made, nothing written yet: hold it
             where.update(folder=folder)
+            if (checkpoints := _checkpoint_folder(scenario, folder, args)) is not None:
+                where.update(checkpoints=checkpoints)
             if _holds_the_folder(args):
                 holding.enter_context(held(folder))
                 if (shared := _checkpoint_folder(scenario, folder, args)) is not None:
@@ -773,13 +776,25 @@ def _stopped_line(
     if folder is None:
         return line
     line += f"; run folder {folder}"
-    if stop.checkpoint_step is not None:
-        line += f"; the newest checkpoint is step {stop.checkpoint_step}. Resume: "
+    newest = stop.checkpoint_step
+    if newest is None and "checkpoints" in where:  # no rank said (a rank stopped hard)
+        newest = _newest_listed(where["checkpoints"])
+    if newest is not None:
+        line += f"; the newest checkpoint is step {newest}. Resume: "
     else:
         line += "; no checkpoint was written, so the run starts over. Again: "
     kept = _without(argv, {"--out": 1, "--resume": 0, "--fresh": 0})
     prefix = "torchrun ... -m " if os.environ.get("TORCHELASTIC_RUN_ID") else ""
     return line + prefix + shlex.join(["overlapkit", *kept, "--out", str(folder)])
+
+
+def _newest_listed(checkpoints: Path) -> int | None:
+    """The newest step the manifest of the folder ``checkpoints`` lists (None: none)."""
+    try:
+        text = manifest_text(checkpoints)
+        return max(listed_steps(text), default=None) if text else None
+    except (ValueError, KeyError, TypeError, OSError):  # a damaged manifest says so itself
+        return None
 
 
 def _without(argv: list[str], flags: dict[str, int]) -> list[str]:

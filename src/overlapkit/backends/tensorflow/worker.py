@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -74,7 +75,15 @@ def start_strategy(tf: Any, world: World, options: dict[str, Any], timeout_s: fl
         timeout_seconds=timeout_s,
         implementation=getattr(implementation, options.get("implementation", "auto").upper()),
     )
-    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=communication)
+    # Over several workers TensorFlow installs its own SIGTERM handler (its preemption
+    # notifier, in C++), which swallowed the run's: training went on until the launcher
+    # killed it. The run's handlers are put back.
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=communication)
+    for signum, handler in handlers.items():
+        if handler is not None:
+            signal.signal(signum, handler)
+    return strategy
 
 
 def tf_rank_main(
