@@ -228,6 +228,22 @@ def test_an_unprofiled_compiled_step_is_not_measured_and_a_resumed_run_profiles_
     assert "run" in caption and "unsplit" not in caption
 
 
+def test_every_optimizers_update_is_counted_as_the_optimizer_phase():
+    """Keras names AdamW ``adam_w``: its update ops were counted as forward, and the
+    optimizer phase was 0 for every adamw run (the BERT scenarios)."""
+    from typing import get_args
+
+    from overlapkit.backends.tensorflow.profile import OPTIMIZER_SCOPES, _category
+    from overlapkit.backends.tensorflow.step import build_optimizer
+    from overlapkit.runtime.loop import OptimizerConfig, TrainConfig
+
+    for name in get_args(OptimizerConfig.model_fields["name"].annotation):
+        cfg = TrainConfig(batch_size=8, steps=4, optimizer=OptimizerConfig(name=name))
+        scope = build_optimizer(cfg).name
+        assert scope in OPTIMIZER_SCOPES, name
+        assert _category(f"{scope}/update/Mul:Mul", OPTIMIZER_SCOPES) == "optimizer"
+
+
 def test_the_profile_window_after_a_resume_and_why_there_is_none():
     from overlapkit.backends.tensorflow.profile import profile_window, why_unprofiled
 

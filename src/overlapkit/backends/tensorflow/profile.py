@@ -134,7 +134,8 @@ def _category(name: str, optimizers: tuple[str, ...]) -> str | None:
     return "forward"
 
 
-OPTIMIZER_SCOPES = ("sgd", "adam", "adamw", "loss_scale_optimizer")
+# The name scopes of the optimizers build_optimizer makes (Keras names AdamW "adam_w").
+OPTIMIZER_SCOPES = ("sgd", "adam", "adam_w", "adamw", "loss_scale_optimizer")
 
 
 def fractions_from_trace(path: str) -> dict[str, float] | None:
