@@ -120,9 +120,32 @@ def test_two_workers_equal_one_worker_on_the_global_batch_and_packs_follow_the_k
     assert packed["optimizations"]["ddp_overlap"]["bytes_per_pack"] == 512 * 1024
     assert packed["strategy"]["allreduce_packs_per_step"] >= 3
     assert packed["optimizations"]["ddp_overlap"]["packs_per_step"] >= 3
+    # Packs overlap backward only with a second inter-op thread: said when there is none.
+    told = packed["optimizations"]["ddp_overlap"].get("notes", [])
+    alone = packed["strategy"]["inter_op_threads"] == 1
+    assert any("one inter-op thread per worker" in note for note in told) == alone, told
     # The compiled step was split by a sampled profile, and says so.
     assert "sampled TensorFlow profile" in packed["phases_source"]
     assert packed["phases_s"]["backward"] > 0 and packed["phases_s"]["forward"] > 0
+
+
+def test_ddp_overlap_says_when_its_packs_cannot_overlap_backward():
+    """At intensities 0.25 to 0.75 a small model's gradients fit in one pack: the same
+    program as intensity 0, summarised as mode=overlap. With one inter-op thread per
+    worker TensorFlow runs the packs after backward. Both were unsaid."""
+    from overlapkit.optimizations import get_optimization
+    from overlapkit.optimizations.ddp_overlap.tensorflow import engine
+
+    overlap = engine(get_optimization("ddp_overlap")(0.5))
+    one_pack = overlap.no_overlap_notes({"replicas": 2, "allreduce_packs_per_step": 1})
+    assert len(one_pack) == 1 and "one pack per step" in one_pack[0]
+    packs = {"replicas": 2, "allreduce_packs_per_step": 3}
+    (alone,) = overlap.no_overlap_notes({**packs, "inter_op_threads": 1})
+    assert "one inter-op thread" in alone and "world.threads: 2" in alone
+    assert overlap.no_overlap_notes({**packs, "inter_op_threads": 2}) == []
+    assert overlap.no_overlap_notes({"replicas": 1, "allreduce_packs_per_step": 1}) == []
+    flat = engine(get_optimization("ddp_overlap")(0.0))  # intensity 0: one pack, as asked
+    assert flat.no_overlap_notes({"replicas": 2, "allreduce_packs_per_step": 1}) == []
 
 
 SMALL_BERT = {

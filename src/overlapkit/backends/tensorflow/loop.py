@@ -333,6 +333,8 @@ class TfLoop:
             # Every replica's weights and statistics, hashed at the end: the same bits?
             "model_sha256": prints[0],
             "replicas_identical": len(set(prints)) == 1,
+            # What runs the all-reduces beside backward: with one, none can overlap it.
+            "inter_op_threads": self.tf.config.threading.get_inter_op_parallelism_threads(),
         }
         optimizations = {}
         for engine in self.engines:

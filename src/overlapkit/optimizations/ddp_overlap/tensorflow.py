@@ -45,12 +45,36 @@ class TfCommunication:
 
     def summary(self, run: dict[str, Any]) -> dict[str, Any]:
         strategy = run.get("strategy", {})
-        return {
+        section = {
             **self.shown_settings(strategy.get("device", "cpu")),
             "bytes_per_pack": self.bytes_per_pack,
             "packs_per_step": strategy.get("allreduce_packs_per_step"),
             "comm_exposed_s": run["phases_s"]["comm_exposed"],
         }
+        if notes := self.no_overlap_notes(strategy):
+            section["notes"] = notes
+        return section
+
+    def no_overlap_notes(self, strategy: dict[str, Any]) -> list[str]:
+        """Why the packs could not overlap backward in this run, when they could not
+        (mode overlap, several workers)."""
+        if not self.bytes_per_pack or strategy.get("replicas", 1) < 2:
+            return []
+        notes = []
+        packs = strategy.get("allreduce_packs_per_step")
+        if packs == 1:
+            notes.append(
+                f"one pack per step: the gradients fit in one of {self.bytes_per_pack / MiB:g} "
+                "MiB (bucket_cap_mb), so their all-reduce runs after backward, as at "
+                "intensity 0; a smaller bucket_cap_mb (a higher intensity) splits them"
+            )
+        elif packs and strategy.get("inter_op_threads") == 1:
+            notes.append(
+                f"{packs} packs, but one inter-op thread per worker (the cores shared among "
+                "the workers): TensorFlow ran their all-reduces after backward, not beside "
+                "it; world.threads: 2 gives each worker a second"
+            )
+        return notes
 
 
 def engine(optimization: DDPOverlap) -> TfCommunication:
