@@ -441,3 +441,16 @@ def test_the_intensity_mapping_overlapkit_list_shows_is_what_prefetch_uses(capsy
         else:  # loading on the training thread, when the step asks
             assert loader.feeder_depth == 0 and shown["depth"] == 0, intensity
         loader.close()
+
+
+def test_persistent_workers_with_a_back_end_that_keeps_its_own_is_refused(tiny_scenario):
+    """Under framework: torch with backend tfdata it was shown as set and ignored (the
+    summary said persistent_workers=True)."""
+    from conftest import cli_here
+
+    result = cli_here(
+        "check", tiny_scenario(), "--set",
+        "optimizations.prefetch={backend: tfdata, persistent_workers: false}",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout
+    assert "persistent_workers is the torch back end's" in result.stderr

@@ -521,6 +521,8 @@ def test_check_shows_the_settings_tensorflow_runs(tmp_path):
     assert rows["optimizations.prefetch.depth"] == "tf.data's (autotune)"
     assert rows["optimizations.ddp_overlap.implementation"] == "auto (ring: no GPUs)"
     assert rows["tune.policy"] == "no: TensorFlow runs one policy"  # said yes
+    # prefetch_to_device needs a GPU: the knob showed its number and did nothing
+    assert rows["optimizations.prefetch.device_depth"] == "n/a (no GPU)"
 
 
 def test_list_says_which_optimization_runs_on_which_framework():

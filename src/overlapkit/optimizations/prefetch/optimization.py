@@ -109,6 +109,12 @@ class Prefetch(Optimization):
         reason = missing(self.settings["backend"])
         if reason:
             raise CombinationError(reason)
+        backend_name = self.settings["backend"]
+        if backend_name != "torch" and "persistent_workers" in self.explicit:
+            raise CombinationError(
+                f"prefetch.persistent_workers is the torch back end's (its DataLoader "
+                f"workers); backend {backend_name} keeps its own workers: leave it out"
+            )
 
     def check_plan(self, plan: Plan) -> None:
         chosen = self.explicit.get("backend", "tfdata")

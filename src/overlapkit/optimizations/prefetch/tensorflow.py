@@ -32,6 +32,8 @@ class TfPrefetch:
         shown = {**settings_on(self.optimization, "tensorflow"), "backend": "tfdata"}
         if shown["autotune"]:
             shown["workers"] = shown["depth"] = "tf.data's (autotune)"
+        if device != "cuda":  # prefetch_to_device needs a GPU; prefetch holds them
+            shown["device_depth"] = "n/a (no GPU)"
         return shown
 
     def summary(self, run: dict[str, Any]) -> dict[str, Any]:
