@@ -225,8 +225,12 @@ def test_an_unprofiled_compiled_step_is_not_measured_and_a_resumed_run_profiles_
 
     out = tmp_path / "run"
     short = scenario_file(tmp_path, RESNET, train__warmup_steps=0, train__steps=1)
-    result = run_cli("run", short, "--out", out, timeout=280)  # the console, not --json
+    result = run_cli(
+        "run", short, "--out", out, "--set", "scheduler.policy=priority", timeout=280
+    )  # the console, not --json
     assert result.returncode == 0, result.stderr[-3000:]
+    # priority runs as free there: said as the run starts (it was in summary.json only)
+    assert "overlapkit: scheduler.policy priority: nothing inside a compiled" in result.stderr
     lines = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if "│" in line}
     for row in ("load balance", "parallel efficiency", "forward", "comm_exposed"):
         assert "not measured" in lines[row], lines[row]
@@ -523,6 +527,8 @@ def test_check_shows_the_settings_tensorflow_runs(tmp_path):
     assert rows["tune.policy"] == "no: TensorFlow runs one policy"  # said yes
     # prefetch_to_device needs a GPU: the knob showed its number and did nothing
     assert rows["optimizations.prefetch.device_depth"] == "n/a (no GPU)"
+    priority = cli_here("check", scenario, "--set", "scheduler.policy=priority")
+    assert "priority (runs as free" in priority.stdout
 
 
 def test_list_says_which_optimization_runs_on_which_framework():

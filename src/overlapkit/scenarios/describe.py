@@ -67,7 +67,10 @@ def _settings_as_run(optimization: Any, scenario: Scenario) -> dict[str, Any]:
 def _scheduler(scenario: Scenario) -> list[tuple[str, str]]:
     """The policy and trace; under partition, each of its knobs as it will run."""
     scheduler = scenario.scheduler
-    rows = [("policy", scheduler.policy), ("trace", _text(scheduler.trace))]
+    policy_shown = scheduler.policy
+    if scenario.framework == "tensorflow" and scheduler.policy == "priority":
+        policy_shown = "priority (runs as free: a compiled step says no waits)"
+    rows = [("policy", policy_shown), ("trace", _text(scheduler.trace))]
     if scheduler.policy == "partition":
         policy = POLICIES["partition"]
         values = policy.resolve(scheduler.partition)

@@ -34,6 +34,7 @@ from ...runtime.optimization import Optimization
 from ...runtime.progress import ProgressBar
 from ...runtime.report import LiveSteps, print_summary, write_run_files
 from ...runtime.scheduler import Scheduler
+from ...runtime.script import note
 from ...runtime.state import State, is_warmup
 from ...runtime.tensorboard import TensorBoardSteps
 from . import import_tensorflow
@@ -77,7 +78,7 @@ class TfLoop:
         hooked = [e for e in engines if isinstance(e, Optimization)]
         self.scheduler = Scheduler(hooked, scenario.scheduler.policy)
         if scenario.scheduler.policy == "priority":
-            self.notes.append(
+            self._note(
                 "scheduler.policy priority: nothing inside a compiled TensorFlow step says "
                 "when it waits on communication, so background work was never paused (as free)"
             )
@@ -99,7 +100,14 @@ class TfLoop:
         self._logs: list[Any] = []
         self.eval_results: list[dict[str, Any]] = []
 
+    def _note(self, message: str) -> None:
+        """A line for the person running it now (rank 0), and in the summary's notes."""
+        self.notes.append(message)
+        if self.world.is_main:
+            note(message)
+
     # ------------------------------------------------------------ the state
+
     def _variables(self) -> tuple[list[Any], list[Any]]:
         return list(self.model.variables), list(self.optimizer.variables)
 
@@ -147,7 +155,7 @@ class TfLoop:
         plan = next((e.input_plan() for e in self.engines if hasattr(e, "input_plan")), InputPlan())
         gpus = tf.config.get_visible_devices("GPU")
         if gpus:
-            self.notes.append(
+            self._note(
                 "each step's loss is read when the step ends, which waits for the GPU: "
                 "TensorFlow has no device events to read later, so the step times are the "
                 "device's; the tf.data pipeline's own threads still load ahead"
@@ -212,7 +220,7 @@ class TfLoop:
                 self.evaluate(state.step)
             except EvaluationFailed as error:
                 failed = error.__cause__ or error
-                self.notes.append(f"evaluation at the end failed, no eval figures: {error}")
+                self._note(f"evaluation at the end failed, no eval figures: {error}")
         scheduler.fire(Event.FIT_END, state)
         self._close_displays()
         summary = self.finish(split, inputs, targets, start, show_summary)
