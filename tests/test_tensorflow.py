@@ -420,6 +420,7 @@ def test_sigterm_stops_two_workers_at_a_step(tmp_path):
     assert line.startswith("overlapkit: stopped by SIGTERM at step "), line  # a rank said
     newest = json.loads((out / "checkpoints" / "manifest.json").read_text())["checkpoints"][-1]
     assert f"the newest checkpoint is step {newest['step']}. Resume:" in line
+    assert "coordination_service" not in stderr  # TensorFlow's INFO lines stay out
 
 
 @pytest.mark.slow

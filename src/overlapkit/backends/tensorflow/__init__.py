@@ -8,7 +8,13 @@ TensorFlow plug in through their ``tensorflow`` engines (see
 
 from __future__ import annotations
 
-from ...optimizations.prefetch.tfdata_backend import import_tensorflow
+import os
+
+# Before anything here imports TensorFlow (keras does, at import): its INFO and WARNING
+# lines (the coordination service, the profiler's options) went to every run's stderr.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from ...optimizations.prefetch.tfdata_backend import import_tensorflow  # noqa: E402
 from ...packages import installed
 
 
