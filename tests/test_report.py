@@ -129,6 +129,20 @@ def test_with_one_measurement_per_setting_nothing_is_confirmed(tmp_path):
     assert "noise unknown" in markdown
 
 
+def test_a_tiny_study_says_not_measured_and_claims_nothing_beyond_an_unknown_noise(tmp_path):
+    """Two trials, neither with ddp_overlap on: the report said 'ddp_overlap.intensity=
+    None' for its alone row, 'None' where it stops paying, 'within noise' for a drop
+    from one level to itself, and that the best was 'ahead of every other setting
+    beyond the noise' under 'noise unknown'."""
+    analysis = study_of([(0.0, 0.5, 403.1), (0.0, 1.0, 380.0)], repeats=1)
+    document, markdown = report(analysis, tmp_path)
+    assert analysis.noise is None and "None" not in markdown, markdown
+    assert "beyond the noise" not in markdown.split("best: trial", 1)[1].split("\n", 1)[0]
+    assert "ahead of every other setting by over 2 % (the noise is unknown)" in markdown
+    (ddp,) = [line for line in markdown.splitlines() if line.startswith("| ddp_overlap |")]
+    assert "not measured" in ddp and "within noise" not in ddp, ddp
+
+
 def test_repeats_of_one_with_a_setting_the_search_ran_twice_says_where_its_noise_is_from(
     tmp_path,
 ):

@@ -304,7 +304,8 @@ class Analysis:
         for name in self.space.optimizations:
             level = best_alone.get(name)
             setting = None if level is None else self.space.setting(free, **{name: level})
-            rows.append((f"{name} alone", setting, f"{self.space.level(name).name}={level}"))
+            said = "" if level is None else f"{self.space.level(name).name}={level}"
+            rows.append((f"{name} alone", setting, said))
         every = {name: "max" for name in self.space.optimizations}
         rows.append(
             (
@@ -453,7 +454,7 @@ class Analysis:
         """How far the highest level is below the peak (0.1 = 10 % lower) and whether
         that drop exceeds the noise."""
         numeric = [p for p in points if _is_number(p["level"])]
-        if not numeric:
+        if len(numeric) < 2:  # one level: nothing to be below
             return {"drop_at_max": None, "drop_beyond_noise": False}
         peak = max(numeric, key=lambda p: p["median"])
         last = max(numeric, key=lambda p: p["level"])
@@ -574,6 +575,8 @@ def stops_paying(curve: dict[str, Any], alone: bool = False) -> Any:
     from the best), or that the levels above the best measured were not measured."""
     prefix = "alone_" if alone else ""
     point = curve[f"{prefix}point" if alone else "contention_point"]
+    if point is None:  # no level of the curve was measured
+        return "not measured"
     if curve[f"{prefix}flat"]:
         return "within noise"
     above = curve.get(f"{prefix}unmeasured_above")

@@ -239,6 +239,8 @@ def _best_text(document: dict[str, Any]) -> str:
     if best is None:
         return "no trial finished"
     text = f"best: trial {best['trial']}, median of {best['measured']}"
+    if not best["ties"] and document["noise"] is None:  # read by the 2 % rule
+        return text + ", ahead of every other setting by over 2 % (the noise is unknown)"
     if not best["ties"]:
         return text + ", ahead of every other setting beyond the noise"
     others = "; ".join(short_setting(t["params"]) for t in best["ties"][:4])
