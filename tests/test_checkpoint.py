@@ -219,6 +219,7 @@ def test_auto_mode_runs(tmp_path):
     _, _, section = train(tmp_path, 40, every=1, auto=True, max_overhead=0.05, persist_nice=0)
     assert section["auto_policy"]["interval"] >= 1
     assert section["checkpoints"] >= 2  # the measured first one, then at the chosen interval
+    assert section["every"] == section["auto_policy"]["interval"]  # not the unused 1
 
 
 @contextlib.contextmanager

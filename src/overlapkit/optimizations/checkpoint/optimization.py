@@ -555,6 +555,9 @@ class Checkpoint(Optimization):
             "notes": self.errors,
         }
         if self.policy_auto is not None:
+            # The interval auto mode chose (the knob's own value, 1, is unused there).
+            chosen = self.policy_auto.interval
+            out["every"] = chosen if chosen is not None else "auto (none chosen yet)"
             out["auto_policy"] = {
                 "interval": self.policy_auto.interval,
                 "measured_overhead": self.policy_auto.overhead
