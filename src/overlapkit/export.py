@@ -259,6 +259,13 @@ def _write(state: Any, framework: str, target: Path, step: int, skipped: list[st
         raise ExportError(f"--to {target}: a folder; name the file to write")
     if not target.parent.is_dir():
         raise ExportError(f"--to {target}: its folder {target.parent} does not exist")
+    wanted = ".npz" if framework == "tensorflow" else ".pt"
+    if target.suffix in (".npz", ".pt", ".pth") and target.suffix != wanted:
+        what = "a NumPy archive (.npz)" if wanted == ".npz" else "a torch state_dict (.pt)"
+        raise ExportError(
+            f"--to {target}: a {framework} run exports {what}; name it ...{wanted} "
+            f"(torch.load or numpy.load would not open it under its name)"
+        )
     tensors = list(state.values()) if isinstance(state, dict) else list(state)
     size = sum(t.numel() * t.element_size() for t in tensors)
     if framework == "tensorflow":
