@@ -324,6 +324,16 @@ class TfLoop:
         }
         summary["framework"] = "tensorflow"
         summary["phases_source"] = split_note
+        if world.world_size > 1 and summary["pop"]["load_balance"] is not None:
+            # Each worker's compute is rank 0's fractions of its compiled step, whose time
+            # holds its waits in the all-reduces: equal on every worker, whatever each
+            # computed. A compute imbalance would not show: not measured, and said.
+            summary["pop"]["load_balance"] = summary["pop"]["parallel_efficiency"] = None
+            self.notes.append(
+                "load balance (and parallel efficiency) not measured over several "
+                "TensorFlow workers: only rank 0's step is profiled, and every worker's "
+                "compiled step lasts as long, its waits in the all-reduces included"
+            )
         summary["phases_profiled_steps"] = (
             None if isinstance(split, str) else [split.steps[0], split.steps[1] - 1]
         )
