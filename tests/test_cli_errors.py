@@ -677,3 +677,17 @@ def test_a_stop_no_rank_reported_reads_the_newest_checkpoint_from_the_folder(tmp
         RunInterrupted(signal.SIGTERM), argparse.Namespace(), ["run", "s.yaml"], where
     )
     assert "no checkpoint was written" in line
+
+
+def test_a_rank_killed_by_a_signal_says_where_the_other_ranks_errors_are(tmp_path):
+    """It read 'the other ranks' errors: the traceback is in .../error.txt'."""
+    from overlapkit.cli import _rank_failed
+    from overlapkit.launch.local import RankFailedError
+
+    error = RankFailedError(1, "died with SIGKILL (exit code -9)\nrank 0: ConnectionError ...")
+    line = _rank_failed(error, tmp_path)
+    assert line == (
+        "run failed: rank 1: died with SIGKILL (exit code -9); the other ranks' errors are "
+        f"in {tmp_path / 'error.txt'}"
+    )
+    assert "ConnectionError" in (tmp_path / "error.txt").read_text()

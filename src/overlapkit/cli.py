@@ -831,7 +831,8 @@ def _rank_failed(error: RankFailedError, folder: Path | None) -> str:
     traceback (and any other rank's) was written."""
     head, _, rest = error.details.partition("\n")
     if error.raised is None:  # no Python error: a signal, or the launcher's word
-        saved = f"; the other ranks' errors: {_save_traceback(rest, folder)}" if rest else ""
+        others = "the other ranks' errors are"
+        saved = f"; {_save_traceback(rest, folder, others)}" if rest else ""
         return f"run failed: rank {error.rank}: {head}{saved}"
     kind = error.raised["type"].rpartition(":")[2].rpartition(".")[2]
     return (
@@ -840,17 +841,18 @@ def _rank_failed(error: RankFailedError, folder: Path | None) -> str:
     )
 
 
-def _save_traceback(text: str, folder: Path | None) -> str:
-    """``text`` in the run folder's error.txt (or a temporary file); says where."""
+def _save_traceback(text: str, folder: Path | None, what: str = "the traceback is") -> str:
+    """``text`` in the run folder's error.txt (or a temporary file); says where
+    ("``what`` in PATH")."""
     try:
         if folder is not None and folder.is_dir():
             path = folder / "error.txt"
         else:
             path = Path(tempfile.gettempdir()) / f"overlapkit-error-{os.getpid()}.txt"
         path.write_text(text)
-        return f"the traceback is in {path}"
+        return f"{what} in {path}"
     except OSError:
-        return f"the traceback:\n{text}"
+        return f"{what}:\n{text}"
 
 
 def _node_place(args: argparse.Namespace, nodes: int) -> NodePlace | None:
