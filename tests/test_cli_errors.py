@@ -672,6 +672,9 @@ def test_a_stop_no_rank_reported_reads_the_newest_checkpoint_from_the_folder(tmp
         RunInterrupted(signal.SIGTERM), argparse.Namespace(), ["run", "s.yaml"], where
     )
     assert "the newest checkpoint is step 230. Resume: overlapkit run s.yaml" in line, line
+    fresh = argparse.Namespace(fresh=True)  # those are the checkpoints it starts over from
+    line = _stopped_line(RunInterrupted(signal.SIGTERM), fresh, ["run", "s.yaml"], where)
+    assert "no checkpoint was written" in line
     (checkpoints / "manifest.json").unlink()
     line = _stopped_line(
         RunInterrupted(signal.SIGTERM), argparse.Namespace(), ["run", "s.yaml"], where

@@ -694,6 +694,100 @@ def test_a_checkpoint_due_as_an_epoch_runs_out_waits_for_the_scripts_epoch_end(t
         assert torch.equal(a, b)
 
 
+class Buckets(torch.utils.data.Sampler):
+    """A bucketing batch sampler: 5 batches of 4, its length an estimate (3)."""
+
+    def __iter__(self):
+        return iter([list(range(i, i + 4)) for i in range(0, 20, 4)])
+
+    def __len__(self):
+        return 3
+
+
+class EpochShuffled(torch.utils.data.Sampler):
+    """Shuffled by its epoch (set_epoch), as DistributedSampler; no length."""
+
+    def __init__(self, n):
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch))
+        return iter(order.tolist())
+
+
+@pytest.mark.parametrize("shape", ["len under-reported", "no len", "prefetch, raw loader"])
+def test_loaders_with_odd_lengths_or_wrapped_resume_where_they_were(tmp_path, shape):
+    """From the review of the end-of-epoch change: a sampler whose length is an
+    estimate had a checkpoint count one batch too many (the resume skipped it); one
+    with set_epoch but no length failed every resume; and session.epoch(dl) over the
+    DataLoader given to prepare, under prefetch, iterated it raw (a resume retrained
+    the whole run)."""
+    data = TensorDataset(torch.randn(20, 6), torch.randint(3, (20,)))
+    Prefetch = get_optimization("prefetch")
+
+    def script(run_dir, crash_at=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 3))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        sampler = EpochShuffled(20) if shape == "no len" else None
+        if shape == "len under-reported":
+            loader = DataLoader(data, batch_sampler=Buckets())
+        else:
+            loader = DataLoader(data, batch_size=4, sampler=sampler, shuffle=sampler is None)
+        made = [Checkpoint(every=4, final=False)]
+        if shape.startswith("prefetch"):
+            made.append(Prefetch(0.5, backend="torch", workers=0))
+        session = Session(made, run_dir=run_dir)
+        raw = loader
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        start = session.start()
+        try:
+            for epoch in range(start.epoch, 3):
+                if sampler is not None:
+                    sampler.set_epoch(epoch)
+                for x, y in session.epoch(raw) if shape.startswith("prefetch") else loader:
+                    optimizer.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    optimizer.step()
+                    if session.state.step == crash_at:
+                        raise Crash
+        except Crash:
+            pass
+        return model, start, session.finish()
+
+    straight, _, whole = script(tmp_path / "a")
+    script(tmp_path / "b", crash_at=6)
+    model, start, summary = script(tmp_path / "b")
+    assert start.step == 4 and summary["steps"] + 4 == whole["steps"]
+    for a, b in zip(straight.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_sampler_whose_length_raises_runs_its_epochs(tmp_path):
+    """len() raising other than TypeError (NotImplementedError) ended the first step."""
+
+    class Unknown(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter(range(20))
+
+        def __len__(self):
+            raise NotImplementedError("length unknown")
+
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(20, 6), torch.randint(3, (20,)))
+    session = Session([], run_dir=tmp_path)
+    model, optimizer, loader = session.prepare(
+        model, optimizer, DataLoader(data, batch_size=4, sampler=Unknown())
+    )
+    assert len(one_epoch(model, loader, optimizer)) == 5
+    assert session.finish()["steps"] == 5
+
+
 def test_a_list_changed_between_epochs_is_said(tmp_path):
     """The position is in the list the resumed script has: one shuffled in place each
     epoch holds other batches there, and one of another length other batches too."""
@@ -1302,6 +1396,34 @@ def test_a_model_returning_its_input_is_not_told_it_carries_state(tmp_path):
         summary = session.finish()
         assert not [n for n in summary.get("notes", []) if "carried" in n]
         shutil.rmtree(tmp_path / "checkpoints")
+
+
+def test_a_state_updated_in_place_and_returned_is_told(tmp_path):
+    """The look left out every output over a storage the forward took, so a state the
+    model updates in place and returns (``out, h = model(x, h)``) was no longer told."""
+
+    class Stateful(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(6, 3)
+
+        def forward(self, x, h):
+            with torch.no_grad():
+                h.mul_(0.9).add_(x.mean(0))
+            return self.layer(x + h), h
+
+    model = Stateful()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = Session([Checkpoint(every=3)], run_dir=tmp_path)
+    model, optimizer, loader = session.prepare(model, optimizer, [torch.randn(4, 6)] * 6)
+    h = torch.zeros(6)
+    with pytest.warns(LoopWarning, match="carried from batch to batch"):
+        for x in loader:
+            optimizer.zero_grad()
+            out, h = model(x, h)
+            out.square().mean().backward()
+            optimizer.step()
+    assert any("carried" in note for note in session.finish()["notes"])
 
 
 def test_a_script_accumulating_batches_itself_resumes_exactly(tmp_path):

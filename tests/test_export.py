@@ -75,7 +75,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_said(run_folder, tmp_path):
         (["{run}", "--step", "5"], "holds no checkpoint at step 5 (it holds: 6, 8)"),
         (["{run}", "--to", "{tmp}"], "a folder; name the file to write"),
         (["{run}", "--to", "{tmp}/no/such/model.pt"], "does not exist"),
-        (["{run}", "--to", "{tmp}/model.npz"], "a torch run exports a torch state_dict (.pt)"),
+        (["{run}", "--to", "{tmp}/model.npz"], "a torch run exports a torch state_dict; name"),
     ],
 )
 def test_what_cannot_be_exported_is_one_line(run_folder, tmp_path, args, said):

@@ -455,4 +455,10 @@ def test_persistent_workers_with_a_back_end_that_keeps_its_own_is_refused(tiny_s
         "optimizations.prefetch={backend: tfdata, persistent_workers: false}",
     )  # fmt: skip
     assert result.returncode == 2, result.stdout
-    assert "persistent_workers is the torch back end's" in result.stderr
+    assert "persistent_workers means something only when backend is torch" in result.stderr
+    # A tune over back ends leaves it out of the trials of the others (not refused).
+    from overlapkit.optimizations.prefetch import Prefetch
+    from overlapkit.tuning.space import _without_idle_knobs
+
+    entry = {"intensity": 1.0, "backend": "tfdata", "persistent_workers": False}
+    assert _without_idle_knobs(Prefetch, entry) == {"intensity": 1.0, "backend": "tfdata"}

@@ -142,6 +142,11 @@ def test_resume_continues_the_newest_run_with_checkpoints(tiny_scenario, tmp_pat
     assert run_cli("run", checkpointed, *quick, cwd=tmp_path).returncode == 0
     assert run_cli("run", plain, *quick, cwd=tmp_path).returncode == 0
     runs = sorted((tmp_path / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    # A run stopped before its first checkpoint leaves its held, empty checkpoints/.
+    stopped = tmp_path / "runs" / f"{runs[0].name.rsplit('-', 2)[0]}-20991231-235959"
+    (stopped / "checkpoints").mkdir(parents=True)
+    (stopped / "checkpoints" / ".lock").write_text("4242\n")
+    (stopped / "scenario.yaml").write_text((runs[0] / "scenario.yaml").read_text())
     resumed = run_cli("run", checkpointed, "--resume", "--set", "train.steps=4", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"run folder {runs[0].relative_to(tmp_path)}" in resumed.stderr

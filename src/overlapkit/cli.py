@@ -668,7 +668,7 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
                 f"--resume: {scenario.name}'s checkpoint has resume: false (it starts over "
                 "every time); drop that to resume"
             )
-        earlier = [run for run in _earlier_runs(scenario.name) if (run / "checkpoints").is_dir()]
+        earlier = [run for run in _earlier_runs(scenario.name) if _has_checkpoints(run)]
         if not earlier:
             raise UsageError(
                 f"--resume: no earlier run of {scenario.name} under runs/ has checkpoints "
@@ -695,7 +695,7 @@ def _run_folder(scenario: Scenario, args: argparse.Namespace) -> Path | None:
         _check_free(NO_FOLDER, scenario, args)
         check_earlier_run(NO_FOLDER, scenario, fresh=args.fresh)
     if args.out is None and not args.fresh:
-        earlier = [run for run in _earlier_runs(scenario.name) if (run / "checkpoints").is_dir()]
+        earlier = [run for run in _earlier_runs(scenario.name) if _has_checkpoints(run)]
         if earlier and "checkpoint" in scenario.optimizations:
             Console(stderr=True).print(
                 f"note: a new run folder; {earlier[0]} has checkpoints of this scenario: "
@@ -777,8 +777,8 @@ def _stopped_line(
         return line
     line += f"; run folder {folder}"
     newest = stop.checkpoint_step
-    if newest is None and "checkpoints" in where:  # no rank said (a rank stopped hard)
-        newest = _newest_listed(where["checkpoints"])
+    if newest is None and "checkpoints" in where and not getattr(args, "fresh", False):
+        newest = _newest_listed(where["checkpoints"])  # no rank said (one stopped hard)
     if newest is not None:
         line += f"; the newest checkpoint is step {newest}. Resume: "
     else:
@@ -786,6 +786,13 @@ def _stopped_line(
     kept = _without(argv, {"--out": 1, "--resume": 0, "--fresh": 0})
     prefix = "torchrun ... -m " if os.environ.get("TORCHELASTIC_RUN_ID") else ""
     return line + prefix + shlex.join(["overlapkit", *kept, "--out", str(folder)])
+
+
+def _has_checkpoints(run: Path) -> bool:
+    """Whether the run folder ``run`` holds checkpoints (a manifest, or step folders):
+    not only an empty folder a run stopped before its first one left, with its lock."""
+    folder = run / "checkpoints"
+    return (folder / "manifest.json").exists() or any(folder.glob("step-*"))
 
 
 def _newest_listed(checkpoints: Path) -> int | None:

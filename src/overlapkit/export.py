@@ -259,12 +259,12 @@ def _write(state: Any, framework: str, target: Path, step: int, skipped: list[st
         raise ExportError(f"--to {target}: a folder; name the file to write")
     if not target.parent.is_dir():
         raise ExportError(f"--to {target}: its folder {target.parent} does not exist")
-    wanted = ".npz" if framework == "tensorflow" else ".pt"
-    if target.suffix in (".npz", ".pt", ".pth") and target.suffix != wanted:
-        what = "a NumPy archive (.npz)" if wanted == ".npz" else "a torch state_dict (.pt)"
+    wanted = (".npz",) if framework == "tensorflow" else (".pt", ".pth")
+    if target.suffix in (".npz", ".pt", ".pth") and target.suffix not in wanted:
+        what = "a NumPy archive (.npz)" if framework == "tensorflow" else "a torch state_dict"
         raise ExportError(
-            f"--to {target}: a {framework} run exports {what}; name it ...{wanted} "
-            f"(torch.load or numpy.load would not open it under its name)"
+            f"--to {target}: a {framework} run exports {what}; name it with "
+            f"{' or '.join(wanted)} (its loader would not open it under this name)"
         )
     tensors = list(state.values()) if isinstance(state, dict) else list(state)
     size = sum(t.numel() * t.element_size() for t in tensors)

@@ -367,7 +367,10 @@ class ScriptLoader:
         if hasattr(self.sampler, "set_epoch") and "sampler_epoch" in state:
             self.sampler.set_epoch(int(state["sampler_epoch"]))
             # (a pass resumed at its end has no batch left to check it at)
-            within = 0 < self.position < len(self)
+            try:
+                within = 0 < self.position < len(self)
+            except Exception:  # noqa: BLE001 - a sampler without a length
+                within = self.position > 0
             self.resumed_sampler_epoch = int(state["sampler_epoch"]) if within else None
         saved_rng = state.get("worker_rng") or {}
         if saved_rng and state.get("workers") == self._workers and self._tracks_workers:

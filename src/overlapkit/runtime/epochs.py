@@ -30,6 +30,16 @@ USED_UP = (
 )
 
 
+def _original_of(prepared: Any) -> Any:
+    """What the script gave `prepare`, under the loaders wrapped around it (prefetch's
+    around a `ScriptLoader`, say); None when it gave none of those."""
+    while prepared is not None:
+        if (original := getattr(prepared, "original", None)) is not None:
+            return original
+        prepared = getattr(prepared, "inner", None)
+    return None
+
+
 def _handed_out(loader: Any) -> bool:
     """A loader with a position and a length has handed out its whole epoch."""
     position = getattr(loader, "position", None)
@@ -37,7 +47,7 @@ def _handed_out(loader: Any) -> bool:
         return False
     try:
         return 0 < len(loader) <= position
-    except TypeError:  # no length
+    except Exception:  # noqa: BLE001 - no length, or one its sampler cannot give
         return False
 
 
@@ -139,7 +149,9 @@ class EpochLoop:
                         iterator = iter(loader)
                     batch = next(iterator, _END)
                 if over and batch is not _END:  # more batches than its length said
+                    loader.position -= 1  # a checkpoint now is of the step before it
                     self.start_step()
+                    loader.position += 1
                     state.micro_step = 0
                 self._say_inexact(loader)
                 if batch is _END:
@@ -315,7 +327,7 @@ class EpochLoop:
         was given (the script's own DataLoader or list, iterated through the session:
         its position is the prepared one's)."""
         prepared = self.state.loader
-        if loader is None or loader is getattr(prepared, "original", None):
+        if loader is None or loader is _original_of(prepared):
             return prepared
         return loader.inner if isinstance(loader, StepLoader) else loader
 

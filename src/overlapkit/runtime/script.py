@@ -175,7 +175,8 @@ class PlainCalls:
 
     def _after_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._carried is not None and self._training_forward(module):
-            self._carried.returned(output, self.session.state.step, (args, kwargs))
+            state = self.session.state
+            self._carried.returned(output, state.step, state.batch)
             if self._carried.steps_seen > LOOK_STEPS:  # a loop carries from the start
                 self._carried = None
         if not self._plain(module):
@@ -272,12 +273,13 @@ class CarriedState:
             self._returned, self._step = set(), step
             self.steps_seen += 1
 
-    def returned(self, output: Any, step: int, inputs: Any) -> None:
-        """What a forward returned, but for views of what it took (a model returning
-        its input, as a VAE's ``[recon, input, mu, logvar]``: the next batch may be
-        another view of one tensor of batches, or the same batch again)."""
+    def returned(self, output: Any, step: int, batch: Any) -> None:
+        """What a forward returned, but for views of the step's ``batch`` (a model
+        returning its input, as a VAE's ``[recon, input, mu, logvar]``: the next batch
+        may be another view of one tensor of batches, or the same batch again). A state
+        the model updates in place and returns still counts."""
         self._at(step)
-        self._returned.update(set(_storages(output)) - set(_storages(inputs)))
+        self._returned.update(set(_storages(output)) - set(_storages(batch)))
 
     def carried(self, inputs: Any, step: int) -> list[torch.Tensor] | None:
         """The inputs over a storage the step before returned, None if none. A weak

@@ -329,7 +329,7 @@ class TfLoop:
             # holds its waits in the all-reduces: equal on every worker, whatever each
             # computed. A compute imbalance would not show: not measured, and said.
             summary["pop"]["load_balance"] = summary["pop"]["parallel_efficiency"] = None
-            self.notes.append(
+            self._note(
                 "load balance (and parallel efficiency) not measured over several "
                 "TensorFlow workers: only rank 0's step is profiled, and every worker's "
                 "compiled step lasts as long, its waits in the all-reduces included"

@@ -66,7 +66,7 @@ class TfCommunication:
             notes.append(
                 f"one pack per step: the gradients fit in one of {self.bytes_per_pack / MiB:g} "
                 "MiB (bucket_cap_mb), so their all-reduce runs after backward, as at "
-                "intensity 0; a smaller bucket_cap_mb (a higher intensity) splits them"
+                "intensity 0; a smaller bucket_cap_mb splits them"
             )
         elif packs and strategy.get("inter_op_threads") == 1:
             notes.append(

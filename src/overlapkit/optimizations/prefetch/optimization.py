@@ -82,7 +82,14 @@ class Prefetch(Optimization):
             help="page-locked batches (GPU only)",
             frameworks=("torch",),
         ),
-        Knob(name="persistent_workers", type=bool, default=True, frameworks=("torch",)),
+        # The torch back end's DataLoader workers (tf.data and DALI keep their own).
+        Knob(
+            name="persistent_workers",
+            type=bool,
+            default=True,
+            frameworks=("torch",),
+            needs="backend=torch",
+        ),
         Knob(
             name="autotune",
             type=bool,
@@ -109,12 +116,6 @@ class Prefetch(Optimization):
         reason = missing(self.settings["backend"])
         if reason:
             raise CombinationError(reason)
-        backend_name = self.settings["backend"]
-        if backend_name != "torch" and "persistent_workers" in self.explicit:
-            raise CombinationError(
-                f"prefetch.persistent_workers is the torch back end's (its DataLoader "
-                f"workers); backend {backend_name} keeps its own workers: leave it out"
-            )
 
     def check_plan(self, plan: Plan) -> None:
         chosen = self.explicit.get("backend", "tfdata")
