@@ -72,7 +72,9 @@ def test_gpu_benchmark_runs_every_part_on_a_cpu(tmp_path):
     numbers = json.loads((tmp_path / "n.json").read_text())
     for model in ("resnet18", "resnet50"):
         rows = numbers["a"][model]["rows"]
-        assert len(rows) == 4 and all(row["ms_per_step"] > 0 for row in rows.values())
+        assert len(rows) == 5 and all(row["ms_per_step"] > 0 for row in rows.values())
+        # run_scenario against a plain loop over the same CPU loader, beside the rest
+        assert rows["overlapkit run_scenario (CPU loader)"]["ratio_to_plain_loader"] > 0
         precision = numbers["d"][model]["rows"]
         assert precision["fp32"]["ms_per_step"] > 0 and precision["bf16"]["ms_per_step"] > 0
         assert precision["fp16"] == {"unavailable": "n/a on cpu"}  # labelled, not invented
