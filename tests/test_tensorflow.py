@@ -498,6 +498,11 @@ def test_the_tune_space_holds_only_what_tensorflow_runs(tmp_path):
     assert result.returncode == 2
     assert "on tensorflow the scheduler's policy is not searched" in result.stderr
     assert "set scheduler.policy in the scenario" in result.stderr
+    # device_depth does nothing without a GPU there: its trials would measure noise
+    idle = scenario_file(tmp_path, RESNET, tune={"search": {"prefetch": ["device_depth"]}})
+    result = cli_here("check", idle)
+    assert result.returncode == 2, result.stdout
+    assert "prefetch.device_depth: prefetch_to_device needs a GPU" in result.stderr
 
 
 def test_the_session_api_says_it_is_torch_only_when_given_keras(tmp_path):

@@ -25,6 +25,7 @@ from ..runtime import CombinationError, KnobError, Optimization, Scheduler, Sche
 from ..runtime.distributed import resolve_backend, resolve_device
 from ..runtime.gpus import check_cpu_setup, check_gpu_setup
 from ..runtime.loop import TrainConfig
+from ..runtime.optimization import engine_for
 from ..runtime.tensorboard import LogConfig, tensorboard_missing
 from ..tuning import TuneConfig
 from ..tuning.space import SpaceError, build_space
@@ -236,12 +237,28 @@ class Scenario(Config):
         if not self.tune.search:
             return None
         _, left_out = self.applicable_optimizations()
-        said = "; ".join(f"{n}: {left_out[n]}" for n in self.tune.search if n in left_out)
+        said = [f"{n}: {left_out[n]}" for n in self.tune.search if n in left_out]
+        said += self._idle_searched_knobs(skip=left_out)
         return (
-            f"tune.search names what this set-up cannot tune ({said}): leave it out"
+            f"tune.search names what this set-up cannot tune ({'; '.join(said)}): leave it out"
             if said
             else None
         )
+
+    def _idle_searched_knobs(self, skip: dict[str, str]) -> list[str]:
+        """The searched knobs this framework's engine runs without effect here (every
+        trial of theirs would measure noise), as ``name.knob: why``; the optimizations
+        in ``skip`` (which cannot run here) aside."""
+        said = []
+        for name, knobs in (self.tune.search or {}).items():
+            if not isinstance(knobs, (list, dict)) or name in skip:
+                continue
+            if name not in registered_optimizations():
+                continue
+            engine = engine_for(get_optimization(name)(), self.framework)
+            idle = getattr(engine, "idle_knobs", lambda device: {})(self.device_type)
+            said += [f"{name}.{knob}: {why}" for knob, why in idle.items() if knob in knobs]
+        return said
 
     @property
     def backend(self) -> str:

@@ -32,9 +32,16 @@ class TfPrefetch:
         shown = {**settings_on(self.optimization, "tensorflow"), "backend": "tfdata"}
         if shown["autotune"]:
             shown["workers"] = shown["depth"] = "tf.data's (autotune)"
-        if device != "cuda":  # prefetch_to_device needs a GPU; prefetch holds them
-            shown["device_depth"] = "n/a (no GPU)"
+        for knob in self.idle_knobs(device):
+            shown[knob] = "n/a (no GPU)"
         return shown
+
+    @staticmethod
+    def idle_knobs(device: str) -> dict[str, str]:
+        """The knobs that do nothing on ``device``, and why (not searched by tune)."""
+        if device == "cuda":
+            return {}
+        return {"device_depth": "prefetch_to_device needs a GPU (tf.data's prefetch holds them)"}
 
     def summary(self, run: dict[str, Any]) -> dict[str, Any]:
         shown = self.shown_settings(run["strategy"]["device"])
