@@ -6,6 +6,7 @@ Skipped without a GPU. On a machine with one: ``python -m pytest tests/test_on_g
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -62,6 +63,28 @@ def train(run_dir, steps, *, optimizations=(), precision="fp32", strict_from=Non
         torch.cuda.set_sync_debug_mode(0)
     summary = session.finish()
     return [float(x) for x in losses], model, summary
+
+
+@contextlib.contextmanager
+def one_rank_nccl_group():
+    """The group overlapkit starts under nccl (`cpu:gloo,cuda:nccl`, bound to GPU 0),
+    of one rank, started by the caller (as under Ray Train), closed after the block."""
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from overlapkit.runtime.distributed import process_group_backend
+
+    dist.init_process_group(
+        process_group_backend("nccl"),
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def params(model):
@@ -166,17 +189,7 @@ def test_a_session_in_a_nccl_group_evaluates_and_checkpoints(tmp_path):
     through the CLI starts no group at all.)"""
     import torch.distributed as dist
 
-    from conftest import free_port
-    from overlapkit.runtime.distributed import process_group_backend
-
-    dist.init_process_group(
-        process_group_backend("nccl"),
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        device_id=torch.device("cuda", 0),
-    )
-    try:
+    with one_rank_nccl_group():
         seed_everything(0)
         data = SyntheticImages((3, 8, 8), num_classes=4, num_samples=128, seed=0)
         loader = ResumableLoader(data, 32, ShardedSampler(len(data), seed=0))
@@ -195,8 +208,6 @@ def test_a_session_in_a_nccl_group_evaluates_and_checkpoints(tmp_path):
         assert result["samples"] == 128
         assert summary["optimizations"]["checkpoint"]["checkpoints"] >= 3
         dist.barrier()  # the group is still the caller's, and works
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_collectives_overlapkit_uses_run_on_its_nccl_group():
@@ -207,18 +218,8 @@ def test_the_collectives_overlapkit_uses_run_on_its_nccl_group():
     gloo subgroup (a checkpoint's own groups) and a barrier."""
     import torch.distributed as dist
 
-    from conftest import free_port
-    from overlapkit.runtime.distributed import process_group_backend
-
     device = torch.device("cuda", 0)
-    dist.init_process_group(
-        process_group_backend("nccl"),
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        device_id=device,
-    )
-    try:
+    with one_rank_nccl_group():
         on_device = torch.tensor([2.0, 3.0], dtype=torch.float64, device=device)
         dist.all_reduce(on_device)
         on_host = torch.tensor([5], dtype=torch.int64)
@@ -235,8 +236,6 @@ def test_the_collectives_overlapkit_uses_run_on_its_nccl_group():
         assert on_device.tolist() == [2.0, 3.0] and on_host.item() == 5
         assert gathered == [{"crc32c": "0a1b2c3d"}] and sent == [{"split": [0, 3, 7]}]
         assert pieces[0].item() == 1.0
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_step_times_are_the_devices_while_the_host_runs_ahead(tmp_path):
@@ -289,23 +288,13 @@ def test_bucket_timing_on_nccl_reads_cuda_events_of_the_work():
     hook's CUDA events (launch on the backward's stream, completion in the future's
     callback, whose streams wait for the all-reduce), read after the work without
     an error, in the order the buckets ran, from a pool of events reused."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from conftest import free_port
     from overlapkit.optimizations.ddp_overlap.hooks import BucketTimer, SyncTiming, make_hook
-    from overlapkit.runtime.distributed import process_group_backend
     from overlapkit.runtime.timing import Marks
 
     device = torch.device("cuda", 0)
-    dist.init_process_group(
-        process_group_backend("nccl"),
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        device_id=device,
-    )
-    try:
+    with one_rank_nccl_group():
         model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).to(device)
         ddp = DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=4)
         marks = Marks(device)
@@ -322,8 +311,6 @@ def test_bucket_timing_on_nccl_reads_cuda_events_of_the_work():
             assert len(calls) >= 2 and all(latency >= 0 for _, latency in calls)
             assert 0 <= exposed <= busy
         assert marks.created == 2 * len(calls)  # the first step's events, reused since
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_deterministic_resnet_run_on_the_gpu_repeats_itself(tmp_path):
