@@ -65,10 +65,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from inspect import signature
+from itertools import cycle
 from pathlib import Path
 from typing import Any
 
@@ -302,19 +303,20 @@ def read_steps(run_dir: Path) -> list[dict[str, Any]]:
 # -------------------------------------------------------------------- loops
 def plain_loop(
     model: nn.Module,
-    batches: list[tuple[torch.Tensor, ...]],
+    batches: Iterable[tuple[torch.Tensor, ...]],
     warmup: int,
     steps: int,
     device: torch.device,
     sync_each_step: bool,
 ) -> dict[str, Any]:
+    """A plain PyTorch loop over ``batches`` (the device's pool, cycled; or a loader's,
+    copied as they come), timed over the steps after ``warmup``."""
     optimizer = make_optimizer(model, device)
     start = time.perf_counter()
-    for i in range(warmup + steps):
+    for i, (inputs, targets) in zip(range(warmup + steps), batches, strict=False):
         if i == warmup:
             sync(device)
             start = time.perf_counter()
-        inputs, targets = batches[i % len(batches)]
         loss = F.cross_entropy(model(inputs), targets)
         loss.backward()
         optimizer.step()
@@ -335,22 +337,11 @@ def plain_loader_loop(
     loader = torch.utils.data.DataLoader(
         data, batch_size=batch, shuffle=True, drop_last=True, pin_memory=device.type == "cuda"
     )
-    optimizer = make_optimizer(model, device)
-    start = time.perf_counter()
-    for i, (inputs, targets) in enumerate(loader):
-        if i == warmup + steps:
-            break
-        if i == warmup:
-            sync(device)
-            start = time.perf_counter()
-        inputs = inputs.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        loss = F.cross_entropy(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    sync(device)
-    return {"window_s": time.perf_counter() - start, "steps": steps}
+    copied = (
+        (inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
+        for inputs, targets in loader
+    )
+    return plain_loop(model, copied, warmup, steps, device, False)
 
 
 def builtin_loop(
@@ -495,8 +486,8 @@ def part_a(ctx: Context) -> dict[str, Any]:
 def part_a_model(ctx: Context, wl: Workload) -> dict[str, Any]:
     s, device = ctx.sizes, ctx.device
     runners = {
-        PLAIN: lambda w, n: plain_loop(wl.reset(), wl.batches, w, n, device, False),
-        PLAIN_SYNC: lambda w, n: plain_loop(wl.reset(), wl.batches, w, n, device, True),
+        PLAIN: lambda w, n: plain_loop(wl.reset(), cycle(wl.batches), w, n, device, False),
+        PLAIN_SYNC: lambda w, n: plain_loop(wl.reset(), cycle(wl.batches), w, n, device, True),
         BUILTIN: lambda w, n: builtin_loop(ctx, wl.reset(), wl.batches, w, n),
         SCENARIO: lambda w, n: scenario_loop(ctx, wl.name, w, n),
         PLAIN_LOADER: lambda w, n: plain_loader_loop(wl.reset(), wl.batch, w, n, device),
