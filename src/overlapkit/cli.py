@@ -575,14 +575,15 @@ def _run_command(
 
         def on_folder(folder: Path) -> None:  # made, nothing written yet: hold it
             where.update(folder=folder)
-            if (checkpoints := _checkpoint_folder(scenario, folder, args)) is not None:
+            checkpoints = _checkpoint_folder(scenario, folder, args)
+            if checkpoints is not None:
                 where.update(checkpoints=checkpoints)
             if _holds_the_folder(args):
                 holding.enter_context(held(folder))
-                if (shared := _checkpoint_folder(scenario, folder, args)) is not None:
+                if checkpoints is not None:
                     try:
-                        shared.mkdir(parents=True, exist_ok=True)
-                        holding.enter_context(held(shared, ANOTHER_DIR))
+                        checkpoints.mkdir(parents=True, exist_ok=True)
+                        holding.enter_context(held(checkpoints, ANOTHER_DIR))
                     except OSError:  # read-only, say: no run can checkpoint there
                         pass  # (the checkpoint optimization says what is wrong with it)
 
