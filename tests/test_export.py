@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from overlapkit.export import ExportError, unsplit_name
+from overlapkit.export import ExportError, tensorflow_arrays, unsplit_name
 from overlapkit.optimizations.checkpoint import fileformat
 from overlapkit.scenarios.loader import load_scenario
 
@@ -93,6 +93,17 @@ def test_a_pipeline_stages_names_are_the_unsplit_models():
     assert unsplit_name("layers.0.weight", names) == "0.weight"  # an nn.Sequential
     with pytest.raises(ExportError, match="names no recorded layer"):
         unsplit_name("layers.layer9_9.weight", names)
+
+
+def test_tensorflow_arrays_are_named_by_their_paths_unless_the_checkpoint_cannot_say():
+    a, b = torch.zeros(1), torch.ones(2)
+    assert tensorflow_arrays([a, b], ["dense/kernel", "dense/bias"]) == {
+        "dense/kernel": a,
+        "dense/bias": b,
+    }
+    by_position = {"0000": a, "0001": b}
+    assert tensorflow_arrays([a, b], None) == by_position  # an older checkpoint
+    assert tensorflow_arrays([a, b], ["seed", "seed"]) == by_position  # a name twice
 
 
 def test_a_compiled_models_export_has_the_models_own_names(tmp_path):

@@ -193,7 +193,7 @@ def test_bert_evaluates_at_the_end_traces_hooks_and_a_failed_eval_keeps_the_trai
     events = json.loads((tmp_path / "ok" / "trace.json").read_text())["traceEvents"]
     ends = [e["args"]["step"] for e in events if e["name"] == "checkpoint.step_end"]
     assert ends == [0, 1, 2] and any("trace.json" in note for note in summary["notes"])
-    # overlapkit export: the variables in model.variables order, which the model takes.
+    # overlapkit export: the variables by their paths, which the model takes.
     exported = run_cli("export", tmp_path / "ok", "--json")
     assert exported.returncode == 0, exported.stderr
     done = json.loads(exported.stdout)
@@ -205,9 +205,9 @@ def test_bert_evaluates_at_the_end_traces_hooks_and_a_failed_eval_keeps_the_trai
 
     weights = np.load(done["path"])
     model = build_model(load_scenario(tmp_path / "ok" / "scenario.yaml").model, (16,))
-    assert len(weights.files) == len(model.variables) == done["tensors"]
-    for variable, key in zip(model.variables, weights.files, strict=True):
-        variable.assign(weights[key])  # every shape and dtype fits
+    assert weights.files == [v.path for v in model.variables] and done["by_position"] is False
+    for variable in model.variables:
+        variable.assign(weights[variable.path])  # every shape and dtype fits
     out = tmp_path / "failed"
     result = subprocess.run(
         [sys.executable, "-c", FAILING_EVAL, "run", str(scenario), "--out", str(out), "--json"],

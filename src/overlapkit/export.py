@@ -7,8 +7,9 @@ export takes the newest intact checkpoint (or the step asked for) and writes:
 
 - torch: the model's ``state_dict`` with the unsplit model's names, by
   ``torch.save`` (``model.load_state_dict(torch.load(PATH))``);
-- TensorFlow: the model's variables in ``model.variables`` order (its weights and
-  its layers' RNG states, as the checkpoint holds them), as a NumPy ``.npz``.
+- TensorFlow: the model's variables (its weights and its layers' RNG states, as the
+  checkpoint holds them) by their Keras paths, in ``model.variables`` order, as a
+  NumPy ``.npz``.
 """
 
 from __future__ import annotations
@@ -50,13 +51,16 @@ class Exported:
     bytes: int
     framework: str
     skipped: list[str]  # newer checkpoints that were not intact, and why
+    by_position: bool = False  # TensorFlow arrays named 0000... in model.variables order
 
     def how_to_load(self) -> str:
-        if self.framework == "tensorflow":
+        if self.framework == "tensorflow" and self.by_position:
             return (
                 f"w = numpy.load('{self.path}'); "
                 "for v, k in zip(model.variables, w.files): v.assign(w[k])"
             )
+        if self.framework == "tensorflow":
+            return f"w = numpy.load('{self.path}'); for v in model.variables: v.assign(w[v.path])"
         return f"model.load_state_dict(torch.load('{self.path}'))"
 
 
@@ -164,11 +168,12 @@ def model_files(held: dict[str, Held]) -> list[str]:
 def _model_state(
     root: Path, step: int, files: list[Held], held: dict[str, Held]
 ) -> tuple[Any, str]:
-    models = [file.load().get("model") for file in files]
+    saved = [file.load() for file in files]
+    models = [state.get("model") for state in saved]
     if any(model is None for model in models):
         raise ExportError(f"the checkpoint at step {step} in {root} holds no model")
     if isinstance(models[0], list):  # TensorFlow: its variables, in model.variables order
-        return models[0], "tensorflow"
+        return tensorflow_arrays(models[0], saved[0].get("model_paths")), "tensorflow"
     if len(files) == 1 and files[0].name == SHARED:
         return own_names(models[0]), "torch"
     names, expected = _stage_layer_names(held)
@@ -189,6 +194,15 @@ def _model_state(
         for key, value in model.items():
             state[unsplit_name(key, names)] = value
     return state, "torch"
+
+
+def tensorflow_arrays(variables: list[Any], paths: list[str] | None) -> dict[str, Any]:
+    """A TensorFlow model's variables by their Keras paths (``dense/kernel``), in
+    ``model.variables`` order; by position (``0000``...) when the checkpoint names
+    none (written before overlapkit recorded them) or names one path twice."""
+    if paths is not None and len(paths) == len(variables) and len(set(paths)) == len(paths):
+        return dict(zip(paths, variables, strict=True))
+    return {f"{i:04d}": variable for i, variable in enumerate(variables)}
 
 
 def own_names(state: dict[str, Any]) -> dict[str, Any]:
@@ -266,7 +280,7 @@ def _write(state: Any, framework: str, target: Path, step: int, skipped: list[st
             f"--to {target}: a {framework} run exports {what}; name it with "
             f"{' or '.join(wanted)} (its loader would not open it under this name)"
         )
-    tensors = list(state.values()) if isinstance(state, dict) else list(state)
+    tensors = list(state.values())
     size = sum(t.numel() * t.element_size() for t in tensors)
     if framework == "tensorflow":
         import io
@@ -274,11 +288,12 @@ def _write(state: Any, framework: str, target: Path, step: int, skipped: list[st
         import numpy as np
 
         buffer = io.BytesIO()
-        np.savez(buffer, **{f"{i:04d}": t.numpy() for i, t in enumerate(tensors)})
+        np.savez(buffer, **{key: t.numpy() for key, t in state.items()})
         atomic_write(target, lambda fd: _write_all(fd, buffer.getvalue()))
     else:
         atomic_torch_save(state, target)
-    return Exported(target, step, len(tensors), size, framework, skipped)
+    by_position = framework == "tensorflow" and "0000" in state
+    return Exported(target, step, len(tensors), size, framework, skipped, by_position)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -121,6 +121,7 @@ class TfLoop:
 
         return {
             "model": [view(v) for v in model],
+            "model_paths": [v.path for v in model],  # names for `overlapkit export`
             "optimizer": [view(v) for v in optimizer],
             "progress": {"step": self.state.step, "framework": "tensorflow"},
             "optimizations": self.scheduler.state_dict(),

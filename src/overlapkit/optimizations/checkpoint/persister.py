@@ -19,7 +19,7 @@ from .snapshot import Snapshot
 from .store import CheckpointError, Manifest, rank_file, shard_file, step_dir, write_state
 
 # Replicated across the ranks of a shard: written once, by its writer.
-SHARED_KEYS = ("model", "optimizer", "lr_scheduler", "precision", "progress")
+SHARED_KEYS = ("model", "model_paths", "optimizer", "lr_scheduler", "precision", "progress")
 
 
 def split_state(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
