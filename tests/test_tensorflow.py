@@ -19,6 +19,8 @@ from conftest import cli_here, free_port, run_cli, step_losses
 
 pytest.importorskip("tensorflow")
 
+from overlapkit.optimizations.prefetch.tfdata_backend import START_UP_CHATTER  # noqa: E402
+
 BERT = {
     "name": "tf-bert",
     "framework": "tensorflow",
@@ -80,7 +82,20 @@ def scenario_file(folder: Path, base: dict, **changes) -> Path:
 def run(scenario: Path, out: Path, *extra: str) -> dict:
     result = run_cli("run", scenario, "--out", out, "--json", *extra, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not any(words in result.stderr for words in START_UP_CHATTER), result.stderr
     return json.loads((out / "summary.json").read_text())
+
+
+def test_what_tensorflow_writes_at_import_is_held_back_but_for_its_chatter(capfd):
+    """TensorFlow's import wrote four lines a rank (oneDNN's notice, each after absl's
+    warning that logging has not started), whatever TF_CPP_MIN_LOG_LEVEL said."""
+    from overlapkit.optimizations.prefetch.tfdata_backend import _stderr_without
+
+    with _stderr_without(START_UP_CHATTER):
+        os.write(2, b"WARNING: All log messages before absl::InitializeLog() is called ...\n")
+        os.write(2, b"I0000 port.cc:153] oneDNN custom operations are on. You may see\n")
+        os.write(2, b"E0000 something TensorFlow really means\n")
+    assert capfd.readouterr().err == "E0000 something TensorFlow really means\n"
 
 
 @pytest.mark.slow

@@ -23,7 +23,6 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-import keras
 import torch
 
 from ...runtime.distributed import World, all_gather_objects
@@ -41,6 +40,7 @@ from . import import_tensorflow
 from .data import Batches, InputPlan
 from .models import build_model
 from .profile import FUSED, PhaseSplit, profile_window, split_records, why_unprofiled
+from .quiet_keras import keras
 from .step import buffers, collectives_in, make_eval_step, make_train_step
 
 

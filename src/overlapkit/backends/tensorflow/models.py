@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-from keras import layers
-
 from ...models import BertConfig, ResNetConfig
+from .quiet_keras import keras
+
+layers = keras.layers
 
 
 # He initialisation by fan-out, as torch's ResNet: the same starting scale. One

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import keras
 import numpy as np
 
 from ...runtime.loop import OptimizerConfig, TrainConfig, lr_factor
+from .quiet_keras import keras
 
 PRECISION_POLICY = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 

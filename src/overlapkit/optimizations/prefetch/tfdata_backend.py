@@ -20,7 +20,10 @@ threads, so the knobs mean what they say and intensity 0 loads nothing ahead.
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -30,13 +33,40 @@ from ...data import ResumableLoader
 from .extras import require
 from .samples import SampleLayout, epoch_indices
 
+# What TensorFlow's import writes to stderr before its logging starts, whatever
+# TF_CPP_MIN_LOG_LEVEL says: four lines a process, eight a run of two ranks.
+START_UP_CHATTER = ("before absl::InitializeLog() is called", "oneDNN custom operations are on")
+
 
 def import_tensorflow() -> Any:
     require("tfdata")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
-    import tensorflow as tf
+    if "tensorflow" in sys.modules:
+        return sys.modules["tensorflow"]
+    with _stderr_without(START_UP_CHATTER):
+        import tensorflow as tf
 
     return tf
+
+
+@contextmanager
+def _stderr_without(chatter: tuple[str, ...]) -> Iterator[None]:
+    """Within: what the process writes to stderr (file descriptor 2, as C++ code does)
+    is held back, then written out but for the lines that hold any of ``chatter``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().splitlines(keepends=True):
+                if not any(words.encode() in line for words in chatter):
+                    os.write(2, line)
 
 
 def load_overlapped(
