@@ -5,6 +5,7 @@ does; SIGTERM to the command), so the test is not a race against the clock."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -231,3 +232,68 @@ def test_only_a_collective_a_peer_left_waits_for_the_launchers_signal():
     assert not peer_left(RuntimeError("toy failure on rank 1 at step 3"))
     assert not peer_left(OSError("No space left on device"))
     assert not peer_left(KeyboardInterrupt())
+
+
+def test_new_ranks_hold_ctrl_c_until_the_run_takes_it(tmp_path):
+    """A rank spends its first seconds importing torch before any code of ours runs: a
+    Ctrl-C there printed a KeyboardInterrupt traceback per rank. The launcher's ranks
+    now start with SIGINT blocked, and the run's handler takes it when it starts."""
+    from plugins.rank_programs import sigint_held
+
+    from overlapkit.launch.interrupt import ranks_hold_ctrl_c_until_ready
+    from overlapkit.launch.local import launch_local
+
+    assert launch_local(sigint_held, 2) == {0: (True, False), 1: (True, False)}
+    import multiprocessing.spawn
+
+    before = multiprocessing.spawn.get_executable()
+    with ranks_hold_ctrl_c_until_ready(tmp_path):
+        assert os.fsdecode(multiprocessing.spawn.get_executable()) == str(tmp_path / "python")
+    assert multiprocessing.spawn.get_executable() == before  # the launcher's own again
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_ranks_import_is_one_line(tiny_scenario, tmp_path):
+    """Ctrl-C as soon as the ranks exist (they are importing torch for a second or
+    more): the stop line, no traceback."""
+    command = [
+        sys.executable,
+        "-m",
+        "overlapkit",
+        "run",
+        tiny_scenario(),
+        "--out",
+        tmp_path / "run",
+    ]
+    launcher = subprocess.Popen(
+        [*map(str, command), *TWO_RANKS, "--quiet"],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+    def ranks() -> list[str]:  # the launcher's children, whichever of its threads started them
+        tasks = Path(f"/proc/{launcher.pid}/task").glob("*/children")
+        with contextlib.suppress(OSError):
+            pids = [pid for task in tasks for pid in task.read_text().split()]
+            return [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        return []
+
+    def importing_torch(pid: str) -> bool:  # its interpreter runs: torch's library is loaded
+        with contextlib.suppress(OSError):
+            return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+        return False
+
+    deadline = time.monotonic() + 120
+    while launcher.poll() is None and time.monotonic() < deadline:
+        started = ranks()
+        if len(started) == 2 and all(importing_torch(pid) for pid in started):
+            break
+        time.sleep(0.01)
+    assert launcher.poll() is None, "the run ended before its ranks were seen"
+    os.killpg(launcher.pid, signal.SIGINT)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "stopped by SIGINT" in stopped_line(stderr)
+    assert not (tmp_path / "run" / "summary.json").exists()  # stopped, not run to its end

@@ -31,6 +31,21 @@ def mlp() -> nn.Module:
     )
 
 
+def sigint_held() -> tuple[bool, bool]:
+    """Whether a new rank holds SIGINT (blocked) before any code of overlapkit's runs
+    in it, and once the run takes it."""
+    import signal
+
+    from overlapkit.launch.interrupt import stop_on_signals
+
+    def held() -> bool:
+        return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+    at_start = held()
+    with stop_on_signals():
+        return at_start, held()
+
+
 def fit(
     session: Session, model: nn.Module, steps: int, after_backward: Any = None
 ) -> dict[str, Any]:

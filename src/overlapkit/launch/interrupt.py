@@ -11,12 +11,14 @@ wrote it, so the run resumes from the newest complete one.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -90,6 +92,44 @@ def await_signal(received: Received, seconds: float) -> None:
         pass  # recorded in ``received``
 
 
+# Execs the interpreter of its first argument with SIGINT blocked: an `-S` Python
+# starts in milliseconds, and a signal mask (with what it holds pending) survives exec.
+_BLOCK_SIGINT = (
+    "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+@contextmanager
+def ranks_hold_ctrl_c_until_ready(folder: Path) -> Iterator[None]:
+    """Within: the ranks multiprocessing spawns start with SIGINT blocked, held until
+    `stop_on_signals` takes it. A new rank spends its first seconds importing torch
+    (and TensorFlow) before any code of ours runs, and a Ctrl-C there printed a
+    KeyboardInterrupt traceback per rank; now the rank stops as soon as it can say so.
+
+    The interpreter the ranks run is a shell script in ``folder`` that execs an ``-S``
+    Python to block SIGINT, which execs this interpreter. Where scripts cannot run
+    from ``folder`` (a ``noexec`` mount) or there is no POSIX shell, nothing changes."""
+    import multiprocessing.spawn as spawn
+
+    mounted = os.statvfs(folder).f_flag if hasattr(os, "statvfs") else 0
+    if os.name != "posix" or mounted & getattr(os, "ST_NOEXEC", 0) or not Path("/bin/sh").exists():
+        yield
+        return
+    interpreter = spawn.get_executable()
+    python = shlex.quote(os.fsdecode(interpreter))
+    wrapper = folder / "python"
+    wrapper.write_text(
+        f'#!/bin/sh\nexec {python} -S -c {shlex.quote(_BLOCK_SIGINT)} {python} "$@"\n'
+    )
+    wrapper.chmod(0o700)
+    spawn.set_executable(str(wrapper))
+    try:
+        yield
+    finally:
+        spawn.set_executable(interpreter)
+
+
 @contextmanager
 def stop_on_signals() -> Iterator[Received]:
     """Within: SIGINT/SIGTERM raise `RunInterrupted` once; later ones are ignored.
@@ -103,6 +143,10 @@ def stop_on_signals() -> Iterator[Received]:
             raise RunInterrupted(signum)
 
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    # A rank of overlapkit's launcher starts with SIGINT blocked: a Ctrl-C held since
+    # its start arrives now, as `RunInterrupted`.
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         yield received
     finally:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .interrupt import RunInterrupted, exit_now
+from .interrupt import RunInterrupted, exit_now, ranks_hold_ctrl_c_until_ready
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -176,7 +176,10 @@ def launch_local(
 
     _quiet_launcher_logs()
     handlers = {s: signal.getsignal(s) for s in _LAUNCHER_SIGNALS}  # elastic replaces them
-    with tempfile.TemporaryDirectory(prefix="overlapkit-ranks-") as failures:
+    with (
+        tempfile.TemporaryDirectory(prefix="overlapkit-ranks-") as failures,
+        ranks_hold_ctrl_c_until_ready(Path(failures)),
+    ):
         config = _launch_config(nprocs, node)
         previous = os.environ.get(_FAILURE_DIR_ENV)
         os.environ[_FAILURE_DIR_ENV] = failures  # inherited by the ranks
