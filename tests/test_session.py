@@ -221,7 +221,8 @@ def test_a_gans_registered_generator_is_data_parallel_on_two_ranks():
     """DCGAN on two ranks, seeded apart, the generator registered without DDP: it was
     left alone, so each rank trained its own generator from its own start (0.12 apart
     after 12 DCGAN steps), silently. It is made data-parallel as the prepared model
-    is: the plain script's parameters with both models in DDP, on every rank."""
+    is: the plain script's parameters with both models in DDP, on every rank. A
+    loader read whole by every rank is noted (each epoch trained every sample twice)."""
     import sys
     from pathlib import Path
 
@@ -230,7 +231,7 @@ def test_a_gans_registered_generator_is_data_parallel_on_two_ranks():
 
     from overlapkit.launch.local import launch_local
 
-    ways = ["ddp", "plain", "ddp_overlap"]
+    ways = ["ddp", "plain", "ddp_overlap", "unsharded"]
     ranks = launch_local(gan_on_two_ranks, 2, ways)
     for rank in ranks.values():
         for way in ("plain", "ddp_overlap"):
@@ -238,6 +239,8 @@ def test_a_gans_registered_generator_is_data_parallel_on_two_ranks():
                 assert torch.allclose(rank[way][net], rank["ddp"][net], atol=1e-6), (way, net)
             notes = " ".join(rank[way]["notes"])
             assert "net_g came without DistributedDataParallel" in notes
+            assert "every rank reads" not in notes
+        assert any("every rank reads the whole" in n for n in rank["unsharded"]["notes"])
     assert torch.equal(ranks[0]["plain"]["g"], ranks[1]["plain"]["g"])
 
 

@@ -214,8 +214,9 @@ def gan_on_two_ranks(ways: list[str], steps: int = 4) -> dict[str, Any]:
     (its own initial models and noise, as a GAN seeded by rank), its real batches its
     shard. ``ddp``: both models in DistributedDataParallel (the plain script); the
     others prepare the discriminator and register the generator and its optimizer,
-    without DDP (``ddp_overlap``: under it). Returns each way's final parameters per
-    model and the session's notes."""
+    without DDP (``ddp_overlap``: under it); ``unsharded``: as ``plain``, its loader
+    without a DistributedSampler. Returns each way's final parameters per model and
+    the session's notes."""
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     world = init_world("cpu", "gloo")
@@ -226,6 +227,8 @@ def gan_on_two_ranks(ways: list[str], steps: int = 4) -> dict[str, Any]:
             real = TensorDataset(torch.randn(4 * steps, 4) + 2)
             sampler = DistributedSampler(real, world.world_size, world.rank, shuffle=False)
             loader: Any = DataLoader(real, batch_size=2, sampler=sampler)
+            if way == "unsharded":
+                loader = DataLoader(real, batch_size=2, shuffle=True)
             torch.manual_seed(world.rank)
             net_d = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
             net_g = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))

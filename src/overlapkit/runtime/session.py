@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from .arbitration import ArbitrationPolicy
 from .arguments import (
@@ -196,6 +197,7 @@ class Session(EpochLoop, SavedState):
         check_group_unchanged(self.world.world_size)
         came_in_ddp = isinstance(model, DistributedDataParallel)
         model = self._unwrapped(model)
+        whole = _unsharded(loader)
         loader = self._resumable(loader)
         model = model.to(self.world.device)
         state = self.state
@@ -214,6 +216,14 @@ class Session(EpochLoop, SavedState):
                 "first rank's parameters and buffers, gradients are averaged after each "
                 "backward, batch-norm statistics are the first rank's); a script that keeps "
                 "its ranks apart (local SGD, one model per rank) cannot run them in one session"
+            )
+        if state.dp.size > 1 and self.runs_a_script and whole is not None:
+            self._note(
+                f"every rank reads the whole data set: the loader's sampler is {whole}, "
+                f"not a DistributedSampler, so each epoch trains every sample {state.dp.size} "
+                f"times (once per rank) and the summary counts it {state.dp.size} times; "
+                "shard it as a DDP script does: DataLoader(dataset, sampler="
+                "DistributedSampler(dataset), ...), with sampler.set_epoch(epoch) each epoch"
             )
         if self.precision.scaler is not None and optimizer is not None:
             if waits := scaler_wait_note(optimizer):
@@ -715,3 +725,12 @@ class Session(EpochLoop, SavedState):
 def _sync_left(sync: GradientSync, *hook_args: Any) -> None:
     """Before a registered optimizer's step: sync what no backward's end synced."""
     sync.sync()
+
+
+def _unsharded(loader: Any) -> str | None:
+    """The name of a DataLoader's sampler that hands every rank the whole data set
+    (torch's sequential or random sampler), None for any other loader or sampler."""
+    sampler = loader.sampler if isinstance(loader, DataLoader) else None
+    if type(sampler) in (SequentialSampler, RandomSampler):
+        return type(sampler).__name__
+    return None
