@@ -2032,6 +2032,45 @@ def test_a_gan_whose_second_optimizer_is_not_registered_is_told(tmp_path):
     assert summary["optimizations"]["checkpoint"]["checkpoints"] == 0
 
 
+def test_a_registered_models_forward_and_optimizer_step_are_timed_as_such(tmp_path):
+    """DCGAN's generator (registered, the discriminator prepared): its forward and its
+    optimizer's step were timed as ``other``, the script's own time (with ngf=32,
+    0.31 s of a step's 0.32 s of other; forward and optimizer looked 25% and 2%)."""
+
+    class SlowGenerator(nn.Linear):
+        def forward(self, x):
+            time.sleep(0.05)
+            return super().forward(x)
+
+    class SlowAdam(torch.optim.Adam):
+        def step(self, closure=None):
+            time.sleep(0.05)
+            return super().step(closure)
+
+    torch.manual_seed(0)
+    real = DataLoader(TensorDataset(torch.randn(12, 4) + 2), batch_size=4)
+    net_d = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    net_g = SlowGenerator(3, 4)
+    opt_d = torch.optim.Adam(net_d.parameters(), lr=0.01)
+    opt_g = SlowAdam(net_g.parameters(), lr=0.01)
+    bce = nn.BCEWithLogitsLoss()
+    session = Session(run_dir=tmp_path)
+    net_d, opt_d, real = session.prepare(net_d, opt_d, real)
+    session.start(net_g=net_g, opt_g=opt_g)
+    for (batch,) in real:
+        net_d.zero_grad()
+        bce(net_d(batch), torch.ones(4, 1)).backward()
+        fake = net_g(torch.randn(4, 3))
+        bce(net_d(fake.detach()), torch.zeros(4, 1)).backward()
+        opt_d.step()
+        net_g.zero_grad()
+        bce(net_d(fake), torch.ones(4, 1)).backward()
+        opt_g.step()
+    phases = session.finish()["phases_s"]
+    assert phases["forward"] >= 0.05 and phases["optimizer"] >= 0.05
+    assert phases["other"] < 0.05, phases
+
+
 def test_the_prepared_model_can_be_saved_whole_and_copied():
     """torch.save(model) (as word_language_model saves its best model) failed while the
     session ran: the session's hooks pickled the session. Copies get inert hooks."""

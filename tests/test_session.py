@@ -217,6 +217,33 @@ def test_two_ranks_clip_gradients_already_averaged_as_under_ddp():
     assert ranks[0]["plain"]["norms"] == ranks[1]["plain"]["norms"]  # one norm, every rank
 
 
+def test_a_gans_registered_generator_is_data_parallel_on_two_ranks():
+    """DCGAN on two ranks, seeded apart, the generator registered without DDP: it was
+    left alone, so each rank trained its own generator from its own start (0.12 apart
+    after 12 DCGAN steps), silently. It is made data-parallel as the prepared model
+    is: the plain script's parameters with both models in DDP, on every rank. A
+    loader read whole by every rank is noted (each epoch trained every sample twice)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    from rank_programs import gan_on_two_ranks
+
+    from overlapkit.launch.local import launch_local
+
+    ways = ["ddp", "plain", "ddp_overlap", "unsharded"]
+    ranks = launch_local(gan_on_two_ranks, 2, ways)
+    for rank in ranks.values():
+        for way in ("plain", "ddp_overlap"):
+            for net in ("d", "g"):
+                assert torch.allclose(rank[way][net], rank["ddp"][net], atol=1e-6), (way, net)
+            notes = " ".join(rank[way]["notes"])
+            assert "net_g came without DistributedDataParallel" in notes
+            assert "every rank reads" not in notes
+        assert any("every rank reads the whole" in n for n in rank["unsharded"]["notes"])
+    assert torch.equal(ranks[0]["plain"]["g"], ranks[1]["plain"]["g"])
+
+
 def test_a_ported_ddp_script_keeps_module_and_no_sync():
     """A script that wrapped its model in DDP keeps calling ``model.module`` and
     ``model.no_sync()`` after `prepare` unwrapped it for the flat all-reduce: the port

@@ -223,6 +223,60 @@ def ddp_script_accumulating(steps: int = 4) -> dict[str, dict[str, Any]]:
         torch.distributed.destroy_process_group()
 
 
+def gan_on_two_ranks(ways: list[str], steps: int = 4) -> dict[str, Any]:
+    """In one 2-rank group, DCGAN's loop: a discriminator step (real, then a detached
+    fake), then a generator step through the discriminator. Each rank is seeded apart
+    (its own initial models and noise, as a GAN seeded by rank), its real batches its
+    shard. ``ddp``: both models in DistributedDataParallel (the plain script); the
+    others prepare the discriminator and register the generator and its optimizer,
+    without DDP (``ddp_overlap``: under it); ``unsharded``: as ``plain``, its loader
+    without a DistributedSampler. Returns each way's final parameters per model and
+    the session's notes."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    world = init_world("cpu", "gloo")
+    results: dict[str, Any] = {}
+    try:
+        for way in ways:
+            torch.manual_seed(0)
+            real = TensorDataset(torch.randn(4 * steps, 4) + 2)
+            sampler = DistributedSampler(real, world.world_size, world.rank, shuffle=False)
+            loader: Any = DataLoader(real, batch_size=2, sampler=sampler)
+            if way == "unsharded":
+                loader = DataLoader(real, batch_size=2, shuffle=True)
+            torch.manual_seed(world.rank)
+            net_d = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+            net_g = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+            opt_d = torch.optim.Adam(net_d.parameters(), lr=0.01)
+            opt_g = torch.optim.Adam(net_g.parameters(), lr=0.01)
+            session = None
+            if way == "ddp":
+                net_d = nn.parallel.DistributedDataParallel(net_d)
+                net_g = nn.parallel.DistributedDataParallel(net_g)
+            else:
+                chosen = [get_optimization("ddp_overlap")(1.0)] if way == "ddp_overlap" else []
+                session = Session(chosen, device="cpu")
+                net_d, opt_d, loader = session.prepare(net_d, opt_d, loader)
+                session.start(net_g=net_g, opt_g=opt_g)
+            bce = nn.BCEWithLogitsLoss()
+            for (batch,) in loader:
+                net_d.zero_grad()
+                bce(net_d(batch), torch.ones(2, 1)).backward()
+                fake = net_g(torch.randn(2, 3))
+                bce(net_d(fake.detach()), torch.zeros(2, 1)).backward()
+                opt_d.step()
+                net_g.zero_grad()
+                bce(net_d(fake), torch.ones(2, 1)).backward()
+                opt_g.step()
+            results[way] = {"notes": session.finish()["notes"] if session else []}
+            for name, net in (("d", net_d), ("g", net_g)):
+                inner = getattr(net, "module", net)
+                results[way][name] = torch.cat([p.detach().reshape(-1) for p in inner.parameters()])
+        return results
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 class TwoHeads(nn.Module):
     """Returns two outputs; the tests' loss uses only the second."""
 

@@ -40,6 +40,8 @@ class SavedState:
             if isinstance(obj, torch.optim.Optimizer):  # a second model's (a GAN's)
                 self._plain_calls.watch_update(obj)
                 self.state.other_optimizers.append(obj)
+            elif isinstance(obj, torch.nn.Module):  # a second model (a GAN's generator)
+                self._plain_calls.watch_forward(obj)
         elif isinstance(obj, dict):
             self._stateful[name] = _DictState(obj)
         elif callable(obj):

@@ -106,6 +106,7 @@ class PlainCalls:
         self._handles: list[Any] = []
         # Looked for while checkpointing, until found once (`_look_for_carried_state`).
         self._carried: CarriedState | None = None
+        self._timing: Any = None  # the registered model or optimizer timed now
 
     @property
     def in_session_call(self) -> bool:
@@ -127,10 +128,43 @@ class PlainCalls:
 
     def watch_update(self, optimizer: torch.optim.Optimizer) -> None:
         """A registered optimizer (a second model's): its step also ends an update, so
-        a GAN's step boundary after its generator's step is one a checkpoint resumes at."""
+        a GAN's step boundary after its generator's step is one a checkpoint resumes at.
+        Inside a step it is timed as the optimizer phase."""
+        self._handles.append(optimizer.register_step_pre_hook(SessionHook(self._update_starts)))
         self._handles.append(optimizer.register_step_post_hook(SessionHook(self._update_done)))
 
+    def watch_forward(self, module: nn.Module) -> None:
+        """A registered model (a GAN's generator): its training forwards inside a step
+        are timed as the forward phase (they counted as the script's own, ``other``).
+        Only timed: no forward events fire for it."""
+        self._handles.append(module.register_forward_pre_hook(SessionHook(self._other_forward)))
+        self._handles.append(module.register_forward_hook(SessionHook(self._other_forward_done)))
+
+    def _timed_as(self, phase: str, owner: Any, module: nn.Module | None = None) -> None:
+        """Time the registered ``owner``'s call as ``phase``: a script's own call inside
+        a step, from the script's own time (not inside another phase: a registered
+        model called within the prepared one's forward is that forward's)."""
+        clock = self.session.state.clock
+        if self._timing is None and self._plain(module) and clock.current == "other":
+            clock.switch(phase)
+            self._timing = owner
+
+    def _timed_done(self, owner: Any) -> None:
+        if self._timing is owner:
+            self._timing = None
+            self.session.state.clock.switch("other")
+
+    def _other_forward(self, module: nn.Module, args: Any) -> None:
+        self._timed_as("forward", module, module)
+
+    def _other_forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._timed_done(module)
+
+    def _update_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._timed_as("optimizer", optimizer)
+
     def _update_done(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._timed_done(optimizer)
         if self.session.in_step:
             self.session.state.update_pending = False
 

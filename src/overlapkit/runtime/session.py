@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from .arbitration import ArbitrationPolicy
 from .arguments import (
@@ -55,6 +56,7 @@ from .epochs import USED_UP, EpochLoop
 from .events import Event
 from .gradsync import DDPView, GradientSync
 from .hardware import describe_node, nodes_of
+from .hooks import SessionHook
 from .metrics import PhaseClock, summarize
 from .optimization import Optimization, needed_environment
 from .precision import Precision, PrecisionName, scaler_wait_note
@@ -144,6 +146,10 @@ class Session(EpochLoop, SavedState):
         self._loaded_user: dict[str, Any] = {}
         self._raw_model: nn.Module | None = None
         self._grad_sync: GradientSync | None = None
+        # A registered model's (a GAN's generator) on several ranks, and the hooks that
+        # sync it before its optimizer's step.
+        self._registered_syncs: list[GradientSync] = []
+        self._registered_sync_hooks: list[Any] = []
         self._epoch = 0
         self._epoch_batches = 0  # batches of the current epoch the script was handed
         self._left_pass = False  # the script left the epoch's pass (a break)
@@ -191,6 +197,7 @@ class Session(EpochLoop, SavedState):
         check_group_unchanged(self.world.world_size)
         came_in_ddp = isinstance(model, DistributedDataParallel)
         model = self._unwrapped(model)
+        whole = _unsharded(loader)
         loader = self._resumable(loader)
         model = model.to(self.world.device)
         state = self.state
@@ -209,6 +216,14 @@ class Session(EpochLoop, SavedState):
                 "first rank's parameters and buffers, gradients are averaged after each "
                 "backward, batch-norm statistics are the first rank's); a script that keeps "
                 "its ranks apart (local SGD, one model per rank) cannot run them in one session"
+            )
+        if state.dp.size > 1 and self.runs_a_script and whole is not None:
+            self._note(
+                f"every rank reads the whole data set: the loader's sampler is {whole}, "
+                f"not a DistributedSampler, so each epoch trains every sample {state.dp.size} "
+                f"times (once per rank) and the summary counts it {state.dp.size} times; "
+                "shard it as a DDP script does: DataLoader(dataset, sampler="
+                "DistributedSampler(dataset), ...), with sampler.set_epoch(epoch) each epoch"
             )
         if self.precision.scaler is not None and optimizer is not None:
             if waits := scaler_wait_note(optimizer):
@@ -304,6 +319,7 @@ class Session(EpochLoop, SavedState):
         self._started = True
         loaded = self.state.resumed_from  # by session.load(), which said so
         self.check_unsaved_state()
+        self._registered_models_data_parallel()
         self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
         self.state.first_step = self.state.step
         self.scheduler.arrange(self.state)
@@ -324,6 +340,44 @@ class Session(EpochLoop, SavedState):
                     "torch",
                     self.scheduler.policy.name,
                 )
+            )
+
+    def _registered_models_data_parallel(self) -> None:
+        """On several ranks, a registered model that a registered optimizer trains (a
+        GAN's generator) is made data-parallel as the prepared one is: every rank starts
+        from the first rank's parameters and buffers (before a resume restores them),
+        its gradients are averaged with one flat all-reduce when a backward that reached
+        them ends, and what none synced is before its optimizer's step. Left alone, each
+        rank trained its own, silently. One the script wrapped in DistributedDataParallel
+        syncs itself."""
+        state = self.state
+        if state.dp.size < 2 or self._raw_model is None or not self.runs_a_script:
+            return
+        prepared = {id(p) for p in self._raw_model.parameters()}
+        for name, obj in self._stateful.items():
+            if not isinstance(obj, nn.Module) or isinstance(obj, DistributedDataParallel):
+                continue
+            params = {id(p) for p in obj.parameters() if p.requires_grad}
+            optimizers = [
+                optimizer
+                for optimizer in state.other_optimizers
+                if any(id(p) in params for g in optimizer.param_groups for p in g["params"])
+            ]
+            if not optimizers or params & prepared:
+                continue
+            # Zeroing the prepared optimizer's gradients stays as it was (in place, or not).
+            with temporarily(state, "zero_grad_in_place", state.zero_grad_in_place):
+                sync = GradientSync(obj, state)
+            self._registered_syncs.append(sync)
+            for optimizer in optimizers:
+                hook = optimizer.register_step_pre_hook(SessionHook(partial(_sync_left, sync)))
+                self._registered_sync_hooks.append(hook)
+            self._note(
+                f"{name} came without DistributedDataParallel, on {state.dp.size} ranks: "
+                "registered and trained by a registered optimizer, overlapkit makes it "
+                "data-parallel too (every rank starts from the first rank's, its gradients "
+                "are averaged with one flat all-reduce when backward ends; ddp_overlap "
+                "overlaps the prepared model's only)"
             )
 
     def start_step(self) -> None:
@@ -659,6 +713,24 @@ class Session(EpochLoop, SavedState):
         self._plain_calls.remove()
         if self._grad_sync is not None:
             self._grad_sync.remove_hooks()
+        for sync in self._registered_syncs:
+            sync.remove_hooks()
+        for hook in self._registered_sync_hooks:
+            hook.remove()
         if self._owns_world:
             close_world(self.world)
         return summary
+
+
+def _sync_left(sync: GradientSync, *hook_args: Any) -> None:
+    """Before a registered optimizer's step: sync what no backward's end synced."""
+    sync.sync()
+
+
+def _unsharded(loader: Any) -> str | None:
+    """The name of a DataLoader's sampler that hands every rank the whole data set
+    (torch's sequential or random sampler), None for any other loader or sampler."""
+    sampler = loader.sampler if isinstance(loader, DataLoader) else None
+    if type(sampler) in (SequentialSampler, RandomSampler):
+        return type(sampler).__name__
+    return None
