@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
 _FAILURE_DIR_ENV = "OVERLAPKIT_FAILURE_DIR"
+# multiprocessing's resource tracker, started for the ranks' queues, warned of "leaked
+# semaphore objects" it then cleaned up when a rank was killed (SIGKILL, the OOM killer):
+# a line under the run's own error that asks nothing of anyone. It reads its warning
+# filters from the environment it starts in.
+_TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
 class RankFailedError(RuntimeError):
@@ -183,6 +188,8 @@ def launch_local(
         config = _launch_config(nprocs, node)
         previous = os.environ.get(_FAILURE_DIR_ENV)
         os.environ[_FAILURE_DIR_ENV] = failures  # inherited by the ranks
+        warnings = os.environ.get("PYTHONWARNINGS")
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (warnings, _TRACKER_QUIET)))
         try:
             return elastic_launch(config, _run_rank)(fn, *args)
         except SignalException as error:
@@ -221,10 +228,11 @@ def launch_local(
                 message = message.get("message", str(message))
             raise RankFailedError(rank, f"{message} (exit code {failure.exitcode})") from None
         finally:
-            if previous is None:
-                os.environ.pop(_FAILURE_DIR_ENV, None)
-            else:
-                os.environ[_FAILURE_DIR_ENV] = previous
+            for name, value in ((_FAILURE_DIR_ENV, previous), ("PYTHONWARNINGS", warnings)):
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             for s, handler in handlers.items():
                 signal.signal(s, handler)
 
