@@ -237,19 +237,25 @@ def test_only_a_collective_a_peer_left_waits_for_the_launchers_signal():
 def test_new_ranks_hold_ctrl_c_until_the_run_takes_it(tmp_path):
     """A rank spends its first seconds importing torch before any code of ours runs: a
     Ctrl-C there printed a KeyboardInterrupt traceback per rank. The launcher's ranks
-    now start with SIGINT blocked, and the run's handler takes it when it starts."""
+    now start with SIGINT blocked, and it is unblocked before the rank's function runs."""
+    import multiprocessing.spawn
+
     from plugins.rank_programs import sigint_held
 
     from overlapkit.launch.interrupt import ranks_hold_ctrl_c_until_ready
     from overlapkit.launch.local import launch_local
 
-    assert launch_local(sigint_held, 2) == {0: (True, False), 1: (True, False)}
-    import multiprocessing.spawn
-
     before = multiprocessing.spawn.get_executable()
     with ranks_hold_ctrl_c_until_ready(tmp_path):
-        assert os.fsdecode(multiprocessing.spawn.get_executable()) == str(tmp_path / "python")
+        interpreter = os.fsdecode(multiprocessing.spawn.get_executable())
+        assert interpreter == str(tmp_path / "python")
+        blocked = "import signal; print(signal.SIGINT in signal.pthread_sigmask(0, []))"
+        started = subprocess.run([interpreter, "-c", blocked], capture_output=True, text=True)
+        assert started.stdout == "True\n", started.stderr
     assert multiprocessing.spawn.get_executable() == before  # the launcher's own again
+    assert launch_local(sigint_held, 2) == {0: False, 1: False}  # released for the run
+    with ranks_hold_ctrl_c_until_ready(tmp_path / "missing"):  # a script that cannot run
+        assert multiprocessing.spawn.get_executable() == before
 
 
 @pytest.mark.slow

@@ -31,19 +31,11 @@ def mlp() -> nn.Module:
     )
 
 
-def sigint_held() -> tuple[bool, bool]:
-    """Whether a new rank holds SIGINT (blocked) before any code of overlapkit's runs
-    in it, and once the run takes it."""
+def sigint_held() -> bool:
+    """Whether SIGINT is still blocked when a rank's function starts."""
     import signal
 
-    from overlapkit.launch.interrupt import stop_on_signals
-
-    def held() -> bool:
-        return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-
-    at_start = held()
-    with stop_on_signals():
-        return at_start, held()
+    return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
 def fit(

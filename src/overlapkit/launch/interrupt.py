@@ -92,8 +92,8 @@ def await_signal(received: Received, seconds: float) -> None:
         pass  # recorded in ``received``
 
 
-# Execs the interpreter of its first argument with SIGINT blocked: an `-S` Python
-# starts in milliseconds, and a signal mask (with what it holds pending) survives exec.
+# Execs the interpreter of its first argument with SIGINT blocked: an isolated `-S`
+# Python starts in milliseconds, and a signal mask (with what it holds pending) survives exec.
 _BLOCK_SIGINT = (
     "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
     "os.execv(sys.argv[1], sys.argv[1:])"
@@ -103,31 +103,49 @@ _BLOCK_SIGINT = (
 @contextmanager
 def ranks_hold_ctrl_c_until_ready(folder: Path) -> Iterator[None]:
     """Within: the ranks multiprocessing spawns start with SIGINT blocked, held until
-    `stop_on_signals` takes it. A new rank spends its first seconds importing torch
-    (and TensorFlow) before any code of ours runs, and a Ctrl-C there printed a
+    `release_held_ctrl_c`. A new rank spends its first seconds importing torch (and
+    TensorFlow) before any code of ours runs, and a Ctrl-C there printed a
     KeyboardInterrupt traceback per rank; now the rank stops as soon as it can say so.
 
-    The interpreter the ranks run is a shell script in ``folder`` that execs an ``-S``
-    Python to block SIGINT, which execs this interpreter. Where scripts cannot run
-    from ``folder`` (a ``noexec`` mount) or there is no POSIX shell, nothing changes."""
+    The interpreter the ranks run is a shell script in ``folder`` that execs an
+    isolated ``-S`` Python to block SIGINT, which execs this interpreter. Off Linux, or
+    where the script does not run (a ``noexec`` mount, a policy that refuses it),
+    nothing changes."""
     import multiprocessing.spawn as spawn
 
-    mounted = os.statvfs(folder).f_flag if hasattr(os, "statvfs") else 0
-    if os.name != "posix" or mounted & getattr(os, "ST_NOEXEC", 0) or not Path("/bin/sh").exists():
+    interpreter = spawn.get_executable()
+    wrapper = folder / "python"
+    if not sys.platform.startswith("linux") or not _wrap_interpreter(interpreter, wrapper):
         yield
         return
-    interpreter = spawn.get_executable()
-    python = shlex.quote(os.fsdecode(interpreter))
-    wrapper = folder / "python"
-    wrapper.write_text(
-        f'#!/bin/sh\nexec {python} -S -c {shlex.quote(_BLOCK_SIGINT)} {python} "$@"\n'
-    )
-    wrapper.chmod(0o700)
     spawn.set_executable(str(wrapper))
     try:
         yield
     finally:
         spawn.set_executable(interpreter)
+
+
+def _wrap_interpreter(interpreter: str | bytes, wrapper: Path) -> bool:
+    """Write ``wrapper``, the interpreter with SIGINT blocked; whether it runs."""
+    import subprocess
+
+    python = shlex.quote(os.fsdecode(interpreter))
+    script = f'#!/bin/sh\nexec {python} -I -S -c {shlex.quote(_BLOCK_SIGINT)} {python} "$@"\n'
+    try:
+        wrapper.write_bytes(os.fsencode(script))
+        wrapper.chmod(0o700)
+        tried = subprocess.run([wrapper, "-I", "-S", "-c", ""], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return tried.returncode == 0
+
+
+def release_held_ctrl_c() -> None:
+    """Unblock SIGINT in this thread: a rank of overlapkit's launcher starts with it
+    blocked (`ranks_hold_ctrl_c_until_ready`), and a Ctrl-C held since then arrives now,
+    as the KeyboardInterrupt of the handler in place."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 @contextmanager
@@ -143,10 +161,6 @@ def stop_on_signals() -> Iterator[Received]:
             raise RunInterrupted(signum)
 
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    # A rank of overlapkit's launcher starts with SIGINT blocked: a Ctrl-C held since
-    # its start arrives now, as `RunInterrupted`.
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         yield received
     finally:

@@ -26,7 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .interrupt import RunInterrupted, exit_now, ranks_hold_ctrl_c_until_ready
+from .interrupt import (
+    RunInterrupted,
+    exit_now,
+    ranks_hold_ctrl_c_until_ready,
+    release_held_ctrl_c,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -99,8 +104,11 @@ def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
     """Runs ``fn`` in a rank; on an exception writes when and what failed, then re-raises."""
     die_with_parent()
     try:
+        release_held_ctrl_c()  # a Ctrl-C since the rank started arrives now
         result = fn(*args)
     except BaseException as error:
+        if type(error) is KeyboardInterrupt:  # before the run took SIGINT: a stop all the same
+            error = RunInterrupted(signal.SIGINT)
         folder = os.environ.get(_FAILURE_DIR_ENV)
         if folder:
             rank = int(os.environ.get("RANK", 0))
