@@ -96,6 +96,21 @@ def test_what_tensorflow_writes_at_import_is_held_back_but_for_its_chatter(capfd
         os.write(2, b"I0000 port.cc:153] oneDNN custom operations are on. You may see\n")
         os.write(2, b"E0000 something TensorFlow really means\n")
     assert capfd.readouterr().err == "E0000 something TensorFlow really means\n"
+    # A crash inside loses nothing written before it (it was held until the end).
+    crash = textwrap.dedent(
+        """
+        import os, time
+        from overlapkit.optimizations.prefetch.tfdata_backend import _stderr_without
+        with _stderr_without(("chatter",)):
+            os.write(2, b"F0000 the reason TensorFlow aborts\\n")
+            os.write(2, b"some chatter\\n")
+            time.sleep(1)
+            os.abort()
+        """
+    )
+    aborted = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True)
+    assert aborted.returncode == -signal.SIGABRT
+    assert aborted.stderr == "F0000 the reason TensorFlow aborts\n"
 
 
 @pytest.mark.slow

@@ -19,9 +19,10 @@ threads, so the knobs mean what they say and intensity 0 loads nothing ahead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -52,21 +53,36 @@ def import_tensorflow() -> Any:
 @contextmanager
 def _stderr_without(chatter: tuple[str, ...]) -> Iterator[None]:
     """Within: what the process writes to stderr (file descriptor 2, as C++ code does)
-    is held back, then written out but for the lines that hold any of ``chatter``."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            for line in held.read().splitlines(keepends=True):
+    passes through a pipe and on, line by line, but for the lines that hold any of
+    ``chatter``. A line reaches stderr as it is written, so a crash inside loses none."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (AttributeError, OSError):  # no stderr (None, or its descriptor closed)
+        yield
+        return
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def forward() -> None:
+        with os.fdopen(read, "rb") as pipe:
+            for line in pipe:
                 if not any(words.encode() in line for words in chatter):
-                    os.write(2, line)
+                    with contextlib.suppress(OSError):
+                        os.write(saved, line)
+
+    forwarding = threading.Thread(target=forward, name="overlapkit-stderr", daemon=True)
+    forwarding.start()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(AttributeError, OSError):
+            sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer: the thread reads to its end
+        forwarding.join(timeout=2)
+        if not forwarding.is_alive():
+            os.close(saved)
 
 
 def load_overlapped(
