@@ -54,13 +54,11 @@ class Exported:
     by_position: bool = False  # TensorFlow arrays named 0000... in model.variables order
 
     def how_to_load(self) -> str:
-        if self.framework == "tensorflow" and self.by_position:
-            return (
+        if self.framework == "tensorflow":  # by order: Keras's names depend on what the
+            return (  # process built before (dense_4 where the run had dense)
                 f"w = numpy.load('{self.path}'); "
                 "for v, k in zip(model.variables, w.files): v.assign(w[k])"
             )
-        if self.framework == "tensorflow":
-            return f"w = numpy.load('{self.path}'); for v in model.variables: v.assign(w[v.path])"
         return f"model.load_state_dict(torch.load('{self.path}'))"
 
 
