@@ -231,17 +231,24 @@ def test_a_gans_registered_generator_is_data_parallel_on_two_ranks():
 
     from overlapkit.launch.local import launch_local
 
-    ways = ["ddp", "plain", "ddp_overlap", "unsharded"]
+    ways = ["ddp", "plain", "ddp_overlap", "unsharded", "session_backward", "one_optimizer"]
     ranks = launch_local(gan_on_two_ranks, 2, ways)
     for rank in ranks.values():
-        for way in ("plain", "ddp_overlap"):
+        for way in ("plain", "ddp_overlap", "session_backward"):
             for net in ("d", "g"):
                 assert torch.allclose(rank[way][net], rank["ddp"][net], atol=1e-6), (way, net)
             notes = " ".join(rank[way]["notes"])
             assert "net_g came without DistributedDataParallel" in notes
-            assert "every rank reads" not in notes
-        assert any("every rank reads the whole" in n for n in rank["unsharded"]["notes"])
-    assert torch.equal(ranks[0]["plain"]["g"], ranks[1]["plain"]["g"])
+            assert "every rank reads" not in notes and "shares parameters" not in notes
+        unsharded = " ".join(rank["unsharded"]["notes"])
+        assert "every rank reads the whole" in unsharded
+        assert "tied shares parameters with the prepared model" in unsharded
+        assert "net_g came without" in " ".join(rank["one_optimizer"]["notes"])
+    for way in ("plain", "session_backward", "one_optimizer"):
+        assert torch.equal(ranks[0][way]["g"], ranks[1][way]["g"]), way
+        # Averaged when backward returns, before the optimizer's step: a script
+        # clipping them sees the same on every rank.
+        assert torch.equal(ranks[0][way]["grad"], ranks[1][way]["grad"]), way
 
 
 def test_a_ported_ddp_script_keeps_module_and_no_sync():

@@ -222,8 +222,12 @@ def gan_on_two_ranks(ways: list[str], steps: int = 4) -> dict[str, Any]:
     shard. ``ddp``: both models in DistributedDataParallel (the plain script); the
     others prepare the discriminator and register the generator and its optimizer,
     without DDP (``ddp_overlap``: under it); ``unsharded``: as ``plain``, its loader
-    without a DistributedSampler. Returns each way's final parameters per model and
-    the session's notes."""
+    without a DistributedSampler, and a third model registered that shares a layer
+    with the discriminator; ``session_backward``: as ``plain``, the generator's loss
+    through ``session.backward``; ``one_optimizer``: one optimizer over both models,
+    prepared, the generator registered alone. Returns each way's final parameters per
+    model, the generator's gradients after its first backward, and the session's
+    notes."""
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     world = init_world("cpu", "gloo")
@@ -241,6 +245,8 @@ def gan_on_two_ranks(ways: list[str], steps: int = 4) -> dict[str, Any]:
             net_g = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
             opt_d = torch.optim.Adam(net_d.parameters(), lr=0.01)
             opt_g = torch.optim.Adam(net_g.parameters(), lr=0.01)
+            if way == "one_optimizer":
+                opt_d = opt_g = torch.optim.Adam([*net_d.parameters(), *net_g.parameters()])
             session = None
             if way == "ddp":
                 net_d = nn.parallel.DistributedDataParallel(net_d)
@@ -248,19 +254,33 @@ def gan_on_two_ranks(ways: list[str], steps: int = 4) -> dict[str, Any]:
             else:
                 chosen = [get_optimization("ddp_overlap")(1.0)] if way == "ddp_overlap" else []
                 session = Session(chosen, device="cpu")
+                more: dict[str, Any] = {"opt_g": opt_g} if way != "one_optimizer" else {}
+                if way == "unsharded":  # its draws differ anyway
+                    tied = nn.Sequential(net_d[0], nn.ReLU(), nn.Linear(8, 4))
+                    more |= {"tied": tied, "opt_t": torch.optim.SGD(tied[2].parameters(), 0.1)}
                 net_d, opt_d, loader = session.prepare(net_d, opt_d, loader)
-                session.start(net_g=net_g, opt_g=opt_g)
+                session.start(net_g=net_g, **more)
             bce = nn.BCEWithLogitsLoss()
+            first: dict[str, torch.Tensor] = {}
             for (batch,) in loader:
                 net_d.zero_grad()
                 bce(net_d(batch), torch.ones(2, 1)).backward()
                 fake = net_g(torch.randn(2, 3))
                 bce(net_d(fake.detach()), torch.zeros(2, 1)).backward()
-                opt_d.step()
+                if opt_d is not opt_g:  # one optimizer over both: its step is at the end
+                    opt_d.step()
                 net_g.zero_grad()
-                bce(net_d(fake), torch.ones(2, 1)).backward()
+                loss_g = bce(net_d(fake), torch.ones(2, 1))
+                if way == "session_backward":
+                    session.backward(loss_g)
+                else:
+                    loss_g.backward()
+                inner_g = getattr(net_g, "module", net_g)
+                first = first or {
+                    "grad": torch.cat([p.grad.reshape(-1) for p in inner_g.parameters()])
+                }
                 opt_g.step()
-            results[way] = {"notes": session.finish()["notes"] if session else []}
+            results[way] = {"notes": session.finish()["notes"] if session else [], **first}
             for name, net in (("d", net_d), ("g", net_g)):
                 inner = getattr(net, "module", net)
                 results[way][name] = torch.cat([p.detach().reshape(-1) for p in inner.parameters()])

@@ -219,11 +219,13 @@ class Session(EpochLoop, SavedState):
             )
         if state.dp.size > 1 and self.runs_a_script and whole is not None:
             self._note(
-                f"every rank reads the whole data set: the loader's sampler is {whole}, "
-                f"not a DistributedSampler, so each epoch trains every sample {state.dp.size} "
+                f"every rank reads the whole data set, unless each rank's is its own part "
+                f"(a Subset by rank): the loader's sampler is {whole}, not a "
+                f"DistributedSampler, so each epoch trains every sample {state.dp.size} "
                 f"times (once per rank) and the summary counts it {state.dp.size} times; "
-                "shard it as a DDP script does: DataLoader(dataset, sampler="
-                "DistributedSampler(dataset), ...), with sampler.set_epoch(epoch) each epoch"
+                "shard it as a DDP script does: index, count = session.data_shard; "
+                "DataLoader(dataset, sampler=DistributedSampler(dataset, num_replicas=count, "
+                "rank=index), ...), with sampler.set_epoch(epoch) each epoch"
             )
         if self.precision.scaler is not None and optimizer is not None:
             if waits := scaler_wait_note(optimizer):
@@ -343,27 +345,38 @@ class Session(EpochLoop, SavedState):
             )
 
     def _registered_models_data_parallel(self) -> None:
-        """On several ranks, a registered model that a registered optimizer trains (a
-        GAN's generator) is made data-parallel as the prepared one is: every rank starts
-        from the first rank's parameters and buffers (before a resume restores them),
-        its gradients are averaged with one flat all-reduce when a backward that reached
-        them ends, and what none synced is before its optimizer's step. Left alone, each
-        rank trained its own, silently. One the script wrapped in DistributedDataParallel
-        syncs itself."""
+        """On several ranks, a registered model that an optimizer trains (a GAN's
+        generator, by its own registered optimizer or by the prepared one) is made
+        data-parallel as the prepared one is: every rank starts from the first rank's
+        parameters and buffers (before a resume restores them), its gradients are
+        averaged with one flat all-reduce when a backward that reached them ends, and
+        what none synced is before its optimizer's step. Left alone, each rank trained
+        its own, silently. One the script wrapped in DistributedDataParallel syncs
+        itself; one that shares parameters with the prepared model is told, not synced."""
         state = self.state
         if state.dp.size < 2 or self._raw_model is None or not self.runs_a_script:
             return
         prepared = {id(p) for p in self._raw_model.parameters()}
+        trainers = [*state.other_optimizers, *([state.optimizer] if state.optimizer else [])]
         for name, obj in self._stateful.items():
             if not isinstance(obj, nn.Module) or isinstance(obj, DistributedDataParallel):
                 continue
             params = {id(p) for p in obj.parameters() if p.requires_grad}
+            own = params - prepared  # the prepared model itself, registered, has none
             optimizers = [
                 optimizer
-                for optimizer in state.other_optimizers
-                if any(id(p) in params for g in optimizer.param_groups for p in g["params"])
+                for optimizer in trainers
+                if any(id(p) in own for g in optimizer.param_groups for p in g["params"])
             ]
-            if not optimizers or params & prepared:
+            if not optimizers:
+                continue
+            if params & prepared:
+                self._note(
+                    f"{name} shares parameters with the prepared model: overlapkit syncs "
+                    f"the prepared model's gradients only, so on {state.dp.size} ranks each "
+                    f"trains its own copy of {name}'s other parameters; prepare the model "
+                    "that holds both (or wrap it in DistributedDataParallel yourself)"
+                )
                 continue
             # Zeroing the prepared optimizer's gradients stays as it was (in place, or not).
             with temporarily(state, "zero_grad_in_place", state.zero_grad_in_place):
@@ -374,7 +387,7 @@ class Session(EpochLoop, SavedState):
                 self._registered_sync_hooks.append(hook)
             self._note(
                 f"{name} came without DistributedDataParallel, on {state.dp.size} ranks: "
-                "registered and trained by a registered optimizer, overlapkit makes it "
+                "registered and trained by an optimizer, overlapkit makes it "
                 "data-parallel too (every rank starts from the first rank's, its gradients "
                 "are averaged with one flat all-reduce when backward ends; ddp_overlap "
                 "overlaps the prepared model's only)"
@@ -391,6 +404,7 @@ class Session(EpochLoop, SavedState):
         self._forwards_in_step = 0
         self._end_failed = False
         self._micro_losses.clear()
+        self._plain_calls.step_starts()
         self.scheduler.fire(Event.STEP_START, self.state)
 
     @contextmanager
@@ -486,6 +500,8 @@ class Session(EpochLoop, SavedState):
         the optimizer step syncs what is left."""
         if self._grad_sync is not None:
             self._grad_sync.backward_ended()
+        for sync in self._registered_syncs:  # a registered model's (a GAN's generator)
+            sync.backward_ended()
 
     def optimizer_step(self) -> None:
         """Sync gradients if nothing else does, step optimizer and LR schedule, zero
