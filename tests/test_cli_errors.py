@@ -694,3 +694,36 @@ def test_a_rank_killed_by_a_signal_says_where_the_other_ranks_errors_are(tmp_pat
         f"in {tmp_path / 'error.txt'}"
     )
     assert "ConnectionError" in (tmp_path / "error.txt").read_text()
+
+
+def test_image_folder_splits_are_labelled_by_class_name_and_every_class_has_images(
+    tiny_scenario, tmp_path
+):
+    """A val/ split lacking one of train/'s class folders was labelled by position (its
+    'c' got train's 'b' label): the evaluation was wrong, silently. A class folder with
+    no image was a class the model never saw (or, all empty, passed `check`)."""
+    from overlapkit.data import ImageFolderConfig
+
+    images = image_folder(tmp_path / "images")  # train/a, train/b, train/c
+    (images / "val").mkdir()
+    for name in "ac":
+        (images / "train" / name).rename(images / "val" / name)  # moved: val/a, val/c
+        image_folder(tmp_path / "again", classes=name)
+        (tmp_path / "again" / "train" / name).rename(images / "train" / name)
+    _, val = ImageFolderConfig(name="imagefolder", root=images, size=32).build(seed=0)
+    assert [label for _, label in val.samples] == [0] * 4 + [2] * 4  # a and c, not a and b
+    folder = f"data={{name: imagefolder, root: {images}, size: 32}}"
+    assert cli("check", tiny_scenario(), "--set", folder, "--set", "model.num_classes=3")[0] == 0
+    (images / "val" / "d").mkdir()
+    (images / "val" / "a" / "0.jpg").rename(images / "val" / "d" / "0.jpg")
+    code, _, err = cli("check", tiny_scenario(), "--set", folder, "--set", "model.num_classes=3")
+    assert code == 2 and "class folder(s) the training split lacks: d" in err, err
+    (images / "val" / "d" / "0.jpg").rename(images / "val" / "a" / "0.jpg")
+    (images / "val" / "d").rmdir()
+    for empty in ("b", "c"):  # one class folder empty, then two
+        for image in (images / "train" / empty).iterdir():
+            image.unlink()
+        code, _, err = cli(
+            "check", tiny_scenario(), "--set", folder, "--set", "model.num_classes=3"
+        )
+        assert code == 2 and f"{images / 'train' / 'b'} holds no image" in err, err

@@ -98,7 +98,10 @@ class ImageFolderConfig(Config):
     input_kind: ClassVar[str] = "images"
 
     def check(self) -> None:
-        ImageFolder.locate(self.root, "train")
+        train = ImageFolder.locate(self.root, "train")
+        if self._has_val():
+            val = ImageFolder.locate(self.root, "val")
+            ImageFolder.check_classes(val, ImageFolder.class_names(train))
 
     def classes_on_disk(self) -> int:
         """The class folders of the training split (each class a folder)."""
@@ -106,8 +109,12 @@ class ImageFolderConfig(Config):
 
     def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
         train = ImageFolder(self.root, self.size, split="train")
-        has_val = (Path(self.root).expanduser() / "val").is_dir()
-        return train, ImageFolder(self.root, self.size, split="val") if has_val else None
+        if not self._has_val():
+            return train, None
+        return train, ImageFolder(self.root, self.size, split="val", classes=train.classes)
+
+    def _has_val(self) -> bool:
+        return (Path(self.root).expanduser() / "val").is_dir()
 
 
 class ImdbConfig(Config):
