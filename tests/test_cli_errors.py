@@ -727,3 +727,35 @@ def test_image_folder_splits_are_labelled_by_class_name_and_every_class_has_imag
             "check", tiny_scenario(), "--set", folder, "--set", "model.num_classes=3"
         )
         assert code == 2 and f"{images / 'train' / 'b'} holds no image" in err, err
+
+
+@pytest.mark.parametrize("module", ["numpy", "numpy.lib._format_impl"])
+def test_ctrl_c_while_torch_imports_numpy_is_not_swallowed(tiny_scenario, module):
+    """torch imports numpy from its C extension's start and drops any error that raises:
+    Ctrl-C there was ignored (the run went on to the end, exit 0) or left numpy half
+    imported (an internal error: RecursionError). Played here as the signal itself,
+    sent as that module starts to import."""
+    program = textwrap.dedent(
+        f"""
+        import os, signal, sys
+
+        class CtrlC:
+            def find_spec(self, name, path=None, target=None):
+                if name == {module!r}:
+                    sys.meta_path.remove(self)
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+
+        sys.meta_path.insert(0, CtrlC())
+        from overlapkit.console import main
+        sys.exit(main())
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program, "check", str(tiny_scenario())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 130, result.stdout[-500:] + result.stderr[-2000:]
+    assert result.stderr == "interrupted\n", result.stderr[-2000:]

@@ -8,6 +8,11 @@ import sys
 
 def main() -> int:
     try:
+        # numpy first: torch imports it from its C extension's start and drops any error
+        # there, a Ctrl-C's KeyboardInterrupt too (the command went on, or failed later
+        # on a half-imported numpy).
+        import numpy  # noqa: F401
+
         from .cli import main as cli_main
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
