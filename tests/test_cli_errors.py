@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -759,3 +760,32 @@ def test_ctrl_c_while_torch_imports_numpy_is_not_swallowed(tiny_scenario, module
     )
     assert result.returncode == 130, result.stdout[-500:] + result.stderr[-2000:]
     assert result.stderr == "interrupted\n", result.stderr[-2000:]
+
+
+def test_ctrl_c_as_the_interpreter_exits_after_the_command_prints_no_traceback(tiny_scenario):
+    """Ctrl-C just after a run's last line ("results in ...") came while the interpreter
+    ran its exit hooks (torch's): "Exception ignored in atexit callback" and a
+    traceback. Played here from an exit hook that runs after torch's."""
+    program = textwrap.dedent(
+        """
+        import atexit, os, signal, sys
+
+        def ctrl_c():
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))  # the signal's handler runs here
+
+        atexit.register(ctrl_c)  # before torch's: run after them
+        from overlapkit.console import main
+        sys.exit(main())
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program, "check", str(tiny_scenario())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, (
+        result.stderr[-2000:]
+    )
+    assert result.returncode == -signal.SIGINT and "ok, as it will run" in result.stdout

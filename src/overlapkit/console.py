@@ -3,6 +3,7 @@ it and torch are still being imported (a second or more)."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 
@@ -17,4 +18,8 @@ def main() -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return cli_main()
+    code = cli_main()
+    # Done: a Ctrl-C from here on ends the process at once, as interrupted (a
+    # KeyboardInterrupt in an exit hook of torch's printed a traceback).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return code
