@@ -789,3 +789,24 @@ def test_ctrl_c_as_the_interpreter_exits_after_the_command_prints_no_traceback(t
         result.stderr[-2000:]
     )
     assert result.returncode == -signal.SIGINT and "ok, as it will run" in result.stdout
+
+
+def test_ctrl_c_while_the_summary_prints_says_the_run_finished(
+    tiny_scenario, tmp_path, monkeypatch
+):
+    """Ctrl-C once summary.json was written, as the table printed, said "stopped at step
+    8 ... Resume: overlapkit run ... --out DIR", a command that is then refused: the run
+    had trained all its steps."""
+    from overlapkit.runtime import session
+
+    def ctrl_c(summary: dict) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))  # the signal's handler runs here
+
+    monkeypatch.setattr(session, "print_summary", ctrl_c)
+    out = tmp_path / "run"
+    scenario = tiny_scenario(TINY_SCENARIO + "optimizations: {checkpoint: {every: 2}}\n")
+    code, _, err = cli("run", scenario, "--out", out, "--set", "train.steps=2")
+    assert code == 130 and "Resume" not in err, err
+    assert f"stopped by SIGINT after the run's last step (4); its results are in {out}" in err
+    assert (out / "summary.json").is_file()

@@ -776,6 +776,12 @@ def _stopped_line(
     line = f"overlapkit: stopped by {stop.signal_name}{at}"
     if folder is None:
         return line
+    if stop.finished:  # nothing to resume: a resume would be refused
+        step = f" ({stop.step})" if stop.step is not None else ""
+        return (
+            f"overlapkit: stopped by {stop.signal_name} after the run's last step{step}; "
+            f"its results are in {folder}"
+        )
     line += f"; run folder {folder}"
     newest = stop.checkpoint_step
     if newest is None and "checkpoints" in where and not getattr(args, "fresh", False):
