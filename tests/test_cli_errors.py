@@ -810,3 +810,22 @@ def test_ctrl_c_while_the_summary_prints_says_the_run_finished(
     assert code == 130 and "Resume" not in err, err
     assert f"stopped by SIGINT after the run's last step (4); its results are in {out}" in err
     assert (out / "summary.json").is_file()
+
+
+def test_values_no_run_can_use_are_refused_not_met_in_the_ranks(tiny_scenario):
+    """Each was accepted by check: an infinite learning rate or weight decay trained to a
+    NaN loss and exit 0; the rest were internal errors once the rank ran them (a sleep
+    of inf ms, torch's seed of 2**76 and Adam's beta of 2, a learning rate past a float32)."""
+    for override, key in (
+        ("train.optimizer.lr=.inf", "train.optimizer.lr"),
+        ("train.optimizer.lr=1e300", "train.optimizer.lr"),
+        ("train.optimizer.weight_decay=.inf", "train.optimizer.weight_decay"),
+        ("train.lr_schedule={name: step, gamma: .inf}", "train.lr_schedule.gamma"),
+        ("data.sample_cost_ms=.inf", "data.sample_cost_ms"),
+        ("data.sample_cost_ms=1e300", "data.sample_cost_ms"),
+        ("tune.mtbf_hours=.inf", "tune.mtbf_hours"),
+        ("train.optimizer={name: adam, betas: [2, 0.999]}", "train.optimizer.betas.0"),
+        ("train.seed=99999999999999999999999", "train.seed"),
+    ):
+        code, _, err = cli("check", tiny_scenario(), "--set", override)
+        assert code == 2 and f"--set {override}: {key}:" in err, (override, err)

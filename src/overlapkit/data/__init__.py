@@ -19,7 +19,9 @@ from .synthetic import SyntheticImages, SyntheticTokens, spend
 class _Synthetic(Config):
     num_samples: int = Field(2048, ge=1)
     eval_samples: int = Field(512, ge=0)
-    sample_cost_ms: float = Field(0.0, ge=0)  # per sample, to emulate slow storage or decoding
+    # per sample, to emulate slow storage or decoding; at most an hour (a sleep's limit is
+    # near 292 years: a bigger number is an internal error in the rank)
+    sample_cost_ms: float = Field(0.0, ge=0, le=3_600_000)
     sample_cost: Literal["sleep", "cpu"] = "sleep"
 
     def check(self) -> None:
