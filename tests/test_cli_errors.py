@@ -829,3 +829,28 @@ def test_values_no_run_can_use_are_refused_not_met_in_the_ranks(tiny_scenario):
     ):
         code, _, err = cli("check", tiny_scenario(), "--set", override)
         assert code == 2 and f"--set {override}: {key}:" in err, (override, err)
+
+
+def test_a_ray_room_timeout_that_is_no_number_is_named_when_ray_is_used(tiny_scenario, monkeypatch):
+    """OVERLAPKIT_RAY_ROOM_TIMEOUT_S was read as the CLI imported: 'abc' (or an empty
+    value, unset the shell's way) was a traceback from every command, check and list
+    too; nan or -5 were taken (a run on the cluster gave up at once, or never)."""
+    env = {**os.environ, "OVERLAPKIT_RAY_ROOM_TIMEOUT_S": "abc"}
+    result = subprocess.run(
+        [sys.executable, "-m", "overlapkit", "check", str(tiny_scenario())],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    for value in ("abc", "nan", "-5", "0"):
+        monkeypatch.setenv("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", value)
+        code, _, err = cli("run", tiny_scenario(), "--ray", "127.0.0.1:1")
+        assert code == 2 and f"OVERLAPKIT_RAY_ROOM_TIMEOUT_S is {value!r}" in err, err
+    from overlapkit.launch.ray_nodes import room_timeout_s
+
+    monkeypatch.setenv("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", "")
+    assert room_timeout_s() == 900  # empty: unset
+    monkeypatch.setenv("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", "12.5")
+    assert room_timeout_s() == 12.5
