@@ -854,3 +854,42 @@ def test_a_ray_room_timeout_that_is_no_number_is_named_when_ray_is_used(tiny_sce
     assert room_timeout_s() == 900  # empty: unset
     monkeypatch.setenv("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", "12.5")
     assert room_timeout_s() == 12.5
+
+
+def test_ctrl_c_while_the_trials_server_imports_torch_prints_no_traceback(tmp_path):
+    """A tune's trials start from a server that imports torch first (seconds), in the
+    terminal's process group: Ctrl-C then printed its KeyboardInterrupt traceback (one
+    per worker). Played as the signal itself, sent as the server imports its last
+    module; the trial it then starts still stops on SIGINT (its handler restored)."""
+    (tmp_path / "ctrl_c_now.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nsum(range(1000))\n"
+    )
+    (tmp_path / "sigint_probe.py").write_text(
+        "import os, signal\n"
+        "with open(os.environ['PROBE_FILE'], 'w') as f:\n"
+        "    f.write(str(signal.getsignal(signal.SIGINT) is signal.default_int_handler))\n"
+    )
+    program = textwrap.dedent(
+        f"""
+        import os, sys
+        from overlapkit.tuning import trial_process
+
+        trial_process.PRELOAD.append("ctrl_c_now")
+        env = {{**os.environ, "OVERLAPKIT_PLUGINS": "sigint_probe"}}
+        out, err = {str(tmp_path / "out.txt")!r}, {str(tmp_path / "err.txt")!r}
+        process = trial_process.start_trial_process(["list"], out, err, env, fork=True)
+        sys.exit(process.wait())
+        """
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    probe = tmp_path / "probe.txt"
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": path, "PROBE_FILE": str(probe)},
+    )
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 0, (tmp_path / "err.txt").read_text()[-2000:]
+    assert probe.read_text() == "True"
