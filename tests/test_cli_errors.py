@@ -934,3 +934,31 @@ def test_ctrl_c_while_a_tune_worker_imports_stops_it_quietly(tmp_path):
     )
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.returncode == 130, result.stderr[-3000:]
+
+
+def test_a_path_argument_starting_with_a_tilde_is_in_the_home_folder(
+    tiny_scenario, tmp_path, monkeypatch
+):
+    """`--out=~/runs/x` (a shell expands no ~ after '='), or a quoted '~/...', made a
+    folder named '~' in the current folder, and the scenario '~/s.yaml' was "not
+    found": only checkpoint.dir and data.root read ~ as the home folder."""
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir()
+    here.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    tiny_scenario().rename(home / "s.yaml")
+    code, _, err = cli(
+        "run", "~/s.yaml", "--out=~/r1", "--quiet", "--set", "train.steps=1",
+        "--set", "train.warmup_steps=0", "--set", "optimizations.checkpoint={every: 1}",
+    )  # fmt: skip
+    assert code == 0, err
+    assert (home / "r1" / "summary.json").is_file() and not (here / "~").exists()
+    assert cli("compare", "~/r1", "--out", "~/cmp")[0] == 0
+    assert cli("export", "~/r1", "--to", "~/model.pt")[0] == 0
+    assert (home / "cmp" / "compare.json").is_file() and (home / "model.pt").is_file()
+    from overlapkit.scenarios import load_scenario
+
+    board = load_scenario(home / "s.yaml", ["log.tensorboard=~/tb"]).log.tensorboard
+    assert board == str(home / "tb")
+    assert list(here.iterdir()) == []
