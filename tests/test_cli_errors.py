@@ -962,3 +962,24 @@ def test_a_path_argument_starting_with_a_tilde_is_in_the_home_folder(
     board = load_scenario(home / "s.yaml", ["log.tensorboard=~/tb"]).log.tensorboard
     assert board == str(home / "tb")
     assert list(here.iterdir()) == []
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_refused_before_any_rank_starts(
+    tiny_scenario, tmp_path, monkeypatch
+):
+    """check said ok; the run made its folder and then failed with exit 1 ("run failed:
+    cannot create the checkpoint folder ..."). A read-only folder is played by os.access
+    (tests may run as root, who writes anywhere a file system lets)."""
+    shut = tmp_path / "shut"
+    shut.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != shut and real_access(p, mode))
+    scenario, out = tiny_scenario(), tmp_path / "run"
+    for argv in (["check", scenario], ["run", scenario, "--out", out]):
+        code, _, err = cli(*argv, "--set", f"optimizations.checkpoint.dir={shut}/ck")
+        assert code == 2 and f"checkpoint.dir {shut}/ck: {shut} cannot be written" in err, err
+    assert not out.exists()
+    code, _, err = cli(
+        "run", scenario, "--out", out, "--set", "optimizations.checkpoint.dir=../shut"
+    )
+    assert code == 2 and f"{shut} cannot be written" in err and not out.exists(), err
