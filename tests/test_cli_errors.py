@@ -983,3 +983,22 @@ def test_a_checkpoint_dir_that_cannot_be_written_is_refused_before_any_rank_star
         "run", scenario, "--out", out, "--set", "optimizations.checkpoint.dir=../shut"
     )
     assert code == 2 and f"{shut} cannot be written" in err and not out.exists(), err
+
+
+def test_compare_of_a_summary_with_a_section_of_the_wrong_kind_names_it(tmp_path):
+    """A summary.json whose pop or optimizations was no table (edited by hand, or
+    written by something else) was an internal error (AttributeError) in compare."""
+    summary = {"samples_per_s": 10.0, "step_time_s": {"p50": 0.1}, "phases_s": {}}
+    for number, (key, value, said) in enumerate(
+        (
+            ("pop", None, "pop is null, not a table"),
+            ("pop", {"load_balance": "high"}, 'pop.load_balance is "high", not a number'),
+            ("optimizations", [1], "optimizations is [1], not a table"),
+            ("optimizations", {"checkpoint": 3}, "optimizations.checkpoint is 3, not a table"),
+        )
+    ):
+        run = tmp_path / f"run{number}"
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({**summary, key: value}))
+        code, _, err = cli("compare", run, "--out", tmp_path / "cmp")
+        assert code == 2 and f"not an overlapkit run summary ({said})" in err, err
