@@ -1002,3 +1002,18 @@ def test_compare_of_a_summary_with_a_section_of_the_wrong_kind_names_it(tmp_path
         (run / "summary.json").write_text(json.dumps({**summary, key: value}))
         code, _, err = cli("compare", run, "--out", tmp_path / "cmp")
         assert code == 2 and f"not an overlapkit run summary ({said})" in err, err
+
+
+def test_export_names_a_file_given_where_a_folder_belongs(tmp_path):
+    """A file given as the run folder was "no such run folder", and one in the way of
+    --to's folder "its folder ... does not exist": both are there, as files."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    code, _, err = cli("export", afile)
+    assert code == 2 and f"{afile}: a file; name a run folder" in err, err
+    run = tmp_path / "run" / "checkpoints"
+    run.mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"checkpoints": []}))
+    code, _, err = cli("export", run.parent, "--to", afile / "model.pt")
+    assert code == 2 and f"--to {afile / 'model.pt'}: {afile} is a file" in err, err
+    assert afile.read_text() == "mine"
