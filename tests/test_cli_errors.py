@@ -1017,3 +1017,28 @@ def test_export_names_a_file_given_where_a_folder_belongs(tmp_path):
     code, _, err = cli("export", run.parent, "--to", afile / "model.pt")
     assert code == 2 and f"--to {afile / 'model.pt'}: {afile} is a file" in err, err
     assert afile.read_text() == "mine"
+
+
+def test_a_run_out_of_memory_is_not_called_a_bug(tiny_scenario, tmp_path, monkeypatch):
+    """data.shape [3, 20000, 20000] (19 GB a sample) said "internal error (a bug in
+    overlapkit; please report it): RuntimeError: ... DefaultCPUAllocator: can't allocate
+    memory", on one rank or from one of several; a tune's trial was 'crashed'."""
+    import overlapkit.run
+    from overlapkit.cli import _rank_failed
+    from overlapkit.launch.local import RankFailedError
+
+    said = (
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 19200000000 bytes. Error code 12"
+    )
+
+    def too_big(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError(said)
+
+    monkeypatch.setattr(overlapkit.run, "run_scenario", too_big)
+    code, _, err = cli("run", tiny_scenario(), "--out", tmp_path / "run")
+    assert code == 1 and "internal error" not in err, err
+    assert f"run failed: out of memory: RuntimeError: {said}" in err, err
+    raised = {"type": "builtins:RuntimeError", "message": said}
+    line = _rank_failed(RankFailedError(1, f"Traceback ...\n{said}", raised), tmp_path)
+    assert line.startswith(f"run failed: rank 1: out of memory: RuntimeError: {said}"), line

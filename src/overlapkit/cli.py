@@ -835,7 +835,20 @@ def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
 def _internal_error(error: Exception, folder: Path | None) -> str:
     text = "".join(traceback.format_exception(error))
     saved = _save_traceback(text, folder)
-    return f"{_whose(text)}: {type(error).__name__}: {error}; {saved}"
+    kind = type(error).__name__
+    if _out_of_memory(kind, str(error)):
+        return f"run failed: out of memory: {kind}: {error}; {saved}"
+    return f"{_whose(text)}: {kind}: {error}; {saved}"
+
+
+def _out_of_memory(kind: str, message: str) -> bool:
+    """An error that says the machine (or GPU) had too little memory for the run's
+    sizes (torch's CPU allocator, CUDA's, Python's): not a bug of overlapkit's."""
+    said = message.lower()
+    return kind in ("MemoryError", "OutOfMemoryError") or any(
+        words in said
+        for words in ("can't allocate memory", "cannot allocate memory", "out of memory")
+    )
 
 
 def _whose(traceback_text: str) -> str:
@@ -855,8 +868,11 @@ def _rank_failed(error: RankFailedError, folder: Path | None) -> str:
         saved = f"; {_save_traceback(rest, folder, others)}" if rest else ""
         return f"run failed: rank {error.rank}: {head}{saved}"
     kind = error.raised["type"].rpartition(":")[2].rpartition(".")[2]
+    whose = _whose(error.details)
+    if _out_of_memory(kind, error.raised["message"]):
+        whose = "out of memory"
     return (
-        f"run failed: rank {error.rank}: {_whose(error.details)}: {kind}: "
+        f"run failed: rank {error.rank}: {whose}: {kind}: "
         f"{error.raised['message']}; {_save_traceback(error.details, folder)}"
     )
 
