@@ -1042,3 +1042,30 @@ def test_a_run_out_of_memory_is_not_called_a_bug(tiny_scenario, tmp_path, monkey
     raised = {"type": "builtins:RuntimeError", "message": said}
     line = _rank_failed(RankFailedError(1, f"Traceback ...\n{said}", raised), tmp_path)
     assert line.startswith(f"run failed: rank 1: out of memory: RuntimeError: {said}"), line
+
+
+def test_a_study_tuned_with_another_tune_section_is_not_continued(tmp_path):
+    """The same --out with another tune.steps (or search, intensity_step, objective...)
+    continued the study: trials of two lengths ranked side by side, silently; another
+    search ran its trials and then failed in the report (KeyError: an internal error).
+    Another tune.mtbf_hours was taken, and the report priced goodput at the first one."""
+    from overlapkit.tuning import TuneConfig, TuneError
+    from overlapkit.tuning.study import TuneJob, default_storage, open_study
+
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    storage = default_storage(tmp_path)
+    open_study(TuneJob(base, TuneConfig(trials=2), tmp_path, storage, "tiny"))
+    # What only the study's later phases, its length or its report read may change.
+    same = TuneConfig(trials=20, finalists=1, repeats=5, prune=False, mtbf_hours=3)
+    assert open_study(TuneJob(base, same, tmp_path, storage, "tiny")).user_attrs["tune"] == (
+        same.model_dump(mode="json")
+    )
+    for changed, said in (
+        ({"steps": 20}, "tune.steps 12 -> 20"),
+        ({"search": {"checkpoint": {"every": [2, 3]}}}, "tune.search unset -> {'checkpoint'"),
+        ({"intensity_step": 0.5}, "tune.intensity_step 0.25 -> 0.5"),
+        ({"objective": "goodput"}, "tune.objective throughput -> goodput"),
+    ):
+        with pytest.raises(TuneError, match="tuned with another tune section") as error:
+            open_study(TuneJob(base, TuneConfig(trials=2, **changed), tmp_path, storage, "tiny"))
+        assert said in str(error.value), str(error.value)
