@@ -740,6 +740,8 @@ def test_ctrl_c_while_torch_imports_numpy_is_not_swallowed(tiny_scenario, module
         f"""
         import os, signal, sys
 
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's
+
         class CtrlC:
             def find_spec(self, name, path=None, target=None):
                 if name == {module!r}:
@@ -769,6 +771,8 @@ def test_ctrl_c_as_the_interpreter_exits_after_the_command_prints_no_traceback(t
     program = textwrap.dedent(
         """
         import atexit, os, signal, sys
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's
 
         def ctrl_c():
             os.kill(os.getpid(), signal.SIGINT)
@@ -806,7 +810,11 @@ def test_ctrl_c_while_the_summary_prints_says_the_run_finished(
     monkeypatch.setattr(session, "print_summary", ctrl_c)
     out = tmp_path / "run"
     scenario = tiny_scenario(TINY_SCENARIO + "optimizations: {checkpoint: {every: 2}}\n")
-    code, _, err = cli("run", scenario, "--out", out, "--set", "train.steps=2")
+    kept = signal.getsignal(signal.SIGINT)  # a stopped run leaves SIGINT ignored
+    try:
+        code, _, err = cli("run", scenario, "--out", out, "--set", "train.steps=2")
+    finally:
+        signal.signal(signal.SIGINT, kept)
     assert code == 130 and "Resume" not in err, err
     assert f"stopped by SIGINT after the run's last step (4); its results are in {out}" in err
     assert (out / "summary.json").is_file()
@@ -871,8 +879,10 @@ def test_ctrl_c_while_the_trials_server_imports_torch_prints_no_traceback(tmp_pa
     )
     program = textwrap.dedent(
         f"""
-        import os, sys
+        import os, signal, sys
         from overlapkit.tuning import trial_process
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's
 
         trial_process.PRELOAD.append("ctrl_c_now")
         env = {{**os.environ, "OVERLAPKIT_PLUGINS": "sigint_probe"}}
@@ -906,6 +916,8 @@ def test_ctrl_c_while_a_tune_worker_imports_stops_it_quietly(tmp_path):
         textwrap.dedent(
             """
             import os, signal, sys
+
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's
 
             class CtrlC:  # in the worker (this file is its __mp_main__): Ctrl-C there
                 def find_spec(self, name, path=None, target=None):
