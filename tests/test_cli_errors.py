@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -694,3 +695,389 @@ def test_a_rank_killed_by_a_signal_says_where_the_other_ranks_errors_are(tmp_pat
         f"in {tmp_path / 'error.txt'}"
     )
     assert "ConnectionError" in (tmp_path / "error.txt").read_text()
+
+
+def test_image_folder_splits_are_labelled_by_class_name_and_every_class_has_images(
+    tiny_scenario, tmp_path
+):
+    """A val/ split lacking one of train/'s class folders was labelled by position (its
+    'c' got train's 'b' label): the evaluation was wrong, silently. A class folder with
+    no image was a class the model never saw (or, all empty, passed `check`)."""
+    from overlapkit.data import ImageFolderConfig
+
+    images = image_folder(tmp_path / "images")  # train/a, train/b, train/c
+    (images / "val").mkdir()
+    for name in "ac":
+        (images / "train" / name).rename(images / "val" / name)  # moved: val/a, val/c
+        image_folder(tmp_path / "again", classes=name)
+        (tmp_path / "again" / "train" / name).rename(images / "train" / name)
+    _, val = ImageFolderConfig(name="imagefolder", root=images, size=32).build(seed=0)
+    assert [label for _, label in val.samples] == [0] * 4 + [2] * 4  # a and c, not a and b
+    folder = f"data={{name: imagefolder, root: {images}, size: 32}}"
+    assert cli("check", tiny_scenario(), "--set", folder, "--set", "model.num_classes=3")[0] == 0
+    (images / "val" / "d").mkdir()
+    (images / "val" / "a" / "0.jpg").rename(images / "val" / "d" / "0.jpg")
+    code, _, err = cli("check", tiny_scenario(), "--set", folder, "--set", "model.num_classes=3")
+    assert code == 2 and "class folder(s) the training split lacks: d" in err, err
+    (images / "val" / "d" / "0.jpg").rename(images / "val" / "a" / "0.jpg")
+    (images / "val" / "d").rmdir()
+    for empty in ("b", "c"):  # one class folder empty, then two
+        for image in (images / "train" / empty).iterdir():
+            image.unlink()
+        code, _, err = cli(
+            "check", tiny_scenario(), "--set", folder, "--set", "model.num_classes=3"
+        )
+        assert code == 2 and f"{images / 'train' / 'b'} holds no image" in err, err
+
+
+@pytest.mark.parametrize("module", ["numpy", "numpy.lib._format_impl"])
+def test_ctrl_c_while_torch_imports_numpy_is_not_swallowed(tiny_scenario, module):
+    """torch imports numpy from its C extension's start and drops any error that raises:
+    Ctrl-C there was ignored (the run went on to the end, exit 0) or left numpy half
+    imported (an internal error: RecursionError). Played here as the signal itself,
+    sent as that module starts to import."""
+    program = textwrap.dedent(
+        f"""
+        import os, signal, sys
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's
+
+        class CtrlC:
+            def find_spec(self, name, path=None, target=None):
+                if name == {module!r}:
+                    sys.meta_path.remove(self)
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+
+        sys.meta_path.insert(0, CtrlC())
+        from overlapkit.console import main
+        sys.exit(main())
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program, "check", str(tiny_scenario())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 130, result.stdout[-500:] + result.stderr[-2000:]
+    assert result.stderr == "interrupted\n", result.stderr[-2000:]
+
+
+def test_ctrl_c_as_the_interpreter_exits_after_the_command_prints_no_traceback(tiny_scenario):
+    """Ctrl-C just after a run's last line ("results in ...") came while the interpreter
+    ran its exit hooks (torch's): "Exception ignored in atexit callback" and a
+    traceback. Played here from an exit hook that runs after torch's."""
+    program = textwrap.dedent(
+        """
+        import atexit, os, signal, sys
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's
+
+        def ctrl_c():
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))  # the signal's handler runs here
+
+        atexit.register(ctrl_c)  # before torch's: run after them
+        from overlapkit.console import main
+        sys.exit(main())
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program, "check", str(tiny_scenario())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, (
+        result.stderr[-2000:]
+    )
+    assert result.returncode == -signal.SIGINT and "ok, as it will run" in result.stdout
+
+
+def test_ctrl_c_while_the_summary_prints_says_the_run_finished(
+    tiny_scenario, tmp_path, monkeypatch
+):
+    """Ctrl-C once summary.json was written, as the table printed, said "stopped at step
+    8 ... Resume: overlapkit run ... --out DIR", a command that is then refused: the run
+    had trained all its steps."""
+    from overlapkit.runtime import session
+
+    def ctrl_c(summary: dict) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))  # the signal's handler runs here
+
+    monkeypatch.setattr(session, "print_summary", ctrl_c)
+    out = tmp_path / "run"
+    scenario = tiny_scenario(TINY_SCENARIO + "optimizations: {checkpoint: {every: 2}}\n")
+    kept = signal.getsignal(signal.SIGINT)  # a stopped run leaves SIGINT ignored
+    try:
+        code, _, err = cli("run", scenario, "--out", out, "--set", "train.steps=2")
+    finally:
+        signal.signal(signal.SIGINT, kept)
+    assert code == 130 and "Resume" not in err, err
+    assert f"stopped by SIGINT after the run's last step (4); its results are in {out}" in err
+    assert (out / "summary.json").is_file()
+
+
+def test_values_no_run_can_use_are_refused_not_met_in_the_ranks(tiny_scenario):
+    """Each was accepted by check: an infinite learning rate or weight decay trained to a
+    NaN loss and exit 0; the rest were internal errors once the rank ran them (a sleep
+    of inf ms, torch's seed of 2**76 and Adam's beta of 2, a learning rate past a float32)."""
+    for override, key in (
+        ("train.optimizer.lr=.inf", "train.optimizer.lr"),
+        ("train.optimizer.lr=1e300", "train.optimizer.lr"),
+        ("train.optimizer.weight_decay=.inf", "train.optimizer.weight_decay"),
+        ("train.lr_schedule={name: step, gamma: .inf}", "train.lr_schedule.gamma"),
+        ("data.sample_cost_ms=.inf", "data.sample_cost_ms"),
+        ("data.sample_cost_ms=1e300", "data.sample_cost_ms"),
+        ("tune.mtbf_hours=.inf", "tune.mtbf_hours"),
+        ("train.optimizer={name: adam, betas: [2, 0.999]}", "train.optimizer.betas.0"),
+        ("train.seed=99999999999999999999999", "train.seed"),
+    ):
+        code, _, err = cli("check", tiny_scenario(), "--set", override)
+        assert code == 2 and f"--set {override}: {key}:" in err, (override, err)
+
+
+def test_a_ray_room_timeout_that_is_no_number_is_named_when_ray_is_used(tiny_scenario, monkeypatch):
+    """OVERLAPKIT_RAY_ROOM_TIMEOUT_S was read as the CLI imported: 'abc' (or an empty
+    value, unset the shell's way) was a traceback from every command, check and list
+    too; nan or -5 were taken (a run on the cluster gave up at once, or never)."""
+    env = {**os.environ, "OVERLAPKIT_RAY_ROOM_TIMEOUT_S": "abc"}
+    result = subprocess.run(
+        [sys.executable, "-m", "overlapkit", "check", str(tiny_scenario())],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    for value in ("abc", "nan", "-5", "0"):
+        monkeypatch.setenv("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", value)
+        code, _, err = cli("run", tiny_scenario(), "--ray", "127.0.0.1:1")
+        assert code == 2 and f"OVERLAPKIT_RAY_ROOM_TIMEOUT_S is {value!r}" in err, err
+    from overlapkit.launch.ray_nodes import room_timeout_s
+
+    monkeypatch.setenv("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", "")
+    assert room_timeout_s() == 900  # empty: unset
+    monkeypatch.setenv("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", "12.5")
+    assert room_timeout_s() == 12.5
+
+
+def test_ctrl_c_while_the_trials_server_imports_torch_prints_no_traceback(tmp_path):
+    """A tune's trials start from a server that imports torch first (seconds), in the
+    terminal's process group: Ctrl-C then printed its KeyboardInterrupt traceback (one
+    per worker). Played as the signal itself, sent as the server imports its last
+    module; the trial it then starts still stops on SIGINT (its handler restored)."""
+    (tmp_path / "ctrl_c_now.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nsum(range(1000))\n"
+    )
+    (tmp_path / "sigint_probe.py").write_text(
+        "import os, signal\n"
+        "with open(os.environ['PROBE_FILE'], 'w') as f:\n"
+        "    f.write(str(signal.getsignal(signal.SIGINT) is signal.default_int_handler))\n"
+    )
+    program = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        from overlapkit.tuning import trial_process
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's
+
+        trial_process.PRELOAD.append("ctrl_c_now")
+        env = {{**os.environ, "OVERLAPKIT_PLUGINS": "sigint_probe"}}
+        out, err = {str(tmp_path / "out.txt")!r}, {str(tmp_path / "err.txt")!r}
+        process = trial_process.start_trial_process(["list"], out, err, env, fork=True)
+        sys.exit(process.wait())
+        """
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    probe = tmp_path / "probe.txt"
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": path, "PROBE_FILE": str(probe)},
+    )
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 0, (tmp_path / "err.txt").read_text()[-2000:]
+    assert probe.read_text() == "True"
+
+
+def test_ctrl_c_while_a_tune_worker_imports_stops_it_quietly(tmp_path):
+    """`tune --workers K` starts K fresh interpreters, in the terminal's process group,
+    that imported torch and optuna for a second or more as they read their arguments,
+    before their Ctrl-C handler was set: Ctrl-C then printed a traceback from each (as
+    this test, started the old way, at `runner._worker_process`). Played as the signal
+    itself, sent as the worker imports the tuner; it stops quietly (130), no trial run."""
+    program = tmp_path / "start_worker.py"
+    program.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys
+
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's
+
+            class CtrlC:  # in the worker (this file is its __mp_main__): Ctrl-C there
+                def find_spec(self, name, path=None, target=None):
+                    if name == "overlapkit.tuning.runner" and __name__ != "__main__":
+                        sys.meta_path.remove(self)
+                        os.kill(os.getpid(), signal.SIGINT)
+                    return None
+
+            sys.meta_path.insert(0, CtrlC())
+
+            if __name__ == "__main__":
+                import multiprocessing, pickle
+                from overlapkit.tuning import worker_start
+
+                context = multiprocessing.get_context("spawn")
+                arguments = pickle.dumps((None,) * 6)
+                worker = context.Process(target=worker_start.start, args=(arguments,))
+                worker.start()
+                worker.join()
+                sys.exit(worker.exitcode)
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, str(program)], capture_output=True, text=True, timeout=180
+    )
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 130, result.stderr[-3000:]
+
+
+def test_a_path_argument_starting_with_a_tilde_is_in_the_home_folder(
+    tiny_scenario, tmp_path, monkeypatch
+):
+    """`--out=~/runs/x` (a shell expands no ~ after '='), or a quoted '~/...', made a
+    folder named '~' in the current folder, and the scenario '~/s.yaml' was "not
+    found": only checkpoint.dir and data.root read ~ as the home folder."""
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir()
+    here.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    tiny_scenario().rename(home / "s.yaml")
+    code, _, err = cli(
+        "run", "~/s.yaml", "--out=~/r1", "--quiet", "--set", "train.steps=1",
+        "--set", "train.warmup_steps=0", "--set", "optimizations.checkpoint={every: 1}",
+    )  # fmt: skip
+    assert code == 0, err
+    assert (home / "r1" / "summary.json").is_file() and not (here / "~").exists()
+    assert cli("compare", "~/r1", "--out", "~/cmp")[0] == 0
+    assert cli("export", "~/r1", "--to", "~/model.pt")[0] == 0
+    assert (home / "cmp" / "compare.json").is_file() and (home / "model.pt").is_file()
+    from overlapkit.scenarios import load_scenario
+
+    board = load_scenario(home / "s.yaml", ["log.tensorboard=~/tb"]).log.tensorboard
+    assert board == str(home / "tb")
+    assert list(here.iterdir()) == []
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_refused_before_any_rank_starts(
+    tiny_scenario, tmp_path, monkeypatch
+):
+    """check said ok; the run made its folder and then failed with exit 1 ("run failed:
+    cannot create the checkpoint folder ..."). A read-only folder is played by os.access
+    (tests may run as root, who writes anywhere a file system lets)."""
+    shut = tmp_path / "shut"
+    shut.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != shut and real_access(p, mode))
+    scenario, out = tiny_scenario(), tmp_path / "run"
+    for argv in (["check", scenario], ["run", scenario, "--out", out]):
+        code, _, err = cli(*argv, "--set", f"optimizations.checkpoint.dir={shut}/ck")
+        assert code == 2 and f"checkpoint.dir {shut}/ck: {shut} cannot be written" in err, err
+    assert not out.exists()
+    code, _, err = cli(
+        "run", scenario, "--out", out, "--set", "optimizations.checkpoint.dir=../shut"
+    )
+    assert code == 2 and f"{shut} cannot be written" in err and not out.exists(), err
+
+
+def test_compare_of_a_summary_with_a_section_of_the_wrong_kind_names_it(tmp_path):
+    """A summary.json whose pop or optimizations was no table (edited by hand, or
+    written by something else) was an internal error (AttributeError) in compare."""
+    summary = {"samples_per_s": 10.0, "step_time_s": {"p50": 0.1}, "phases_s": {}}
+    for number, (key, value, said) in enumerate(
+        (
+            ("pop", None, "pop is null, not a table"),
+            ("pop", {"load_balance": "high"}, 'pop.load_balance is "high", not a number'),
+            ("optimizations", [1], "optimizations is [1], not a table"),
+            ("optimizations", {"checkpoint": 3}, "optimizations.checkpoint is 3, not a table"),
+        )
+    ):
+        run = tmp_path / f"run{number}"
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({**summary, key: value}))
+        code, _, err = cli("compare", run, "--out", tmp_path / "cmp")
+        assert code == 2 and f"not an overlapkit run summary ({said})" in err, err
+
+
+def test_export_names_a_file_given_where_a_folder_belongs(tmp_path):
+    """A file given as the run folder was "no such run folder", and one in the way of
+    --to's folder "its folder ... does not exist": both are there, as files."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    code, _, err = cli("export", afile)
+    assert code == 2 and f"{afile}: a file; name a run folder" in err, err
+    run = tmp_path / "run" / "checkpoints"
+    run.mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"checkpoints": []}))
+    code, _, err = cli("export", run.parent, "--to", afile / "model.pt")
+    assert code == 2 and f"--to {afile / 'model.pt'}: {afile} is a file" in err, err
+    assert afile.read_text() == "mine"
+
+
+def test_a_run_out_of_memory_is_not_called_a_bug(tiny_scenario, tmp_path, monkeypatch):
+    """data.shape [3, 20000, 20000] (19 GB a sample) said "internal error (a bug in
+    overlapkit; please report it): RuntimeError: ... DefaultCPUAllocator: can't allocate
+    memory", on one rank or from one of several; a tune's trial was 'crashed'."""
+    import overlapkit.run
+    from overlapkit.cli import _rank_failed
+    from overlapkit.launch.local import RankFailedError
+
+    said = (
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 19200000000 bytes. Error code 12"
+    )
+
+    def too_big(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError(said)
+
+    monkeypatch.setattr(overlapkit.run, "run_scenario", too_big)
+    code, _, err = cli("run", tiny_scenario(), "--out", tmp_path / "run")
+    assert code == 1 and "internal error" not in err, err
+    assert f"run failed: out of memory: RuntimeError: {said}" in err, err
+    raised = {"type": "builtins:RuntimeError", "message": said}
+    line = _rank_failed(RankFailedError(1, f"Traceback ...\n{said}", raised), tmp_path)
+    assert line.startswith(f"run failed: rank 1: out of memory: RuntimeError: {said}"), line
+
+
+def test_a_study_tuned_with_another_tune_section_is_not_continued(tmp_path):
+    """The same --out with another tune.steps (or search, intensity_step, objective...)
+    continued the study: trials of two lengths ranked side by side, silently; another
+    search ran its trials and then failed in the report (KeyError: an internal error).
+    Another tune.mtbf_hours was taken, and the report priced goodput at the first one."""
+    from overlapkit.tuning import TuneConfig, TuneError
+    from overlapkit.tuning.study import TuneJob, default_storage, open_study
+
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    storage = default_storage(tmp_path)
+    open_study(TuneJob(base, TuneConfig(trials=2), tmp_path, storage, "tiny"))
+    # What only the study's later phases, its length or its report read may change.
+    same = TuneConfig(trials=20, finalists=1, repeats=5, prune=False, mtbf_hours=3)
+    assert open_study(TuneJob(base, same, tmp_path, storage, "tiny")).user_attrs["tune"] == (
+        same.model_dump(mode="json")
+    )
+    for changed, said in (
+        ({"steps": 20}, "tune.steps 12 -> 20"),
+        ({"search": {"checkpoint": {"every": [2, 3]}}}, "tune.search unset -> {'checkpoint'"),
+        ({"intensity_step": 0.5}, "tune.intensity_step 0.25 -> 0.5"),
+        ({"objective": "goodput"}, "tune.objective throughput -> goodput"),
+    ):
+        with pytest.raises(TuneError, match="tuned with another tune section") as error:
+            open_study(TuneJob(base, TuneConfig(trials=2, **changed), tmp_path, storage, "tiny"))
+        assert said in str(error.value), str(error.value)

@@ -79,8 +79,14 @@ def _above_zero(text: str) -> float:
     return value
 
 
+def _path(text: str) -> Path:
+    """An argparse type: a path, ``~`` as the home folder (no shell expands the one in
+    ``--out=~/runs``: a folder named ``~`` was made here)."""
+    return Path(text).expanduser()
+
+
 def _scenario_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", type=Path, help="a scenario YAML file")
+    parser.add_argument("scenario", type=_path, help="a scenario YAML file")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -93,7 +99,7 @@ def _scenario_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _tensorboard_argument(parser: argparse.ArgumentParser, text: str) -> None:
     parser.add_argument(
-        "--tensorboard", metavar="DIR", help=f"{text} (as --set log.tensorboard=DIR)"
+        "--tensorboard", type=_path, metavar="DIR", help=f"{text} (as --set log.tensorboard=DIR)"
     )
 
 
@@ -114,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="train a scenario and report where the time went")
     _scenario_arguments(run)
-    run.add_argument("--out", type=Path, help="run folder (default: runs/<name>-<time>)")
+    run.add_argument("--out", type=_path, help="run folder (default: runs/<name>-<time>)")
     run.add_argument("--quiet", action="store_true", help="no progress bar and no table")
     run.add_argument(
         "--fresh",
@@ -155,7 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--timeout", type=_above_zero, help="stop starting trials after this many seconds"
     )
-    tune.add_argument("--out", type=Path, help="tune folder (default: runs/<name>-tune)")
+    tune.add_argument("--out", type=_path, help="tune folder (default: runs/<name>-tune)")
     tune.add_argument("--json", action="store_true", help="print report.json to stdout")
     _tensorboard_argument(tune, "write each trial's TensorBoard run into DIR/trial-NNNNN")
     _ray_argument(tune, "run each trial in a placement group on the Ray cluster at ADDRESS")
@@ -176,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--study", dest="study_name", help="the study's name in that storage")
     report.add_argument(
         "--out",
-        type=Path,
+        type=_path,
         help="where to write it (default: the tune folder; with --compare, "
         "runs/compare-studies-<time>)",
     )
@@ -195,10 +201,10 @@ def _parser() -> argparse.ArgumentParser:
     compare = commands.add_parser(
         "compare", help="finished runs side by side: throughput, phases, key figures"
     )
-    compare.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    compare.add_argument("runs", nargs="+", type=_path, metavar="RUN_DIR")
     compare.add_argument(
         "--out",
-        type=Path,
+        type=_path,
         help="where compare.json and phases.png go (default: runs/compare-<time>)",
     )
     compare.add_argument("--json", action="store_true", help="print compare.json to stdout")
@@ -207,13 +213,13 @@ def _parser() -> argparse.ArgumentParser:
         "export", help="a run's trained model from its checkpoints, as one file to load"
     )
     export.add_argument(
-        "run", type=Path, metavar="RUN_DIR", help="a run folder, or a checkpoint folder"
+        "run", type=_path, metavar="RUN_DIR", help="a run folder, or a checkpoint folder"
     )
     export.add_argument(
         "--step", type=_at_least(0), help="the checkpoint's step (default: the newest intact)"
     )
     export.add_argument(
-        "--to", type=Path, metavar="FILE", help="where to write (default: RUN_DIR/model-step-N.pt)"
+        "--to", type=_path, metavar="FILE", help="where to write (default: RUN_DIR/model-step-N.pt)"
     )
     export.add_argument("--json", action="store_true", help="print what was written as JSON")
 
@@ -232,7 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     cluster_check = cluster_commands.add_parser(
         "check", help="validate a cluster config offline: Ray's schema and overlapkit's rules"
     )
-    cluster_check.add_argument("file", type=Path)
+    cluster_check.add_argument("file", type=_path)
     return parser
 
 
@@ -776,6 +782,12 @@ def _stopped_line(
     line = f"overlapkit: stopped by {stop.signal_name}{at}"
     if folder is None:
         return line
+    if stop.finished:  # nothing to resume: a resume would be refused
+        step = f" ({stop.step})" if stop.step is not None else ""
+        return (
+            f"overlapkit: stopped by {stop.signal_name} after the run's last step{step}; "
+            f"its results are in {folder}"
+        )
     line += f"; run folder {folder}"
     newest = stop.checkpoint_step
     if newest is None and "checkpoints" in where and not getattr(args, "fresh", False):
@@ -823,7 +835,20 @@ def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
 def _internal_error(error: Exception, folder: Path | None) -> str:
     text = "".join(traceback.format_exception(error))
     saved = _save_traceback(text, folder)
-    return f"{_whose(text)}: {type(error).__name__}: {error}; {saved}"
+    kind = type(error).__name__
+    if _out_of_memory(kind, str(error)):
+        return f"run failed: out of memory: {kind}: {error}; {saved}"
+    return f"{_whose(text)}: {kind}: {error}; {saved}"
+
+
+def _out_of_memory(kind: str, message: str) -> bool:
+    """An error that says the machine (or GPU) had too little memory for the run's
+    sizes (torch's CPU allocator, CUDA's, Python's): not a bug of overlapkit's."""
+    said = message.lower()
+    return kind in ("MemoryError", "OutOfMemoryError") or any(
+        words in said
+        for words in ("can't allocate memory", "cannot allocate memory", "out of memory")
+    )
 
 
 def _whose(traceback_text: str) -> str:
@@ -843,8 +868,11 @@ def _rank_failed(error: RankFailedError, folder: Path | None) -> str:
         saved = f"; {_save_traceback(rest, folder, others)}" if rest else ""
         return f"run failed: rank {error.rank}: {head}{saved}"
     kind = error.raised["type"].rpartition(":")[2].rpartition(".")[2]
+    whose = _whose(error.details)
+    if _out_of_memory(kind, error.raised["message"]):
+        whose = "out of memory"
     return (
-        f"run failed: rank {error.rank}: {_whose(error.details)}: {kind}: "
+        f"run failed: rank {error.rank}: {whose}: {kind}: "
         f"{error.raised['message']}; {_save_traceback(error.details, folder)}"
     )
 

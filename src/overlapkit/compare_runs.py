@@ -57,17 +57,26 @@ def load_run(folder: Path) -> dict[str, Any]:
             f"{path}: the run measured no step (every step it ran was warm-up: resumed at "
             "its last?), so it has nothing to compare"
         )
+    tables = {"pop": summary.get("pop", {}), "optimizations": summary.get("optimizations", {})}
+    if isinstance(tables["optimizations"], dict):
+        tables |= {f"optimizations.{n}": s for n, s in tables["optimizations"].items()}
+    for key, table in tables.items():  # read with .get: a table, or compare fails
+        if not isinstance(table, dict):
+            raise RunFolderError(
+                f"{path}: not an overlapkit run summary ({key} is {json.dumps(table)}, not a table)"
+            )
     phases = summary.get("phases_s", {})
     figures = {
         "samples_per_s": summary["samples_per_s"],
         "step_time_s.p50": summary["step_time_s"].get("p50"),
         **({f"phases_s.{k}": v for k, v in phases.items()} if isinstance(phases, dict) else {}),
+        **{f"pop.{key}": summary.get("pop", {}).get(key) for key in POP},
     }
     if not isinstance(phases, dict):
         figures["phases_s"] = phases
     for key, value in figures.items():
-        if value is None and key.startswith("phases_s."):
-            continue  # a phase the run did not measure
+        if value is None and key.startswith(("phases_s.", "pop.")):
+            continue  # a phase the run did not measure, a figure it could not
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise RunFolderError(
                 f"{path}: not an overlapkit run summary ({key} is {json.dumps(value)}, "

@@ -10,9 +10,12 @@ from pydantic_core import PydanticCustomError
 
 
 class Config(BaseModel):
-    """A component's config: unknown keys are errors, values are validated on assignment."""
+    """A component's config: unknown keys are errors, values are validated on assignment;
+    a number is finite (YAML's .inf and .nan are no setting a run can use)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -67,6 +67,8 @@ def checkpoint_root(folder: Path) -> Path:
     relative to it), or ``folder`` itself when it holds a manifest."""
     if (folder / MANIFEST).is_file():
         return folder
+    if folder.is_file():
+        raise ExportError(f"{folder}: a file; name a run folder (or a checkpoint folder)")
     if not folder.is_dir():
         raise ExportError(f"{folder}: no such run folder")
     directory = "checkpoints"
@@ -89,6 +91,8 @@ def checkpoint_root(folder: Path) -> Path:
 
 def export_model(folder: Path, step: int | None = None, to: Path | None = None) -> Exported:
     """Write the model of ``folder``'s newest intact checkpoint (or of ``step``)."""
+    if to is not None:
+        _check_target(to)  # before reading a checkpoint (gigabytes, maybe)
     root = checkpoint_root(folder)
     entries = list(reversed(Manifest(root).read()))  # newest first
     if step is not None:
@@ -267,10 +271,7 @@ def _default_path(folder: Path, root: Path, step: int, framework: str) -> Path:
 def _write(state: Any, framework: str, target: Path, step: int, skipped: list[str]) -> Exported:
     from .runtime.persist import atomic_torch_save, atomic_write
 
-    if target.is_dir():
-        raise ExportError(f"--to {target}: a folder; name the file to write")
-    if not target.parent.is_dir():
-        raise ExportError(f"--to {target}: its folder {target.parent} does not exist")
+    _check_target(target)
     wanted = (".npz",) if framework == "tensorflow" else (".pt", ".pth")
     if target.suffix in (".npz", ".pt", ".pth") and target.suffix not in wanted:
         what = "a NumPy archive (.npz)" if framework == "tensorflow" else "a torch state_dict"
@@ -292,6 +293,17 @@ def _write(state: Any, framework: str, target: Path, step: int, skipped: list[st
         atomic_torch_save(state, target)
     by_position = framework == "tensorflow" and "0000" in state
     return Exported(target, step, len(tensors), size, framework, skipped, by_position)
+
+
+def _check_target(target: Path) -> None:
+    """Raise unless ``target`` can be written as a file: a folder holds it."""
+    if target.is_dir():
+        raise ExportError(f"--to {target}: a folder; name the file to write")
+    if not target.parent.is_dir():
+        place = next((p for p in target.parents if p.exists()), None)
+        if place is not None and not place.is_dir():
+            raise ExportError(f"--to {target}: {place} is a file; name a file in a folder")
+        raise ExportError(f"--to {target}: its folder {target.parent} does not exist")
 
 
 def _write_all(fd: int, data: bytes) -> None:

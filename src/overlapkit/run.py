@@ -104,7 +104,8 @@ def rank_main(
                 raise
             stoppable = session if session is not None else (tf_loop or [None])[0]
             step, checkpoint = stoppable.stopped() if stoppable is not None else (None, None)
-            raise RunInterrupted(received.first, step, checkpoint) from None
+            finished = bool(getattr(stoppable, "finished", False))  # its results written
+            raise RunInterrupted(received.first, step, checkpoint, finished) from None
 
 
 PEER_SIGNAL_WAIT_S = 3.0  # launchers poll their ranks every 0.1 s (torchrun, ours)

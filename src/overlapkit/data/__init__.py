@@ -19,7 +19,9 @@ from .synthetic import SyntheticImages, SyntheticTokens, spend
 class _Synthetic(Config):
     num_samples: int = Field(2048, ge=1)
     eval_samples: int = Field(512, ge=0)
-    sample_cost_ms: float = Field(0.0, ge=0)  # per sample, to emulate slow storage or decoding
+    # per sample, to emulate slow storage or decoding; at most an hour (a sleep's limit is
+    # near 292 years: a bigger number is an internal error in the rank)
+    sample_cost_ms: float = Field(0.0, ge=0, le=3_600_000)
     sample_cost: Literal["sleep", "cpu"] = "sleep"
 
     def check(self) -> None:
@@ -98,7 +100,10 @@ class ImageFolderConfig(Config):
     input_kind: ClassVar[str] = "images"
 
     def check(self) -> None:
-        ImageFolder.locate(self.root, "train")
+        train = ImageFolder.locate(self.root, "train")
+        if self._has_val():
+            val = ImageFolder.locate(self.root, "val")
+            ImageFolder.check_classes(val, ImageFolder.class_names(train))
 
     def classes_on_disk(self) -> int:
         """The class folders of the training split (each class a folder)."""
@@ -106,8 +111,12 @@ class ImageFolderConfig(Config):
 
     def build(self, seed: int) -> tuple[Dataset, Dataset | None]:
         train = ImageFolder(self.root, self.size, split="train")
-        has_val = (Path(self.root).expanduser() / "val").is_dir()
-        return train, ImageFolder(self.root, self.size, split="val") if has_val else None
+        if not self._has_val():
+            return train, None
+        return train, ImageFolder(self.root, self.size, split="val", classes=train.classes)
+
+    def _has_val(self) -> bool:
+        return (Path(self.root).expanduser() / "val").is_dir()
 
 
 class ImdbConfig(Config):

@@ -3,6 +3,7 @@ folder is an error that says what was expected where."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import zlib
@@ -104,6 +105,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
 
+def _is_image(name: str) -> bool:
+    return Path(name).suffix.lower() in IMAGE_EXTENSIONS
+
+
 class ImageFolder(Dataset):
     """``root/<class>/<image>`` (or ``root/train/...`` and ``root/val/...``):
     decoded with Pillow, shorter side resized to size/0.875, centre-cropped to size."""
@@ -116,22 +121,51 @@ class ImageFolder(Dataset):
         if not root.is_dir():
             raise DataNotFoundError(f"{root} is a file, not an image folder: {cls._HINT}")
         root = root / split if split and (root / split).is_dir() else root
-        if not cls.class_names(root):
+        names = cls.class_names(root)
+        if not names:
             raise DataNotFoundError(f"no class folders under {root}: {cls._HINT}")
+        for name in names:  # an empty one is a class the model would never see
+            if not any(_is_image(entry.name) for entry in os.scandir(root / name)):
+                raise DataNotFoundError(
+                    f"the class folder {root / name} holds no image "
+                    f"({', '.join(IMAGE_EXTENSIONS)}): {cls._HINT}"
+                )
         return root
 
     @staticmethod
     def class_names(root: Path) -> list[str]:
         return sorted(p.name for p in root.iterdir() if p.is_dir())
 
-    def __init__(self, root: str | Path, size: int = 224, split: str | None = None) -> None:
+    @classmethod
+    def check_classes(cls, root: Path, classes: list[str]) -> None:
+        """Raise unless the class folders of the split ``root`` are among ``classes``
+        (the training split's): a label is its class's place there."""
+        extra = [name for name in cls.class_names(root) if name not in classes]
+        if extra:
+            raise DataNotFoundError(
+                f"{root} has class folder(s) the training split lacks: {', '.join(extra[:5])}"
+                f"{' ...' if len(extra) > 5 else ''} (a class's folder has the same name in "
+                "each split)"
+            )
+
+    def __init__(
+        self,
+        root: str | Path,
+        size: int = 224,
+        split: str | None = None,
+        classes: list[str] | None = None,
+    ) -> None:
+        """``classes``: the training split's class names, which label this split's
+        folders by name (a validation split may lack some of them)."""
         root = self.locate(root, split)
-        self.classes = self.class_names(root)
+        if classes is not None:
+            self.check_classes(root, classes)
+        self.classes = self.class_names(root) if classes is None else list(classes)
         self.samples = [
-            (path, label)
-            for label, name in enumerate(self.classes)
+            (path, self.classes.index(name))
+            for name in self.class_names(root)
             for path in sorted((root / name).iterdir())
-            if path.suffix.lower() in IMAGE_EXTENSIONS
+            if _is_image(path.name)
         ]
         if not self.samples:
             raise DataNotFoundError(f"no images found under {root}: {self._HINT}")

@@ -26,12 +26,18 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class RunInterrupted(KeyboardInterrupt):
     """The run was stopped by ``signum``, at ``step`` (None if unknown), with the
-    newest complete checkpoint at ``checkpoint_step`` (None: none)."""
+    newest complete checkpoint at ``checkpoint_step`` (None: none); ``finished``: after
+    its last step, its results written (as its summary was printed, say)."""
 
     def __init__(
-        self, signum: int, step: int | None = None, checkpoint_step: int | None = None
+        self,
+        signum: int,
+        step: int | None = None,
+        checkpoint_step: int | None = None,
+        finished: bool = False,
     ) -> None:
         self.signum, self.step, self.checkpoint_step = signum, step, checkpoint_step
+        self.finished = finished
         super().__init__(signal.Signals(signum).name)
 
     @property
@@ -43,11 +49,21 @@ class RunInterrupted(KeyboardInterrupt):
         return signal.Signals(self.signum).name
 
     def record(self) -> dict[str, Any]:
-        return {"interrupted": self.signum, "step": self.step, "checkpoint": self.checkpoint_step}
+        return {
+            "interrupted": self.signum,
+            "step": self.step,
+            "checkpoint": self.checkpoint_step,
+            "finished": self.finished,
+        }
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> RunInterrupted:
-        return cls(record["interrupted"], record.get("step"), record.get("checkpoint"))
+        return cls(
+            record["interrupted"],
+            record.get("step"),
+            record.get("checkpoint"),
+            bool(record.get("finished")),
+        )
 
 
 def exit_now(code: int) -> None:

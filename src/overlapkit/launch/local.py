@@ -262,4 +262,4 @@ def _interruption(recorded: dict[int, dict[str, Any]], signum: int | None) -> Ru
     if not stopped:
         return RunInterrupted(signum or signal.SIGINT)
     first = RunInterrupted.from_record(stopped[0])
-    return RunInterrupted(signum or first.signum, first.step, first.checkpoint_step)
+    return RunInterrupted(signum or first.signum, first.step, first.checkpoint_step, first.finished)

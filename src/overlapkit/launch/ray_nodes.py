@@ -17,6 +17,7 @@ import atexit
 import io
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -51,8 +52,8 @@ START_ONE = (
     "start one with `ray start --head` or `ray up cluster/gcp-v100.yaml`, then pass its address"
 )
 # How long a run waits for room on the cluster (an autoscaler may have to start VMs
-# first), and after how long it says that it waits.
-PLACEMENT_TIMEOUT_S = float(os.environ.get("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", "900"))
+# first): `room_timeout_s`; and after how long it says that it waits.
+ROOM_TIMEOUT = "OVERLAPKIT_RAY_ROOM_TIMEOUT_S"
 ROOM_NOTICE_S = 10.0
 STRAGGLER_S = 20.0  # after one machine's ranks fail, how long the others get to fail too
 NODE_FOLDERS = "nodes"  # machine k > 0's run folder: <run folder>/nodes/node<k>
@@ -61,6 +62,23 @@ CHECKPOINTS = "checkpoints"  # the checkpoint optimization's folder in a run fol
 
 class RayClusterError(RuntimeError):
     """No cluster to run on, or one that cannot hold the run."""
+
+
+def room_timeout_s() -> float:
+    """How long a run waits for room on the cluster: OVERLAPKIT_RAY_ROOM_TIMEOUT_S
+    seconds (unset or empty: 900). Read when a run joins a cluster, not as the CLI
+    imports (a value that is no number was a traceback from every command)."""
+    text = os.environ.get(ROOM_TIMEOUT, "").strip() or "900"
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise RayClusterError(
+            f"{ROOM_TIMEOUT} is {os.environ[ROOM_TIMEOUT]!r}: set it to the seconds a run "
+            "waits for room on the cluster (above 0; default 900), or unset it"
+        )
+    return seconds
 
 
 @dataclass
@@ -90,6 +108,7 @@ def connect(address: str | None) -> None:
     """Join the cluster at ``address`` ("auto": the one this machine belongs to)."""
     import ray
 
+    room_timeout_s()  # a setting that cannot work, named before any wait
     if ray.is_initialized():
         return
     if address and address != "auto":
@@ -224,7 +243,7 @@ def run_on_ray(
     on_lines: Callable[[str], bool] | None = None,
     checkpoints: bool = True,
     resume: dict[int, Path] | None = None,
-    placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
+    placement_timeout_s: float | None = None,
 ) -> RayOutcome:
     """Run the scenario (YAML text, with the `placed_world` ``world``) over
     ``world.nodes`` machines of the cluster and
@@ -238,6 +257,8 @@ def run_on_ray(
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    if placement_timeout_s is None:
+        placement_timeout_s = room_timeout_s()
     bundle = node_bundle(world)
     strategy = "STRICT_PACK" if world.nodes == 1 else "STRICT_SPREAD"
     group = placement_group([bundle] * world.nodes, strategy=strategy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -14,14 +14,19 @@ from torch import nn
 from ..config import Config
 from .session import Session
 
+# A rate or decay that no training survives (its NaN loss is soon there): one past a
+# float32 (3.4e38), which the optimizer multiplies its tensors by, was an internal error.
+MOST = 1_000_000
+Beta = Annotated[float, Field(ge=0, lt=1)]  # as torch's Adam takes them
+
 
 class OptimizerConfig(Config):
     name: Literal["sgd", "adam", "adamw"] = "sgd"
-    lr: float = Field(0.1, gt=0)
+    lr: float = Field(0.1, gt=0, le=MOST)
     momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=MOST)
     nesterov: bool = False
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
 
 
 class LRScheduleConfig(Config):
@@ -47,7 +52,7 @@ class TrainConfig(Config):
     lr_schedule: LRScheduleConfig = LRScheduleConfig()
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     eval: EvalConfig = EvalConfig()
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # what numpy's seed takes; torch's more
     deterministic: bool = False
 
     @property

@@ -164,6 +164,7 @@ class Session(EpochLoop, SavedState):
         self._gap_since: float | None = None  # between epochs, since
         self._labelled_in_gap = 0.0
         self._steps_this_run = 0
+        self.finished = False  # finish() wrote the results: an interrupt now cuts no step
         self._optimizer_steps = 0  # this run's
         self._forwards_in_step = 0  # training forwards of the step now open
         self._end_failed = False  # a STEP_END hook raised: the step is not ended again
@@ -724,6 +725,7 @@ class Session(EpochLoop, SavedState):
                 [e for _, events, *_ in gathered for e in (events or [])] if self._trace else None
             )
             write_run_files(run_dir, records, summary, trace, resumed_at)
+        self.finished = True
         if self._print_summary:
             print_summary(summary)
         self._plain_calls.remove()

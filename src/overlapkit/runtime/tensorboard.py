@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pydantic import field_validator
+
 from ..config import Config
 from ..packages import installed
 from .optimization import Optimization, settings_on
@@ -21,6 +23,13 @@ class LogConfig(Config):
     # A folder for TensorBoard's event files (per-step loss, throughput and phase
     # times); a study writes each trial's run in a folder of its own under it.
     tensorboard: str | None = None
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _home(cls, folder: str | None) -> str | None:
+        """``~`` is the home folder, as in checkpoint.dir and data.root (a folder named
+        ``~`` was made in the current one)."""
+        return None if folder is None else str(Path(folder).expanduser())
 
 
 def tensorboard_missing() -> str | None:

@@ -225,7 +225,8 @@ def report_command(args: argparse.Namespace, console: Console) -> int:
 def load_target(target: str, name: str | None = None) -> tuple[optuna.Study, Path]:
     """The study a tune folder or a storage URL names ("URL#NAME" picks one of several),
     and the folder its report goes to by default."""
-    if (Path(target) / TUNE_FILE).exists():
+    if (Path(target).expanduser() / TUNE_FILE).exists():
+        target = str(Path(target).expanduser())
         job = _read_tune_file(Path(target))
         # existing=True: a report never creates the study's database (an empty one
         # would be left behind by the error that follows).

@@ -10,12 +10,14 @@ import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 
+from . import worker_start
 from .analysis import UNUSED, Analysis
 from .progress import StudyPlan, StudyProgress
 from .space import short_setting
@@ -224,7 +226,9 @@ def _round(
     own = gpus or [None] * workers  # worker i's trials run on own[i] only
     processes = [
         context.Process(
-            target=_worker_process, args=(job, share, deadline, None, queued, ids), daemon=False
+            target=worker_start.start,  # Ctrl-C as it imports the tuner: no traceback
+            args=(bytes(ForkingPickler.dumps((job, share, deadline, None, queued, ids))),),
+            daemon=False,
         )
         for share, ids in zip(shares, own, strict=True)
         if share

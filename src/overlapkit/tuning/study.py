@@ -222,12 +222,33 @@ def open_study(job: TuneJob, queued: bool = False) -> optuna.Study:
             f"scenario ({change}): this tune's trials would be mixed with its own; use "
             "another --out or --study (or the scenario it measured, to continue it)"
         )
+    tuned = study.user_attrs.get("tune")
+    now = job.tune.model_dump(mode="json")
+    change = tuned is not None and first_difference(_measured(tuned), _measured(now), "tune")
+    if change:
+        raise TuneError(
+            f"study {job.study_name!r} in {job.storage_url} was tuned with another tune "
+            f"section ({change}): this tune's trials would be measured or ranked otherwise "
+            "than its own; use another --out or --study (or its tune section, to continue it)"
+        )
+    if tuned is not None and tuned != now:  # the report prices goodput at these figures
+        study.set_user_attr("tune", now)
     if "objectives" not in study.user_attrs:
         study.set_metric_names(job.objectives)
         study.set_user_attr("objectives", job.objectives)
         study.set_user_attr("scenario", job.base)
         study.set_user_attr("tune", job.tune.model_dump(mode="json"))
     return study
+
+
+# What a study's trials are and how they are measured and ranked; the rest of a tune
+# section (trials, finalists, repeats, the goodput figures a report prices at...) may
+# change when a study is continued.
+MEASURED = ("objective", "search", "intensity_step", "policy", "steps", "warmup_steps")
+
+
+def _measured(tune: dict[str, Any]) -> dict[str, Any]:
+    return {key: tune.get(key) for key in MEASURED}
 
 
 def _trials_of(scenario: dict[str, Any]) -> dict[str, Any]:

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Protocol
 
-PRELOAD = ["torch", "torch._dynamo", "overlapkit.cli", "overlapkit.run"]
+PRELOAD = [
+    "overlapkit.tuning.quiet_server",  # first: Ctrl-C while the server imports, ignored
+    "torch",
+    "torch._dynamo",
+    "overlapkit.cli",
+    "overlapkit.run",
+]
 
 
 class TrialProcess(Protocol):
@@ -73,6 +80,7 @@ def command_main(
     would run it: its own session, output files, environment (and folder); its exit
     status. It does not return."""
     os.setsid()  # its own process group: the watcher kills it with all its ranks
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignored it
     for fd, path in ((1, stdout), (2, stderr)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(opened, fd)

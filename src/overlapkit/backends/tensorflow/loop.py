@@ -62,6 +62,7 @@ class TfLoop:
         self.scenario, self.world, self.strategy = scenario, world, strategy
         self.cfg = cfg = scenario.train
         self.engines, self.optimizations, self.run_dir = engines, optimizations, run_dir
+        self.finished = False  # the results written (`Session.finished`)
         self.notes: list[str] = []
         train_loader, eval_loader = scenario.build_loaders(world.rank, world.world_size)
         self.batches = Batches(train_loader)
@@ -389,6 +390,7 @@ class TfLoop:
             }
         if self.run_dir is not None and world.is_main:
             write_run_files(self.run_dir, records, summary, trace, resumed_at=start or None)
+        self.finished = True
         if show and world.is_main:
             print_summary(summary)
         return summary

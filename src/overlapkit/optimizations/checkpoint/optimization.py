@@ -9,6 +9,7 @@ optimizer step. A background thread then persists it (phase two, see
 
 from __future__ import annotations
 
+import os
 import shutil
 import textwrap
 from functools import partial
@@ -224,7 +225,8 @@ class Checkpoint(Optimization):
 
     def check_run_folder(self, run_dir: Path, world_size: int) -> None:
         root = self.folder_in(run_dir)
-        _check_folder(root)
+        # One inside the run folder is as writable as it: --out names that one.
+        _check_folder(root, writable=not root.resolve().is_relative_to(run_dir.resolve()))
         if run_dir.resolve().is_relative_to(root.resolve()):
             what = "is the run folder" if root.resolve() == run_dir.resolve() else "holds it"
             raise CombinationError(
@@ -591,12 +593,19 @@ def _deferrable_storages(state: State) -> set[int] | None:
 DOES_NOT_FIT = ("Error(s) in loading state_dict", "loaded state dict")
 
 
-def _check_folder(root: Path) -> None:
+def _check_folder(root: Path, writable: bool = True) -> None:
     """Raise when ``root`` cannot be a folder: it, or a folder it would sit in, is a file
-    (``..`` resolved first: ``run/../x`` is ``x``, though ``run`` does not exist yet)."""
+    (``..`` resolved first: ``run/../x`` is ``x``, though ``run`` does not exist yet), or
+    (``writable``) the nearest that exists cannot be written (the run failed once its
+    folder was made)."""
     resolved = root.resolve()
     for place in (resolved, *resolved.parents):
         if place.exists():
             if not place.is_dir():
                 raise CombinationError(f"checkpoint.dir {root}: {place} is a file; name a folder")
+            if writable and not os.access(place, os.W_OK | os.X_OK):
+                raise CombinationError(
+                    f"checkpoint.dir {root}: {place} cannot be written (read-only, or not "
+                    "yours); name a folder you can write to"
+                )
             return
