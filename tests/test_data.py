@@ -97,6 +97,11 @@ def test_workers_give_the_same_batches_as_the_main_thread():
     workers.reconfigure(num_workers=2)
     for (a, la), (b, lb) in zip(inline, workers, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
+    # Its workers end with their parent (see the test of a killed script's loader).
+    from overlapkit.data.worker_watch import EndsWithParent
+
+    init = workers.loader.worker_init_fn
+    assert isinstance(init, EndsWithParent) and init.init is None
 
 
 def test_build_loaders_checks_the_global_batch():
@@ -238,3 +243,64 @@ def test_a_packed_sequence_moves_by_its_own_to():
     packed = pack_padded_sequence(torch.zeros(3, 2, 4), [3, 2])
     moved = to_device({"text": packed}, torch.device("meta"))["text"]
     assert moved.data.device == torch.device("meta") and moved.batch_sizes.device.type == "cpu"
+
+
+SCRIPT_WITH_WORKERS = """
+import multiprocessing, sys, time
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from overlapkit import Session
+
+class Big(Dataset):
+    def __len__(self):
+        return 1000
+    def __getitem__(self, i):
+        return np.zeros(200_000, dtype=np.float32)  # 800 KB, pickled by value
+
+def by_value(batch):
+    return batch  # numpy arrays travel through the workers' result pipe whole
+
+if __name__ == "__main__":
+    model = torch.nn.Linear(2, 2)
+    loader = DataLoader(Big(), batch_size=1, num_workers=2, collate_fn=by_value)
+    session = Session(device="cpu")
+    model, optimizer, loader = session.prepare(model, torch.optim.SGD(model.parameters()), loader)
+    for batch in loader:
+        print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+        time.sleep(600)
+"""
+
+
+def test_a_killed_scripts_loader_workers_end_with_it(tmp_path):
+    """A rank killed (SIGKILL, the OOM killer) while its DataLoader's result pipe was
+    full left workers that never ended: each holds the pipe's read end, so its write
+    never fails and its exit waits for it (one was found 37 minutes after a test)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT_WITH_WORKERS)
+    started = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    workers = [int(pid) for pid in started.stdout.readline().split()]
+    assert len(workers) == 2
+    time.sleep(2)  # the workers fill the pipe
+    os.kill(started.pid, signal.SIGKILL)
+    started.wait()
+
+    def running(pid: int) -> bool:  # ended, or a zombie nobody reaped
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 60
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in workers if running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their killed script"

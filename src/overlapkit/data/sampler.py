@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .worker_watch import ends_with_parent
+
 
 class ShardedSampler(Sampler[int]):
     """One seeded permutation per epoch, dealt to ranks in turn.
@@ -96,13 +98,14 @@ class ResumableLoader:
     @property
     def loader(self) -> DataLoader:
         if self._loader is None:
+            init = ends_with_parent(self.loader_kwargs.get("worker_init_fn"))
             self._loader = DataLoader(
                 self.dataset,
                 batch_size=self.batch_size,
                 sampler=self.sampler,
                 drop_last=self.sampler.drop_last,
                 generator=self._generator,
-                **self.loader_kwargs,
+                **{**self.loader_kwargs, "worker_init_fn": init},
             )
             # The finalizer holds the DataLoader, so the garbage collector cannot take its
             # worker queues apart before the workers are told to stop.

@@ -35,6 +35,7 @@ from torch.utils.data import (
 
 from .sampler import ShardedSampler, _shut_down_workers
 from .worker_rng import Stamped, Stamping, WorkerStart, from_saved, to_saved
+from .worker_watch import ends_with_parent
 
 # The DataLoader settings a copy keeps (prefetch may change the first five).
 SETTINGS = (
@@ -216,6 +217,7 @@ class ScriptLoader:
             settings = dict(self.settings)
             if self._tracks_workers:
                 settings["collate_fn"] = Stamping(settings["collate_fn"])
+            settings["worker_init_fn"] = ends_with_parent(settings.get("worker_init_fn"))
             self._loader = DataLoader(
                 self.dataset,
                 generator=self.original.generator,
@@ -274,7 +276,7 @@ class ScriptLoader:
             iterator = iter(loader)
             self._positioned.current.prime()
         finally:
-            loader.worker_init_fn = self.settings.get("worker_init_fn")
+            loader.worker_init_fn = ends_with_parent(self.settings.get("worker_init_fn"))
             if throwaway:
                 loader.generator = self.original.generator
             if replay:
@@ -287,8 +289,8 @@ class ScriptLoader:
         states, self._shift = start if start is not None else ({}, 0)
         self._stamps.extend((self.epoch, -1, w, state) for w, state in states.items())
         if start is not None:
-            loader.worker_init_fn = WorkerStart(
-                states, self._shift, self.settings.get("worker_init_fn")
+            loader.worker_init_fn = ends_with_parent(
+                WorkerStart(states, self._shift, self.settings.get("worker_init_fn"))
             )
 
     def _count(self, iterator: Iterator[Any], epoch: int) -> Iterator[Any]:
