@@ -391,3 +391,45 @@ def test_a_step_whose_end_failed_is_not_ended_again_by_finish():
             nn.functional.cross_entropy(model(inputs), targets).backward()
     summary = session.finish()
     assert summary["steps"] == 1  # step 0; step 1 never ended
+
+
+@pytest.mark.parametrize("world_size", [2, 1])
+def test_models_split_across_ranks_are_refused_and_data_parallel_is_unwrapped(world_size):
+    """overlapkit syncs gradients as DDP does, every rank holding the whole model. On
+    2 ranks, FSDP's flat shards were "made data-parallel" with that note: rank 0's
+    shard broadcast over rank 1's (the model's second half a copy of its first) and
+    the gradients FSDP had reduce-scattered averaged across shards, 0.87 from the FSDP
+    script's parameters after 3 steps, silently (a registered generator's too). FSDP
+    with its original parameters aborted gloo (a collective of another size), and
+    DTensors (fully_shard, tensor parallel) failed in torch's dispatch
+    ("c10d.broadcast_ does not have a sharding strategy"). Alone they trained, but a
+    checkpoint of DTensors failed. Each is refused, before anything changed, on any
+    number of ranks. DataParallel (one process over its GPUs) is unwrapped, as DDP is."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    from rank_programs import models_split_across_ranks
+
+    from overlapkit.launch.local import launch_local
+
+    refused = {
+        "fsdp": "is wrapped in FullyShardedDataParallel (FSDP)",
+        "fsdp_orig_params": "is wrapped in FullyShardedDataParallel (FSDP)",
+        "fully_shard": "is sharded by fully_shard (FSDP2)",
+        "tensor_parallel": "has DTensor parameters (tensor parallel: parallelize_module)",
+    }
+    for rank in launch_local(models_split_across_ranks, world_size).values():
+        for way, said in refused.items():
+            error = rank[way]["error"]
+            assert error is not None and error.startswith(f"the model {said}: "), way
+            assert "overlapkit syncs gradients as DDP does" in error and "\n" not in error
+            assert rank[way]["unchanged"], way
+        assert rank["registered"].startswith("net_g is wrapped in FullyShardedDataParallel")
+        ported = rank["data_parallel"]
+        assert (ported["returned"], ported["trained"]) == ("DDPView", "Sequential")
+        notes = " ".join(ported["notes"])
+        assert "the model came wrapped in DataParallel: unwrapped" in notes
+        assert ("came without DistributedDataParallel" in notes) == (world_size > 1)
+        assert torch.allclose(ported["params"], rank["ddp"]["params"], atol=1e-6)
+        assert ported["loaded"]  # the DataParallel script's checkpoint, module. keys

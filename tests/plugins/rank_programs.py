@@ -798,3 +798,110 @@ def spawned_worker(rank: int, init_method: str, session_first: bool, out: str) -
     finally:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def models_split_across_ranks(steps: int = 3) -> dict[str, Any]:
+    """In one gloo group (of the ranks launched: 2, or 1), models split across ranks,
+    each given to `Session.prepare`: FSDP's flat shards (``fsdp``) and its original
+    parameters (``fsdp_orig_params``), FSDP2's ``fully_shard`` and tensor parallel's
+    DTensors; and an FSDP model registered beside a plain prepared one. Each returns
+    its error (None: accepted) and whether the rank's part stayed as it was. Then
+    ``DataParallel(model)`` ported (``data_parallel``) against the same script in
+    DDP (``ddp``): final parameters, the model returned and trained, the notes, and
+    a DataParallel script's checkpoint (``module.`` keys) loaded into the port."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if not dist.is_initialized():  # FSDP and a device mesh need a group, alone too
+        dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    cpu = torch.device("cpu")  # FSDP1 asks for an accelerator unless told
+
+    def small() -> nn.Module:
+        torch.manual_seed(rank)  # the ranks start apart, as a script seeded by rank
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def sharded(model: nn.Module) -> nn.Module:
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def local(model: nn.Module) -> list[torch.Tensor]:
+        return [getattr(p, "to_local", p.detach)().detach().clone() for p in model.parameters()]
+
+    builders = {
+        "fsdp": lambda: FullyShardedDataParallel(small(), device_id=cpu),
+        "fsdp_orig_params": lambda: FullyShardedDataParallel(
+            small(), device_id=cpu, use_orig_params=True
+        ),
+        "fully_shard": lambda: sharded(small()),
+        "tensor_parallel": lambda: parallelize_module(
+            small(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        ),
+    }
+    results: dict[str, Any] = {}
+    try:
+        for way, build in builders.items():
+            model = build()
+            before = local(model)
+            session = Session(device="cpu", progress=False)
+            try:
+                session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+                error = None
+            except ValueError as refused:
+                error = str(refused)
+            unchanged = all(map(torch.equal, before, local(model)))
+            results[way] = {"error": error, "unchanged": unchanged}
+            session.finish()
+        session = Session(device="cpu", progress=False)
+        session.prepare(small(), None)
+        net_g = builders["fsdp"]()  # a GAN's generator, with its own optimizer
+        try:
+            session.start(net_g=net_g, optimizer_g=torch.optim.SGD(net_g.parameters(), lr=0.1))
+            results["registered"] = None
+        except ValueError as refused:
+            results["registered"] = str(refused)
+        session.finish()
+        for way in ("ddp", "data_parallel"):
+            model = small()
+            wrapper = (
+                nn.DataParallel if way == "data_parallel" else nn.parallel.DistributedDataParallel
+            )
+            wrapped: Any = wrapper(model)
+            optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+            generator = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+            batches: Any = [
+                (
+                    torch.randn(4, 4, generator=generator),
+                    torch.randint(0, 2, (4,), generator=generator),
+                )
+                for _ in range(steps)
+            ]
+            session = Session(device="cpu", progress=False) if way == "data_parallel" else None
+            if session is not None:
+                wrapped, optimizer, batches = session.prepare(wrapped, optimizer, batches)
+            for inputs, targets in batches:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(wrapped(inputs), targets).backward()
+                optimizer.step()
+            params = torch.cat([p.detach().flatten() for p in wrapped.module.parameters()])
+            results[way] = {"params": params}
+            if session is not None:
+                session.finish()
+                results[way]["notes"] = session.notes
+                results[way]["returned"] = type(wrapped).__name__
+                results[way]["trained"] = type(session.state.model).__name__
+                wrapped.load_state_dict(nn.DataParallel(small()).state_dict())
+                results[way]["loaded"] = all(
+                    map(torch.equal, model.parameters(), small().parameters())
+                )
+        return results
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()

@@ -4,6 +4,7 @@ ValueError or TypeError that says what is allowed, not an error deep inside."""
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
@@ -93,8 +94,46 @@ def check_prepare_arguments(model: Any, optimizer: Any, prepared: bool) -> None:
         raise TypeError(f"{ONE_MODEL}; got {type(model).__name__} for the model")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{ONE_MODEL}; got {type(optimizer).__name__} for the optimizer")
+    check_not_sharded(model, "the model")
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     check_optimizer_of(inner, optimizer)
+
+
+def check_not_sharded(model: nn.Module, name: str) -> None:
+    """overlapkit syncs gradients as DDP does, every rank holding the whole model. One
+    split across ranks was broadcast part over part: FSDP's flat shards (one size on
+    every rank) took rank 0's and the gradients FSDP had reduce-scattered were averaged
+    across shards, silently; DTensor parameters (FSDP2's, tensor parallel's) failed in
+    torch's dispatch (``c10d.broadcast_`` has no sharding strategy), and alone a
+    checkpoint of them did."""
+    sharded = _sharded_by(model)
+    if sharded is not None:
+        what, instead = sharded
+        raise ValueError(
+            f"{name} {what}: overlapkit syncs gradients as DDP does, every rank holding "
+            f"the whole model, and cannot run one split across ranks; pass it {instead} "
+            "(on several ranks overlapkit makes it data-parallel), or run this script "
+            "without overlapkit"
+        )
+
+
+def _sharded_by(model: nn.Module) -> tuple[str, str] | None:
+    """(what shards the model, how to pass it instead), or None. A model of FSDP's or
+    with DTensors comes from modules the script imported: not imported, none can be
+    (importing them here took 0.4 s)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    for module in model.modules() if fsdp is not None else ():
+        if isinstance(module, fsdp.FullyShardedDataParallel):
+            return "is wrapped in FullyShardedDataParallel (FSDP)", "unwrapped"
+        if isinstance(module, fsdp.FSDPModule):
+            return "is sharded by fully_shard (FSDP2)", "without fully_shard()"
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters()):
+        return (
+            "has DTensor parameters (tensor parallel: parallelize_module)",
+            "without parallelize_module()",
+        )
+    return None
 
 
 def check_group_unchanged(world_size: int) -> None:

@@ -73,13 +73,23 @@ class EpochLoop:
             note(message)
 
     def _unwrapped(self, model: nn.Module) -> nn.Module:
-        if not isinstance(model, DistributedDataParallel):
-            return model
-        self._note(
-            "the model came wrapped in DistributedDataParallel: unwrapped; gradients are "
-            "synced by overlapkit (ddp_overlap, or one flat all-reduce)"
-        )
-        return model.module
+        if isinstance(model, DistributedDataParallel):
+            self._note(
+                "the model came wrapped in DistributedDataParallel: unwrapped; gradients are "
+                "synced by overlapkit (ddp_overlap, or one flat all-reduce)"
+            )
+            return model.module
+        if isinstance(model, nn.DataParallel):
+            # Left wrapped, on GPUs it would copy the model to every GPU the process sees
+            # (other ranks' too), and fail at the forward of a rank whose device is not
+            # GPU 0 (DataParallel wants its module on device_ids[0]).
+            self._note(
+                "the model came wrapped in DataParallel: unwrapped; overlapkit trains it on "
+                "this process's device: for several GPUs, start one rank per GPU (torchrun "
+                "--nproc-per-node N), which overlapkit makes data-parallel as DDP does"
+            )
+            return model.module
+        return model
 
     @property
     def checkpoint(self) -> Optimization | None:

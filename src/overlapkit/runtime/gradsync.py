@@ -228,8 +228,8 @@ class GradientSync:
 
 
 class DDPView(nn.Module):
-    """What a script that wrapped its model in DistributedDataParallel keeps using
-    after `Session.prepare` unwrapped it for the flat all-reduce: ``.module``,
+    """What a script that wrapped its model in DistributedDataParallel (or DataParallel)
+    keeps using after `Session.prepare` unwrapped it for the flat all-reduce: ``.module``,
     ``no_sync()`` and ``require_backward_grad_sync`` (read at the forward, as DDP
     does: that forward's backward is not synced when it ends, only with a later
     one or, for what is left, at the optimizer step). Its

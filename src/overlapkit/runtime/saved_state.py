@@ -11,6 +11,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
 
 from ..data import SequenceLoader
+from .arguments import check_not_sharded
 from .batch import tensors_in
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng
@@ -35,6 +36,8 @@ class SavedState:
                 f"register {name!r} before the run starts (before start(), epoch() or steps()): "
                 "a resume has already restored the state"
             )
+        if isinstance(obj, torch.nn.Module):  # a GAN's generator is synced as the model
+            check_not_sharded(obj, name)
         if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
             self._stateful[name] = obj
             if isinstance(obj, torch.optim.Optimizer):  # a second model's (a GAN's)

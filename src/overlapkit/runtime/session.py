@@ -187,9 +187,10 @@ class Session(EpochLoop, SavedState):
     ) -> tuple[Any, Any, Any]:
         """Move the model to the device and apply every optimization's wrappers.
 
-        A model already wrapped in DistributedDataParallel is unwrapped: the session
-        syncs gradients itself (``ddp_overlap``, or one flat all-reduce, when the
-        model returned is a `DDPView`: ``.module`` and ``no_sync()`` still work). A map-style
+        A model already wrapped in DistributedDataParallel (or DataParallel) is unwrapped:
+        the session syncs gradients itself (``ddp_overlap``, or one flat all-reduce, when
+        the model returned is a `DDPView`: ``.module`` and ``no_sync()`` still work). One
+        that FSDP shards, or with DTensor parameters, is refused. A map-style
         DataLoader is made resumable in its own order (`ScriptLoader`). The loader
         returned runs one epoch of steps when iterated (`epoch`); ``lr_scheduler`` is
         stepped after every optimizer step (register one stepped per epoch with
@@ -197,6 +198,7 @@ class Session(EpochLoop, SavedState):
         check_prepare_arguments(model, optimizer, prepared=self._raw_model is not None)
         check_group_unchanged(self.world.world_size)
         came_in_ddp = isinstance(model, DistributedDataParallel)
+        came_wrapped = isinstance(model, (DistributedDataParallel, nn.DataParallel))
         model = self._unwrapped(model)
         whole = _unsharded(loader)
         loader = self._resumable(loader)
@@ -233,7 +235,7 @@ class Session(EpochLoop, SavedState):
                 self._note(waits)
         self._plain_calls.install(state.model, state.optimizer)
         loader = StepLoader(self, state.loader) if state.loader is not None else None
-        if came_in_ddp and not isinstance(state.model, DistributedDataParallel):
+        if came_wrapped and not isinstance(state.model, DistributedDataParallel):
             state.script_ddp = DDPView(state.model)  # `.module`, `no_sync()` keep working
             return state.script_ddp, state.optimizer, loader
         return state.model, state.optimizer, loader
