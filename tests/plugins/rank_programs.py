@@ -786,3 +786,43 @@ def spawned_worker(rank: int, init_method: str, session_first: bool, out: str) -
     finally:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def straggling_backward(ways: list[str], delay: float, steps: int = 4) -> dict[str, Any]:
+    """In one 2-rank group, a DDP script under ``ddp_overlap`` whose rank 1 reaches
+    backward ``delay`` seconds late every step, so that rank 0's all-reduce waits for
+    it: with the script's own ``loss.backward()`` (``plain``) and `Session.backward`
+    (``explicit``). Returns rank 0's and rank 1's step records' phase times per way."""
+    import time
+
+    world = init_world("cpu", "gloo")
+    results: dict[str, Any] = {}
+    try:
+        for way in ways:
+            seed_everything(0)
+            model = nn.parallel.DistributedDataParallel(mlp())
+            dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=0)
+            loader = ResumableLoader(
+                dataset, 16, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
+            )
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            session = Session([get_optimization("ddp_overlap")(1.0)], device="cpu")
+            model, optimizer, loader = session.prepare(model, optimizer, loader)
+            batches = iter(loader)
+            for _ in range(steps):
+                inputs, targets = next(batches)
+                optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(model(inputs), targets)
+                if world.rank == 1:
+                    time.sleep(delay)
+                if way == "explicit":
+                    session.backward(loss)
+                else:
+                    loss.backward()
+                optimizer.step()
+            batches.close()
+            session.finish()
+            results[way] = [r["phases_s"] for r in session.records if r["rank"] == world.rank]
+        return results
+    finally:
+        torch.distributed.destroy_process_group()
