@@ -384,3 +384,27 @@ def test_a_step_whose_end_failed_is_not_ended_again_by_finish():
             nn.functional.cross_entropy(model(inputs), targets).backward()
     summary = session.finish()
     assert summary["steps"] == 1  # step 0; step 1 never ended
+
+
+@pytest.mark.slow
+def test_a_save_on_one_rank_only_says_which_ranks_it_waits_for(tmp_path):
+    """minGPT-ddp's trainer saves its snapshot on rank 0 only; its port's natural
+    `session.save()` in the same place left rank 0 waiting in the save's collectives
+    for good, silently (the other ranks went on to their next all-reduce). The ranks
+    meet first: one that waits too long says for which ranks, and how a script comes
+    to call save on one rank only. Rank 1 arriving late, the save is still made."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    from rank_programs import save_on_one_rank_first
+
+    from overlapkit.launch.local import launch_local
+
+    ranks = launch_local(save_on_one_rank_first, 2, str(tmp_path), 2.0)
+    (told,) = ranks[0]["warnings"]
+    assert "session.save() on rank 0" in told and "rank(s) [1]" in told
+    assert "if rank == 0: session.save()" in told
+    assert ranks[1]["warnings"] == []
+    saved = str(tmp_path / "checkpoints" / "step-00000002")  # after its 2 steps
+    assert ranks[0]["saved"] == ranks[1]["saved"] == saved

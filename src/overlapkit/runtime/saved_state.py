@@ -3,10 +3,12 @@ checkpoint optimization's format. (A part of `Session`; see `session`.)"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
 
@@ -16,6 +18,9 @@ from .optimization import optimization_class
 from .rng import capture_rng, restore_rng
 from .script import Start, note, script_locals, warn
 from .state import temporarily
+
+# A rank that has waited this long in `save` for the others to call it says so.
+SAVE_WAIT_TOLD_S = 10.0
 
 
 class SavedState:
@@ -181,6 +186,7 @@ class SavedState:
         but not applied), a resume cannot be exact: a `LoopWarning` says so. Without
         an optimizer (the script updates the parameters itself, after its forward), a
         step whose training forward ran is taken as trained."""
+        self._every_rank_saves()
         state = self.state
         trained = self._in_step and not state.update_pending
         if trained and self._forwards_in_step > 0:
@@ -192,6 +198,37 @@ class SavedState:
         if self._in_step:
             self._warn_save_inside_update()
         return self._save(directory)
+
+    def _every_rank_saves(self) -> None:
+        """The ranks meet on the process group's store before saving: a script that
+        calls `save` on one rank only (``if rank == 0: session.save()``, where it had
+        its own ``torch.save``) left that rank waiting for the others in the save's
+        collectives for good, silently. A rank that has waited `SAVE_WAIT_TOLD_S`
+        says for which ranks; past the store's timeout it is an error."""
+        world = self.world
+        if world.world_size == 1:
+            return
+        self._saves += 1
+        store = dist.distributed_c10d._get_default_store()
+        keys = [f"overlapkit/save/{self._saves}/{rank}" for rank in range(world.world_size)]
+        store.set(keys[world.rank], str(self.state.step))
+        start, told = time.monotonic(), False
+        while not store.check(keys):
+            waited = time.monotonic() - start
+            if waited >= (store.timeout.total_seconds() if told else SAVE_WAIT_TOLD_S):
+                missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+                message = (
+                    f"session.save() on rank {world.rank} (in step {self.state.step}) has "
+                    f"waited {waited:.0f} s for rank(s) {missing} to call it too: every rank "
+                    "calls it (each writes its own part, and they agree on the checkpoint). "
+                    "A script that saves on one rank only (if rank == 0: session.save(), "
+                    "where it had its own torch.save) waits here for good"
+                )
+                if told:
+                    raise RuntimeError(message)
+                told = True
+                warn(message)
+            time.sleep(min(0.05, 0.001 + waited / 10))
 
     def _warn_save_inside_update(self) -> None:
         state = self.state

@@ -168,6 +168,7 @@ class Session(EpochLoop, SavedState):
         self._forwards_in_step = 0  # training forwards of the step now open
         self._end_failed = False  # a STEP_END hook raised: the step is not ended again
         self._save_warned: set[str] = set()  # kinds of session.save() told inexact
+        self._saves = 0  # session.save() calls on this rank (the ranks meet at each)
         # (epoch, batch) of a resume mid-epoch, until its first batch is done (watched)
         self._resumed_mid_epoch: tuple[int, int] | None = None
         self._values = PlainValues()
