@@ -408,3 +408,35 @@ def test_a_save_on_one_rank_only_says_which_ranks_it_waits_for(tmp_path):
     assert ranks[1]["warnings"] == []
     saved = str(tmp_path / "checkpoints" / "step-00000002")  # after its 2 steps
     assert ranks[0]["saved"] == ranks[1]["saved"] == saved
+
+
+def test_a_rerun_without_the_checkpoint_optimization_says_its_saves_are_not_resumed(tmp_path):
+    """minGPT-ddp's snapshot every few epochs, ported to session.save() in its run
+    folder without the checkpoint optimization: the same command after a kill started
+    over from step 0 with no word (the script's own snapshot had resumed it). It is
+    said at the start; session.load() or the optimization resumes, unsaid."""
+    from overlapkit import get_optimization
+
+    first = Session(run_dir=tmp_path)
+    train(first, *make_parts(), total=3)
+    first.save()
+    first.finish()
+
+    again = Session(run_dir=tmp_path)
+    again.prepare(*make_parts())
+    assert again.start().step == 0
+    (said,) = [n for n in again.notes if "holds checkpoints" in n]
+    assert f"{tmp_path / 'checkpoints'} holds checkpoints (the newest at step 3" in said
+    assert "session.load(" in said and "get_optimization('checkpoint')" in said
+
+    loaded = Session(run_dir=tmp_path)
+    loaded.prepare(*make_parts())
+    loaded.load(tmp_path / "checkpoints")
+    assert loaded.start().step == 3
+    resumed = Session([get_optimization("checkpoint")(0.5)], run_dir=tmp_path)
+    resumed.prepare(*make_parts())
+    assert resumed.start().step == 3
+    for session in (loaded, resumed):
+        assert not any("holds checkpoints" in n for n in session.notes)
+    for session in (again, loaded, resumed):
+        session.finish()

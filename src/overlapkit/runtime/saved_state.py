@@ -126,6 +126,26 @@ class SavedState:
             self.notes.append(f"cannot resume exactly: {message}")
             warn(message)
 
+    def check_saves_left_behind(self) -> None:
+        """As a run without the checkpoint optimization starts afresh: `save` wrote
+        checkpoints into this run folder before (a script that ported its own snapshot
+        every few epochs to ``session.save()``), which nothing resumes from. The same
+        command started over from step 0 with no word, where the script's own snapshot
+        had resumed it."""
+        if self.checkpointing or not self.runs_a_script or self.state.run_dir is None:
+            return
+        folder = self.state.run_dir / "checkpoints"
+        newest = optimization_class("checkpoint").newest_in(folder)
+        if newest is None:
+            return
+        self._note(
+            f"{folder} holds checkpoints (the newest at step {newest}, as session.save() "
+            "writes them), but this run starts afresh at step 0: only the checkpoint "
+            "optimization resumes from them at start(). To go on from the newest: "
+            "Session([overlapkit.get_optimization('checkpoint')(...)], run_dir=...), or "
+            f"session.load('{folder}') before start()"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly, under one key per component."""
         state = self.state

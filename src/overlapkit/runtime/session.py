@@ -323,6 +323,8 @@ class Session(EpochLoop, SavedState):
         self._registered_models_data_parallel()
         self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
         self.state.first_step = self.state.step
+        if loaded is None:
+            self.check_saves_left_behind()
         self.scheduler.arrange(self.state)
         self._start = self._where()
         if self._start.resumed_from is not None and self._start.resumed_from != loaded:
