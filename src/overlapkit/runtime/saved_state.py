@@ -15,7 +15,7 @@ from torch.optim.swa_utils import AveragedModel
 from ..data import SequenceLoader
 from .batch import tensors_in
 from .optimization import optimization_class
-from .rng import capture_rng, restore_rng
+from .rng import capture_rng, restore_rng, same_rng
 from .script import Start, note, script_locals, warn
 from .state import temporarily
 
@@ -214,10 +214,39 @@ class SavedState:
             # checkpoint at the next step's start would be (labelled one step early, a
             # resume ran that step's batch count again: one step more in steps(n)).
             with temporarily(state, "step", state.step + 1):
-                return self._save(directory)
-        if self._in_step:
+                saved = self._save(directory)
+        elif self._in_step:
             self._warn_save_inside_update()
-        return self._save(directory)
+            return self._save(directory)
+        else:
+            saved = self._save(directory)
+        self._rng_at_save = (saved, capture_rng())  # a step's end: looked at as the next starts
+        return saved
+
+    def check_draws_since_save(self) -> None:
+        """As a step starts after `save`: the script's code between them drew random
+        numbers (an evaluation after the save, its dropout left on, or a pass over a
+        DataLoader, which draws its workers' seed from torch's RNG), which a resume
+        from that checkpoint does not draw again if it ran after the save in the same
+        epoch: the resumed run parted from the one never stopped, silently
+        (minGPT-ddp's trainer saves, then evaluates)."""
+        if self._rng_at_save is None:
+            return
+        (saved, rng), self._rng_at_save = self._rng_at_save, None
+        kind = "followed by draws"
+        if kind in self._save_warned or same_rng(rng, capture_rng()):
+            return
+        self._save_warned.add(kind)
+        message = (
+            f"the script drew random numbers between session.save() ({saved.name}) and the "
+            "next step: code after the save in the loop's body (an evaluation with dropout "
+            "left on, or any pass over a DataLoader, which draws its workers' seed from "
+            "torch's RNG) does not run again in a resume from that checkpoint, which so "
+            "parts from this run. Save after it, just before the next batch (draws at the "
+            "top of the loop, which a resume runs too, are no matter)"
+        )
+        self.notes.append(f"cannot resume exactly: {message}")
+        warn(message)
 
     def _every_rank_saves(self) -> None:
         """The ranks meet on the process group's store before saving: a script that

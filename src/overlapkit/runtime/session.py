@@ -169,6 +169,7 @@ class Session(EpochLoop, SavedState):
         self._end_failed = False  # a STEP_END hook raised: the step is not ended again
         self._save_warned: set[str] = set()  # kinds of session.save() told inexact
         self._saves = 0  # session.save() calls on this rank (the ranks meet at each)
+        self._rng_at_save: tuple[Path, dict[str, Any]] | None = None  # the last save's
         # (epoch, batch) of a resume mid-epoch, until its first batch is done (watched)
         self._resumed_mid_epoch: tuple[int, int] | None = None
         self._values = PlainValues()
@@ -388,6 +389,7 @@ class Session(EpochLoop, SavedState):
             gap = perf_counter() - self._gap_since - self._labelled_in_gap
             self._outside_s["between_epochs"] += max(gap, 0.0)
             self._gap_since = None
+        self.check_draws_since_save()
         self.state.clock.start_step()
         self._in_step = True
         self._step_samples = 0
