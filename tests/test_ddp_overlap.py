@@ -293,3 +293,23 @@ def test_size_classes_are_named_in_the_binary_units_they_are_cut_at():
     assert size_class(128 * kib) == "<=128KiB"
     assert size_class(128 * kib + 1) == size_class(16 * mib) == "128KiB-16MiB"
     assert size_class(64 * mib + 1) == ">64MiB"
+
+
+@pytest.mark.slow
+def test_a_scripts_own_backward_counts_the_all_reduce_it_waits_for_as_exposed():
+    """A DDP script ported as written (its own ``loss.backward()``) under ddp_overlap,
+    rank 1 reaching backward 0.2 s late every step: rank 0 waits for it in the
+    all-reduce. The backward phase ended when backward reached the model's input,
+    before DDP's reducer waited for its buckets (its end-of-backward callback was queued
+    after the session's), so the 0.2 s landed in ``other``, the script's own time,
+    and the exposed time was taken out of ``backward`` (0 s, comm_exposed 0.002 s,
+    other 0.105 s with a 0.1 s delay). It is timed as with `Session.backward`."""
+    from rank_programs import straggling_backward
+
+    delay = 0.2
+    ranks = launch_local(straggling_backward, 2, ["plain", "explicit"], delay)
+    for way in ("plain", "explicit"):
+        for phases in ranks[0][way][1:]:  # the first is DDP's bucket-rebuilding step
+            assert phases["comm_exposed"] > delay / 2, (way, phases)
+            assert phases["other"] < delay / 2, (way, phases)
+            assert phases["backward"] > 0, (way, phases)

@@ -433,3 +433,97 @@ def test_models_split_across_ranks_are_refused_and_data_parallel_is_unwrapped(wo
         assert ("came without DistributedDataParallel" in notes) == (world_size > 1)
         assert torch.allclose(ported["params"], rank["ddp"]["params"], atol=1e-6)
         assert ported["loaded"]  # the DataParallel script's checkpoint, module. keys
+
+
+@pytest.mark.slow
+def test_a_save_on_one_rank_only_says_which_ranks_it_waits_for(tmp_path):
+    """minGPT-ddp's trainer saves its snapshot on rank 0 only; its port's natural
+    `session.save()` in the same place left rank 0 waiting in the save's collectives
+    for good, silently (the other ranks went on to their next all-reduce). The ranks
+    meet first: one that waits too long says for which ranks, and how a script comes
+    to call save on one rank only. Rank 1 arriving late, the save is still made."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    from rank_programs import save_on_one_rank_first
+
+    from overlapkit.launch.local import launch_local
+
+    ranks = launch_local(save_on_one_rank_first, 2, str(tmp_path), 2.0)
+    (told,) = ranks[0]["warnings"]
+    assert "session.save() on rank 0" in told and "rank(s) [1]" in told
+    assert "if rank == 0: session.save()" in told
+    assert ranks[1]["warnings"] == []
+    saved = str(tmp_path / "checkpoints" / "step-00000002")  # after its 2 steps
+    assert ranks[0]["saved"] == ranks[1]["saved"] == saved
+
+
+def test_a_rerun_without_the_checkpoint_optimization_says_its_saves_are_not_resumed(tmp_path):
+    """minGPT-ddp's snapshot every few epochs, ported to session.save() in its run
+    folder without the checkpoint optimization: the same command after a kill started
+    over from step 0 with no word (the script's own snapshot had resumed it). It is
+    said at the start; session.load() or the optimization resumes, unsaid."""
+    from overlapkit import get_optimization
+
+    first = Session(run_dir=tmp_path)
+    train(first, *make_parts(), total=3)
+    first.save()
+    first.finish()
+
+    again = Session(run_dir=tmp_path)
+    again.prepare(*make_parts())
+    assert again.start().step == 0
+    (said,) = [n for n in again.notes if "holds checkpoints" in n]
+    assert f"{tmp_path / 'checkpoints'} holds checkpoints (the newest at step 3" in said
+    assert "session.load(" in said and "get_optimization('checkpoint')" in said
+
+    loaded = Session(run_dir=tmp_path)
+    loaded.prepare(*make_parts())
+    loaded.load(tmp_path / "checkpoints")
+    assert loaded.start().step == 3
+    resumed = Session([get_optimization("checkpoint")(0.5)], run_dir=tmp_path)
+    resumed.prepare(*make_parts())
+    assert resumed.start().step == 3
+    for session in (loaded, resumed):
+        assert not any("holds checkpoints" in n for n in session.notes)
+    for session in (again, loaded, resumed):
+        session.finish()
+
+
+@pytest.mark.parametrize("save_after_evaluation", [False, True])
+def test_random_draws_between_a_save_and_the_next_step_are_said(tmp_path, save_after_evaluation):
+    """minGPT-ddp's trainer saves its snapshot, then evaluates with dropout left on.
+    Ported to session.save() (and session.load() on the rerun), a resume from it did
+    not draw the evaluation's random numbers again: its parameters parted from the run
+    never stopped (by up to 0.003 after 2 more epochs, 2 ranks), silently. Saved after
+    the evaluation, the resume is exact and nothing is said."""
+    import warnings
+
+    from overlapkit import LoopWarning
+
+    session = Session(run_dir=tmp_path)
+    model, optimizer, loader = session.prepare(*make_parts())
+    evaluation = torch.randn(8, 3, 8, 8)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(inputs), targets).backward()
+                optimizer.step()
+            if not save_after_evaluation:
+                session.save()
+            with session.paused("evaluation"), torch.no_grad():
+                model(evaluation)  # dropout still on: draws from torch's RNG
+            if save_after_evaluation:
+                session.save()
+    session.finish()
+    told = [w for w in said if issubclass(w.category, LoopWarning)]
+    notes = [n for n in session.notes if "drew random numbers" in n]
+    if save_after_evaluation:
+        assert not told and not notes
+    else:
+        (warning,) = told
+        assert "between session.save() (step-00000005) and the next step" in str(warning.message)
+        assert warning.filename == __file__ and len(notes) == 1

@@ -905,3 +905,79 @@ def models_split_across_ranks(steps: int = 3) -> dict[str, Any]:
     finally:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def straggling_backward(ways: list[str], delay: float, steps: int = 4) -> dict[str, Any]:
+    """In one 2-rank group, a DDP script under ``ddp_overlap`` whose rank 1 reaches
+    backward ``delay`` seconds late every step, so that rank 0's all-reduce waits for
+    it: with the script's own ``loss.backward()`` (``plain``) and `Session.backward`
+    (``explicit``). Returns rank 0's and rank 1's step records' phase times per way."""
+    import time
+
+    world = init_world("cpu", "gloo")
+    results: dict[str, Any] = {}
+    try:
+        for way in ways:
+            seed_everything(0)
+            model = nn.parallel.DistributedDataParallel(mlp())
+            dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=0)
+            loader = ResumableLoader(
+                dataset, 16, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
+            )
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            session = Session([get_optimization("ddp_overlap")(1.0)], device="cpu")
+            model, optimizer, loader = session.prepare(model, optimizer, loader)
+            batches = iter(loader)
+            for _ in range(steps):
+                inputs, targets = next(batches)
+                optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(model(inputs), targets)
+                if world.rank == 1:
+                    time.sleep(delay)
+                if way == "explicit":
+                    session.backward(loss)
+                else:
+                    loss.backward()
+                optimizer.step()
+            batches.close()
+            session.finish()
+            results[way] = [r["phases_s"] for r in session.records if r["rank"] == world.rank]
+        return results
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def save_on_one_rank_first(run_dir: str, late_s: float) -> dict[str, Any]:
+    """In one 2-rank group, two steps and a `Session.save` that rank 1 calls ``late_s``
+    seconds after rank 0 (as if it never would: a script saving on rank 0 only).
+    Returns the LoopWarnings each rank got and the folder its save returned."""
+    import time
+    import warnings
+
+    import overlapkit.runtime.saved_state as saved_state
+
+    saved_state.SAVE_WAIT_TOLD_S = late_s / 4
+    world = init_world("cpu", "gloo")
+    try:
+        seed_everything(0)
+        model = mlp()
+        dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=64, seed=0)
+        loader = ResumableLoader(
+            dataset, 16, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        session = Session(device="cpu", run_dir=run_dir)
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+        if world.rank == 1:
+            time.sleep(late_s)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            saved = session.save()
+        session.finish()
+        return {"warnings": [str(w.message) for w in caught], "saved": str(saved)}
+    finally:
+        torch.distributed.destroy_process_group()

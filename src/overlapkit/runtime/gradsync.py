@@ -36,10 +36,14 @@ class BackwardEnd:
     ``backward()`` returns, however many times `arm` is called during the pass (as
     DDP's reducer queues its end-of-backward work). A pass that raised never calls
     it; the next pass arms afresh (passes are told apart by autograd's task id).
-    On a GPU the callback runs on the autograd thread that finishes the pass."""
+    On a GPU the callback runs on the autograd thread that finishes the pass.
+    ``last``: after the end-of-backward work queued behind it too (DDP's reducer
+    queues its wait for the buckets' all-reduces once the last bucket is launched:
+    the wait is backward's, not what runs after it)."""
 
-    def __init__(self, callback: Callable[[], None]) -> None:
+    def __init__(self, callback: Callable[[], None], last: bool = False) -> None:
         self._callback = callback
+        self._last = last
         self._armed_in: int | None = None
 
     def arm(self) -> None:
@@ -49,6 +53,12 @@ class BackwardEnd:
             torch.autograd.Variable._execution_engine.queue_callback(self._ended)
 
     def _ended(self) -> None:
+        if self._last:  # queued again: after every callback queued since
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
+        else:
+            self._run()
+
+    def _run(self) -> None:
         self._armed_in = None
         self._callback()
 

@@ -50,3 +50,16 @@ def restore_rng(state: dict[str, Any]) -> None:
         if isinstance(cuda, (list, tuple)):  # saved by an older version: every GPU's
             cuda = cuda[torch.cuda.current_device() % len(cuda)]
         torch.cuda.set_rng_state(cuda)
+
+
+def same_rng(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two `capture_rng` states are the same: nothing drew in between."""
+    if a.keys() != b.keys() or a["python"] != b["python"] or a["numpy"].keys() != b["numpy"].keys():
+        return False
+    tensors = [(a["torch"], b["torch"]), (a["numpy"]["keys"], b["numpy"]["keys"])]
+    if "cuda" in a:
+        tensors.append((a["cuda"], b["cuda"]))
+    numpy_rest = [k for k in a["numpy"] if k != "keys"]
+    return all(a["numpy"][k] == b["numpy"][k] for k in numpy_rest) and all(
+        torch.equal(x, y) for x, y in tensors
+    )

@@ -3,10 +3,12 @@ checkpoint optimization's format. (A part of `Session`; see `session`.)"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
 
@@ -14,9 +16,12 @@ from ..data import SequenceLoader
 from .arguments import check_not_sharded
 from .batch import tensors_in
 from .optimization import optimization_class
-from .rng import capture_rng, restore_rng
+from .rng import capture_rng, restore_rng, same_rng
 from .script import Start, note, script_locals, warn
 from .state import temporarily
+
+# A rank that has waited this long in `save` for the others to call it says so.
+SAVE_WAIT_TOLD_S = 10.0
 
 
 class SavedState:
@@ -124,6 +129,26 @@ class SavedState:
             self.notes.append(f"cannot resume exactly: {message}")
             warn(message)
 
+    def check_saves_left_behind(self) -> None:
+        """As a run without the checkpoint optimization starts afresh: `save` wrote
+        checkpoints into this run folder before (a script that ported its own snapshot
+        every few epochs to ``session.save()``), which nothing resumes from. The same
+        command started over from step 0 with no word, where the script's own snapshot
+        had resumed it."""
+        if self.checkpointing or not self.runs_a_script or self.state.run_dir is None:
+            return
+        folder = self.state.run_dir / "checkpoints"
+        newest = optimization_class("checkpoint").newest_in(folder)
+        if newest is None:
+            return
+        self._note(
+            f"{folder} holds checkpoints (the newest at step {newest}, as session.save() "
+            "writes them), but this run starts afresh at step 0: only the checkpoint "
+            "optimization resumes from them at start(). To go on from the newest: "
+            "Session([overlapkit.get_optimization('checkpoint')(...)], run_dir=...), or "
+            f"session.load('{folder}') before start()"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly, under one key per component."""
         state = self.state
@@ -184,6 +209,7 @@ class SavedState:
         but not applied), a resume cannot be exact: a `LoopWarning` says so. Without
         an optimizer (the script updates the parameters itself, after its forward), a
         step whose training forward ran is taken as trained."""
+        self._every_rank_saves()
         state = self.state
         trained = self._in_step and not state.update_pending
         if trained and self._forwards_in_step > 0:
@@ -191,10 +217,70 @@ class SavedState:
             # checkpoint at the next step's start would be (labelled one step early, a
             # resume ran that step's batch count again: one step more in steps(n)).
             with temporarily(state, "step", state.step + 1):
-                return self._save(directory)
-        if self._in_step:
+                saved = self._save(directory)
+        elif self._in_step:
             self._warn_save_inside_update()
-        return self._save(directory)
+            return self._save(directory)
+        else:
+            saved = self._save(directory)
+        self._rng_at_save = (saved, capture_rng())  # a step's end: looked at as the next starts
+        return saved
+
+    def check_draws_since_save(self) -> None:
+        """As a step starts after `save`: the script's code between them drew random
+        numbers (an evaluation after the save, its dropout left on, or a pass over a
+        DataLoader, which draws its workers' seed from torch's RNG), which a resume
+        from that checkpoint does not draw again if it ran after the save in the same
+        epoch: the resumed run parted from the one never stopped, silently
+        (minGPT-ddp's trainer saves, then evaluates)."""
+        if self._rng_at_save is None:
+            return
+        (saved, rng), self._rng_at_save = self._rng_at_save, None
+        kind = "followed by draws"
+        if kind in self._save_warned or same_rng(rng, capture_rng()):
+            return
+        self._save_warned.add(kind)
+        message = (
+            f"the script drew random numbers between session.save() ({saved.name}) and the "
+            "next step: code after the save in the loop's body (an evaluation with dropout "
+            "left on, or any pass over a DataLoader, which draws its workers' seed from "
+            "torch's RNG) does not run again in a resume from that checkpoint, which so "
+            "parts from this run. Save after it, just before the next batch (draws at the "
+            "top of the loop, which a resume runs too, are no matter)"
+        )
+        self.notes.append(f"cannot resume exactly: {message}")
+        warn(message)
+
+    def _every_rank_saves(self) -> None:
+        """The ranks meet on the process group's store before saving: a script that
+        calls `save` on one rank only (``if rank == 0: session.save()``, where it had
+        its own ``torch.save``) left that rank waiting for the others in the save's
+        collectives for good, silently. A rank that has waited `SAVE_WAIT_TOLD_S`
+        says for which ranks; past the store's timeout it is an error."""
+        world = self.world
+        if world.world_size == 1:
+            return
+        self._saves += 1
+        store = dist.distributed_c10d._get_default_store()
+        keys = [f"overlapkit/save/{self._saves}/{rank}" for rank in range(world.world_size)]
+        store.set(keys[world.rank], str(self.state.step))
+        start, told = time.monotonic(), False
+        while not store.check(keys):
+            waited = time.monotonic() - start
+            if waited >= (store.timeout.total_seconds() if told else SAVE_WAIT_TOLD_S):
+                missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+                message = (
+                    f"session.save() on rank {world.rank} (in step {self.state.step}) has "
+                    f"waited {waited:.0f} s for rank(s) {missing} to call it too: every rank "
+                    "calls it (each writes its own part, and they agree on the checkpoint). "
+                    "A script that saves on one rank only (if rank == 0: session.save(), "
+                    "where it had its own torch.save) waits here for good"
+                )
+                if told:
+                    raise RuntimeError(message)
+                told = True
+                warn(message)
+            time.sleep(min(0.05, 0.001 + waited / 10))
 
     def _warn_save_inside_update(self) -> None:
         state = self.state

@@ -102,7 +102,7 @@ class PlainCalls:
         self.session = session
         self.steps_outside = 0  # optimizer steps taken outside any session step
         self._looked_for_scaler = False
-        self._backward_end = BackwardEnd(self._backward_ends)
+        self._backward_end = BackwardEnd(self._backward_ends, last=True)
         self._handles: list[Any] = []
         # Looked for while checkpointing, until found once (`_look_for_carried_state`).
         self._carried: CarriedState | None = None

@@ -169,6 +169,8 @@ class Session(EpochLoop, SavedState):
         self._forwards_in_step = 0  # training forwards of the step now open
         self._end_failed = False  # a STEP_END hook raised: the step is not ended again
         self._save_warned: set[str] = set()  # kinds of session.save() told inexact
+        self._saves = 0  # session.save() calls on this rank (the ranks meet at each)
+        self._rng_at_save: tuple[Path, dict[str, Any]] | None = None  # the last save's
         # (epoch, batch) of a resume mid-epoch, until its first batch is done (watched)
         self._resumed_mid_epoch: tuple[int, int] | None = None
         self._values = PlainValues()
@@ -327,6 +329,8 @@ class Session(EpochLoop, SavedState):
         self._registered_models_data_parallel()
         self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
         self.state.first_step = self.state.step
+        if loaded is None:
+            self.check_saves_left_behind()
         self.scheduler.arrange(self.state)
         self._start = self._where()
         if self._start.resumed_from is not None and self._start.resumed_from != loaded:
@@ -401,6 +405,7 @@ class Session(EpochLoop, SavedState):
             gap = perf_counter() - self._gap_since - self._labelled_in_gap
             self._outside_s["between_epochs"] += max(gap, 0.0)
             self._gap_since = None
+        self.check_draws_since_save()
         self.state.clock.start_step()
         self._in_step = True
         self._step_samples = 0

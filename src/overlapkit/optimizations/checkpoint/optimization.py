@@ -336,6 +336,12 @@ class Checkpoint(Optimization):
             writer._collectives.close()
 
     @staticmethod
+    def newest_in(root: Path) -> int | None:
+        """The step of the newest checkpoint the manifest in ``root`` lists (None: none)."""
+        entries = Manifest(root).read()
+        return entries[-1]["step"] if entries else None
+
+    @staticmethod
     def load_from(state: State, root: Path) -> Path:
         """Restore the newest intact checkpoint in ``root``, or the step folder given."""
         step = None
