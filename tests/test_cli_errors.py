@@ -974,6 +974,11 @@ def test_a_path_argument_starting_with_a_tilde_is_in_the_home_folder(
     board = load_scenario(home / "s.yaml", ["log.tensorboard=~/tb"]).log.tensorboard
     assert board == str(home / "tb")
     assert list(here.iterdir()) == []
+    # ~user of no such user: one line (a traceback, and an internal error, before)
+    code, _, err = cli("compare", "~nosuchuser8/r1")
+    assert code == 2 and "~nosuchuser8/r1" in err and "Traceback" not in err, err
+    code, _, err = cli("check", home / "s.yaml", "--set", "log.tensorboard=~nosuchuser8/tb")
+    assert code == 2 and "~nosuchuser8/tb" in err and "internal error" not in err, err
 
 
 def test_a_checkpoint_dir_that_cannot_be_written_is_refused_before_any_rank_starts(

@@ -281,13 +281,25 @@ def test_a_killed_scripts_loader_workers_end_with_it(tmp_path):
     import subprocess
     import sys
     import time
+    from pathlib import Path
 
     script = tmp_path / "script.py"
     script.write_text(SCRIPT_WITH_WORKERS)
     started = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     workers = [int(pid) for pid in started.stdout.readline().split()]
     assert len(workers) == 2
-    time.sleep(2)  # the workers fill the pipe
+
+    def writing(pid: int) -> bool:  # a thread of it blocked in a write to the full pipe
+        try:
+            tasks = Path(f"/proc/{pid}/task").glob("*/wchan")
+            return any("pipe_write" in task.read_text() for task in tasks)  # anon_pipe_write
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 60
+    while not any(map(writing, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any(map(writing, workers)), "the workers never filled their result pipe"
     os.kill(started.pid, signal.SIGKILL)
     started.wait()
 

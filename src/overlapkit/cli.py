@@ -82,7 +82,10 @@ def _above_zero(text: str) -> float:
 def _path(text: str) -> Path:
     """An argparse type: a path, ``~`` as the home folder (no shell expands the one in
     ``--out=~/runs``: a folder named ``~`` was made here)."""
-    return Path(text).expanduser()
+    try:
+        return Path(text).expanduser()
+    except RuntimeError as error:  # ~user of no such user, or no home folder
+        raise argparse.ArgumentTypeError(f"{text}: {error}") from None
 
 
 def _scenario_arguments(parser: argparse.ArgumentParser) -> None:
@@ -845,9 +848,14 @@ def _out_of_memory(kind: str, message: str) -> bool:
     """An error that says the machine (or GPU) had too little memory for the run's
     sizes (torch's CPU allocator, CUDA's, Python's): not a bug of overlapkit's."""
     said = message.lower()
-    return kind in ("MemoryError", "OutOfMemoryError") or any(
+    return kind in ("MemoryError", "OutOfMemoryError", "ResourceExhaustedError") or any(
         words in said
-        for words in ("can't allocate memory", "cannot allocate memory", "out of memory")
+        for words in (
+            "can't allocate memory",
+            "cannot allocate memory",
+            "out of memory",
+            "oom when allocating",  # TensorFlow's
+        )
     )
 
 

@@ -125,7 +125,9 @@ class ImageFolder(Dataset):
         if not names:
             raise DataNotFoundError(f"no class folders under {root}: {cls._HINT}")
         for name in names:  # an empty one is a class the model would never see
-            if not any(_is_image(entry.name) for entry in os.scandir(root / name)):
+            with os.scandir(root / name) as entries:
+                empty = not any(_is_image(entry.name) for entry in entries)
+            if empty:
                 raise DataNotFoundError(
                     f"the class folder {root / name} holds no image "
                     f"({', '.join(IMAGE_EXTENSIONS)}): {cls._HINT}"
@@ -161,8 +163,9 @@ class ImageFolder(Dataset):
         if classes is not None:
             self.check_classes(root, classes)
         self.classes = self.class_names(root) if classes is None else list(classes)
+        label = {name: i for i, name in enumerate(self.classes)}
         self.samples = [
-            (path, self.classes.index(name))
+            (path, label[name])
             for name in self.class_names(root)
             for path in sorted((root / name).iterdir())
             if _is_image(path.name)

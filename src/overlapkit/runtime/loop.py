@@ -52,7 +52,7 @@ class TrainConfig(Config):
     lr_schedule: LRScheduleConfig = LRScheduleConfig()
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     eval: EvalConfig = EvalConfig()
-    seed: int = Field(0, ge=0, lt=2**32)  # what numpy's seed takes; torch's more
+    seed: int = Field(0, ge=0, lt=2**32)  # what every RNG seeded from it takes as it is
     deterministic: bool = False
 
     @property

@@ -29,7 +29,10 @@ class LogConfig(Config):
     def _home(cls, folder: str | None) -> str | None:
         """``~`` is the home folder, as in checkpoint.dir and data.root (a folder named
         ``~`` was made in the current one)."""
-        return None if folder is None else str(Path(folder).expanduser())
+        try:
+            return None if folder is None else str(Path(folder).expanduser())
+        except RuntimeError as error:  # ~user of no such user, or no home folder
+            raise ValueError(f"{folder}: {error}") from None
 
 
 def tensorboard_missing() -> str | None:

@@ -88,7 +88,7 @@ def tune(
         _phases(job, study, queue, pool, deadline, shown)
     finally:
         shown.progress.close()
-    return Analysis.of(study, job.space)
+    return Analysis.of(study, job.space, job.tune)
 
 
 def _phases(
@@ -109,17 +109,17 @@ def _phases(
     budget = lambda: job.tune.trials - search_done(study)  # noqa: E731
     _phase("search", job, study, budget, pool, deadline, shown)
     if job.tune.repeats > 1:
-        repeats = confirm_settings(study, Analysis.of(study, job.space), job.tune)
+        repeats = confirm_settings(study, Analysis.of(study, job.space, job.tune), job.tune)
         enqueue(study, repeats, again=True)
         _phase("confirm", job, study, queue, pool, deadline, shown)
     if job.tune.references:
-        analysis = Analysis.of(study, job.space)
+        analysis = Analysis.of(study, job.space, job.tune)
         if analysis.center is not None:
             around = analysis_settings(job.space, analysis.center.params, analysis.alone_best())
             enqueue(study, around)
             _phase("analysis", job, study, queue, pool, deadline, shown)
             if job.tune.repeats > 1:  # the curves from medians too
-                measured = Analysis.of(study, job.space).measurements
+                measured = Analysis.of(study, job.space, job.tune).measurements
                 again = [params for _, params in around if measured(params)]
                 repeats = repeat_settings(study, again, job.tune.repeats, "repeat:analysis")
                 enqueue(study, repeats, again=True)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -50,11 +50,23 @@ def import_tensorflow() -> Any:
     return tf
 
 
+# Copies its input to its output but for the lines holding any of its arguments.
+_FILTER = (
+    "import sys\n"
+    "chatter = [words.encode() for words in sys.argv[1:]]\n"
+    "for line in sys.stdin.buffer:\n"
+    "    if not any(words in line for words in chatter):\n"
+    "        sys.stdout.buffer.write(line)\n"
+    "        sys.stdout.buffer.flush()\n"
+)
+
+
 @contextmanager
 def _stderr_without(chatter: tuple[str, ...]) -> Iterator[None]:
     """Within: what the process writes to stderr (file descriptor 2, as C++ code does)
-    passes through a pipe and on, line by line, but for the lines that hold any of
-    ``chatter``. A line reaches stderr as it is written, so a crash inside loses none."""
+    passes, line by line, through a small filter process that drops the lines holding
+    any of ``chatter``. It outlives a crash of this one (a fatal log line, then abort)
+    and writes out what was said before it, and it needs no GIL of ours to read."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -62,27 +74,28 @@ def _stderr_without(chatter: tuple[str, ...]) -> Iterator[None]:
         yield
         return
     read, write = os.pipe()
+    try:
+        command = [sys.executable, "-I", "-S", "-c", _FILTER, *chatter]
+        filtering = subprocess.Popen(command, stdin=read, stdout=saved, close_fds=True)
+    except (OSError, ValueError):  # no interpreter to start: unfiltered
+        filtering = None
+    os.close(read)
+    if filtering is None:
+        os.close(write)
+        os.close(saved)
+        yield
+        return
     os.dup2(write, 2)
     os.close(write)
-
-    def forward() -> None:
-        with os.fdopen(read, "rb") as pipe:
-            for line in pipe:
-                if not any(words.encode() in line for words in chatter):
-                    with contextlib.suppress(OSError):
-                        os.write(saved, line)
-
-    forwarding = threading.Thread(target=forward, name="overlapkit-stderr", daemon=True)
-    forwarding.start()
     try:
         yield
     finally:
         with contextlib.suppress(AttributeError, OSError):
             sys.stderr.flush()
-        os.dup2(saved, 2)  # the pipe's last writer: the thread reads to its end
-        forwarding.join(timeout=2)
-        if not forwarding.is_alive():
-            os.close(saved)
+        os.dup2(saved, 2)  # the pipe's last writer gone: the filter reads to its end
+        os.close(saved)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            filtering.wait(timeout=10)
 
 
 def load_overlapped(
