@@ -303,7 +303,8 @@ def test_a_full_disk_is_reported_and_earlier_checkpoints_survive(tmp_path, on_er
 def test_a_read_only_checkpoint_folder_on_two_ranks_is_said_in_one_line(tmp_path, tiny_scenario):
     """Each rank's probe file (which ranks share the folder) was written unguarded: on a
     read-only folder, 'internal error (a bug in overlapkit)', and on_error: continue
-    did not continue."""
+    did not continue. Such a folder is now refused before any rank starts, unless
+    on_error: continue says to train on (from the checkpoints it holds)."""
     disk = tmp_path / "disk"
     with tiny_filesystem(disk, 20):
         scenario = tiny_scenario(TINY_SCENARIO.replace("nprocs: 1", "nprocs: 2"))
@@ -316,9 +317,9 @@ def test_a_read_only_checkpoint_folder_on_two_ranks_is_said_in_one_line(tmp_path
         assert run("train.steps=2").returncode == 0  # checkpoints at 2 and 4
         before = {p: p.read_bytes() for p in disk.rglob("*") if p.is_file()}
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-        stopped = run("train.steps=6")
-        assert stopped.returncode == 1, stopped.stderr[-2000:]
-        assert "Read-only file system" in stopped.stderr and "intact" in stopped.stderr
+        stopped = run("train.steps=6")  # refused before any rank starts
+        assert stopped.returncode == 2, stopped.stderr[-2000:]
+        assert f"checkpoint.dir {disk}: {disk} cannot be written" in stopped.stderr
         assert "internal error" not in stopped.stderr and "Traceback" not in stopped.stderr
         went_on = run("train.steps=6", "optimizations.checkpoint.on_error=continue")
         assert went_on.returncode == 0, went_on.stderr[-2000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -141,7 +142,8 @@ def test_parallel_workers_are_started_with_disjoint_gpus(monkeypatch):
     split = split_gpus(3, 2, UUIDS)
     shown = runner.Shown(set(), Console(quiet=True))
     runner._round(None, None, 7, runner.Pool(3, split), None, shown, queued=False)
-    gpus = [args[-1] for args in FakeProcess.started]  # worker_main's last argument
+    # worker_main's last argument (they travel pickled: `worker_start`)
+    gpus = [pickle.loads(args[0])[-1] for args in FakeProcess.started]
     assert gpus == split
     every = [gpu for ids in gpus for gpu in ids]
     assert len(set(every)) == len(every) == 6

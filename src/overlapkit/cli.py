@@ -44,6 +44,7 @@ from .models import MODEL_NAMES
 from .optimizations import PluginError, plugin_blamed, registered_optimizations
 from .optimizations.checkpoint import CheckpointError
 from .runtime import POLICIES, CombinationError
+from .runtime.background import stop_all
 from .runtime.checkpoint_folder import listed_steps, manifest_text
 from .runtime.gpus import GPUSetupError
 from .scenarios import Scenario, ScenarioError, load_scenario
@@ -414,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     except RunInterrupted as stop:
+        if "RANK" not in os.environ:  # a run in this process: its persist ends (or is left)
+            stop_all()  # before the line, which reads what the manifest lists by then
         if is_rank_zero():
             errors.print(_stopped_line(stop, args, argv, where), highlight=False, soft_wrap=True)
         if "RANK" in os.environ:  # a rank under torchrun: its process group may be mid-call
@@ -793,8 +796,11 @@ def _stopped_line(
         )
     line += f"; run folder {folder}"
     newest = stop.checkpoint_step
-    if newest is None and "checkpoints" in where and not getattr(args, "fresh", False):
-        newest = _newest_listed(where["checkpoints"])  # no rank said (one stopped hard)
+    if "checkpoints" in where and not getattr(args, "fresh", False):
+        # What the ranks' writers listed after the ranks said (a persist under way as
+        # the run stopped ends first), or all there is when no rank said (one stopped hard).
+        listed = _newest_listed(where["checkpoints"])
+        newest = max((n for n in (newest, listed) if n is not None), default=None)
     if newest is not None:
         line += f"; the newest checkpoint is step {newest}. Resume: "
     else:

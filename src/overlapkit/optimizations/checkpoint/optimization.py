@@ -221,12 +221,20 @@ class Checkpoint(Optimization):
         super().check(world_size, device, backend)
         configured = Path(self.settings["dir"]).expanduser()
         if configured.is_absolute():  # a relative one waits for the run folder
-            _check_folder(configured)
+            _check_folder(configured, writable=self._must_write)
+
+    @property
+    def _must_write(self) -> bool:
+        """Whether a folder this run cannot write to is refused before it starts: with
+        on_error: continue a run trains on when its checkpoints fail (and resumes from
+        those a read-only folder holds)."""
+        return self.settings["on_error"] == "stop"
 
     def check_run_folder(self, run_dir: Path, world_size: int) -> None:
         root = self.folder_in(run_dir)
         # One inside the run folder is as writable as it: --out names that one.
-        _check_folder(root, writable=not root.resolve().is_relative_to(run_dir.resolve()))
+        inside = root.resolve().is_relative_to(run_dir.resolve())
+        _check_folder(root, writable=not inside and self._must_write)
         if run_dir.resolve().is_relative_to(root.resolve()):
             what = "is the run folder" if root.resolve() == run_dir.resolve() else "holds it"
             raise CombinationError(
