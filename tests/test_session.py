@@ -450,10 +450,13 @@ def test_a_save_on_one_rank_only_says_which_ranks_it_waits_for(tmp_path):
 
     from overlapkit.launch.local import launch_local
 
-    ranks = launch_local(save_on_one_rank_first, 2, str(tmp_path), 2.0)
-    (told,) = ranks[0]["warnings"]
-    assert "session.save() on rank 0" in told and "rank(s) [1]" in told
-    assert "if rank == 0: session.save()" in told
+    # Two sessions in one group: the second's meetings are its own (with the first's
+    # names, held already in the group's store, it saved on rank 0 alone, unsaid).
+    ranks = launch_local(save_on_one_rank_first, 2, str(tmp_path), 2.0, 2)
+    assert len(ranks[0]["warnings"]) == 2
+    for told in ranks[0]["warnings"]:
+        assert "session.save() on rank 0" in told and "rank(s) [1]" in told
+        assert "if rank == 0: session.save()" in told
     assert ranks[1]["warnings"] == []
     saved = str(tmp_path / "checkpoints" / "step-00000002")  # after its 2 steps
     assert ranks[0]["saved"] == ranks[1]["saved"] == saved
@@ -478,6 +481,16 @@ def test_a_rerun_without_the_checkpoint_optimization_says_its_saves_are_not_resu
     assert f"{tmp_path / 'checkpoints'} holds checkpoints (the newest at step 3" in said
     assert "session.load(" in said and "get_optimization('checkpoint')" in said
 
+    manifest = tmp_path / "checkpoints" / "manifest.json"
+    text = manifest.read_text()
+    manifest.write_text("{not json")  # a damaged manifest: said, not fatal
+    damaged = Session(run_dir=tmp_path)
+    damaged.prepare(*make_parts())
+    assert damaged.start().step == 0
+    assert any("holds checkpoints (the newest at step ?" in n for n in damaged.notes)
+    damaged.finish()
+    manifest.write_text(text)
+
     loaded = Session(run_dir=tmp_path)
     loaded.prepare(*make_parts())
     loaded.load(tmp_path / "checkpoints")
@@ -491,13 +504,15 @@ def test_a_rerun_without_the_checkpoint_optimization_says_its_saves_are_not_resu
         session.finish()
 
 
-@pytest.mark.parametrize("save_after_evaluation", [False, True])
-def test_random_draws_between_a_save_and_the_next_step_are_said(tmp_path, save_after_evaluation):
+@pytest.mark.parametrize("save", ["before_evaluation", "after_evaluation", "mid_epoch"])
+def test_random_draws_between_a_save_and_the_next_step_are_said(tmp_path, save):
     """minGPT-ddp's trainer saves its snapshot, then evaluates with dropout left on.
     Ported to session.save() (and session.load() on the rerun), a resume from it did
     not draw the evaluation's random numbers again: its parameters parted from the run
-    never stopped (by up to 0.003 after 2 more epochs, 2 ranks), silently. Saved after
-    the evaluation, the resume is exact and nothing is said."""
+    never stopped (by up to 0.003 after 2 more epochs, 2 ranks), silently. At an
+    epoch's end the draws may also be the epoch loop's own, which a resume makes
+    again: a note says both. Inside an epoch they are the loop body's: a warning.
+    Saved after the evaluation, the resume is exact and nothing is said."""
     import warnings
 
     from overlapkit import LoopWarning
@@ -508,22 +523,29 @@ def test_random_draws_between_a_save_and_the_next_step_are_said(tmp_path, save_a
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         for _ in range(2):
-            for inputs, targets in loader:
+            for batch, (inputs, targets) in enumerate(loader):
                 optimizer.zero_grad()
                 nn.functional.cross_entropy(model(inputs), targets).backward()
                 optimizer.step()
-            if not save_after_evaluation:
+                if save == "mid_epoch" and batch == 1:
+                    session.save()
+                    torch.rand(1)  # the loop body's, after the save
+            if save == "before_evaluation":
                 session.save()
             with session.paused("evaluation"), torch.no_grad():
                 model(evaluation)  # dropout still on: draws from torch's RNG
-            if save_after_evaluation:
+            if save == "after_evaluation":
                 session.save()
     session.finish()
     told = [w for w in said if issubclass(w.category, LoopWarning)]
     notes = [n for n in session.notes if "drew random numbers" in n]
-    if save_after_evaluation:
+    if save == "after_evaluation":
         assert not told and not notes
+    elif save == "before_evaluation":
+        assert not told and len(notes) == 1
+        assert "between session.save() (step-00000005) and the next step" in notes[0]
+        assert "top of the epoch loop" in notes[0] and "cannot resume exactly" not in notes[0]
     else:
         (warning,) = told
-        assert "between session.save() (step-00000005) and the next step" in str(warning.message)
+        assert "between session.save() (step-00000002) and the next step" in str(warning.message)
         assert warning.filename == __file__ and len(notes) == 1

@@ -947,10 +947,11 @@ def straggling_backward(ways: list[str], delay: float, steps: int = 4) -> dict[s
         torch.distributed.destroy_process_group()
 
 
-def save_on_one_rank_first(run_dir: str, late_s: float) -> dict[str, Any]:
-    """In one 2-rank group, two steps and a `Session.save` that rank 1 calls ``late_s``
-    seconds after rank 0 (as if it never would: a script saving on rank 0 only).
-    Returns the LoopWarnings each rank got and the folder its save returned."""
+def save_on_one_rank_first(run_dir: str, late_s: float, sessions: int = 1) -> dict[str, Any]:
+    """In one 2-rank group, ``sessions`` sessions one after the other, each two steps
+    and a `Session.save` that rank 1 calls ``late_s`` seconds after rank 0 (as if it
+    never would: a script saving on rank 0 only). Returns the LoopWarnings each rank
+    got (in every session) and the folder its last save returned."""
     import time
     import warnings
 
@@ -959,25 +960,28 @@ def save_on_one_rank_first(run_dir: str, late_s: float) -> dict[str, Any]:
     saved_state.SAVE_WAIT_TOLD_S = late_s / 4
     world = init_world("cpu", "gloo")
     try:
-        seed_everything(0)
-        model = mlp()
-        dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=64, seed=0)
-        loader = ResumableLoader(
-            dataset, 16, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        session = Session(device="cpu", run_dir=run_dir)
-        model, optimizer, loader = session.prepare(model, optimizer, loader)
-        for inputs, targets in loader:
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(inputs), targets).backward()
-            optimizer.step()
-        if world.rank == 1:
-            time.sleep(late_s)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            saved = session.save()
-        session.finish()
-        return {"warnings": [str(w.message) for w in caught], "saved": str(saved)}
+        said: list[str] = []
+        for _ in range(sessions):
+            seed_everything(0)
+            model = mlp()
+            dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=64, seed=0)
+            loader = ResumableLoader(
+                dataset, 16, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
+            )
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            session = Session(device="cpu", run_dir=run_dir)
+            model, optimizer, loader = session.prepare(model, optimizer, loader)
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(inputs), targets).backward()
+                optimizer.step()
+            if world.rank == 1:
+                time.sleep(late_s)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                saved = session.save()
+            session.finish()
+            said += [str(w.message) for w in caught]
+        return {"warnings": said, "saved": str(saved)}
     finally:
         torch.distributed.destroy_process_group()

@@ -3,6 +3,7 @@ ValueError or TypeError that says what is allowed, not an error deep inside."""
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 from collections.abc import Sequence
@@ -128,7 +129,8 @@ def _sharded_by(model: nn.Module) -> tuple[str, str] | None:
         if isinstance(module, fsdp.FSDPModule):
             return "is sharded by fully_shard (FSDP2)", "without fully_shard()"
     tensor = sys.modules.get("torch.distributed.tensor")
-    if tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters()):
+    held = itertools.chain(model.parameters(), model.buffers())
+    if tensor is not None and any(isinstance(t, tensor.DTensor) for t in held):
         return (
             "has DTensor parameters (tensor parallel: parallelize_module)",
             "without parallelize_module()",

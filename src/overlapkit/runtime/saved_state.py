@@ -3,6 +3,7 @@ checkpoint optimization's format. (A part of `Session`; see `session`.)"""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,10 @@ class SavedState:
         if self.checkpointing or not self.runs_a_script or self.state.run_dir is None:
             return
         folder = self.state.run_dir / "checkpoints"
-        newest = optimization_class("checkpoint").newest_in(folder)
+        try:
+            newest = optimization_class("checkpoint").newest_in(folder)
+        except (OSError, RuntimeError) as error:  # a damaged manifest (CheckpointError)
+            newest = f"? ({error})"
         if newest is None:
             return
         self._note(
@@ -245,11 +249,25 @@ class SavedState:
             "next step: code after the save in the loop's body (an evaluation with dropout "
             "left on, or any pass over a DataLoader, which draws its workers' seed from "
             "torch's RNG) does not run again in a resume from that checkpoint, which so "
-            "parts from this run. Save after it, just before the next batch (draws at the "
-            "top of the loop, which a resume runs too, are no matter)"
+            "parts from this run. Save after it, just before the next batch"
         )
+        if self._epoch_batches == 0:  # a new pass: the draws may be the epoch loop's own
+            self._note(
+                f"{message}; draws at the top of the epoch loop, which a resume makes "
+                "again, are no matter"
+            )
+            return
         self.notes.append(f"cannot resume exactly: {message}")
         warn(message)
+
+    def meet_for_saves_from(self, store: Any) -> None:
+        """Name this session's save meetings on the process group's store, which outlives
+        a session (a second one in the same group, a group started again, a worker that
+        torchrun restarted): with the first session's names a later one found its first
+        meetings already held and saved on one rank alone. Every rank takes one number;
+        the ranks' sessions in the same order get the same name."""
+        taken = store.add("overlapkit/save/sessions", 1)
+        self._save_meetings = f"overlapkit/save/{(taken - 1) // self.world.world_size}"
 
     def _every_rank_saves(self) -> None:
         """The ranks meet on the process group's store before saving: a script that
@@ -260,10 +278,15 @@ class SavedState:
         world = self.world
         if world.world_size == 1:
             return
-        self._saves += 1
         store = dist.distributed_c10d._get_default_store()
-        keys = [f"overlapkit/save/{self._saves}/{rank}" for rank in range(world.world_size)]
+        if self._save_meetings is None:  # this session's among those the store has seen
+            self.meet_for_saves_from(store)
+        self._saves += 1
+        keys = [f"{self._save_meetings}/{self._saves}/{rank}" for rank in range(world.world_size)]
         store.set(keys[world.rank], str(self.state.step))
+        if self._saves > 2:  # meeting n-2 is over for every rank: n-1 may still be polled
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                store.delete_key(f"{self._save_meetings}/{self._saves - 2}/{world.rank}")
         start, told = time.monotonic(), False
         while not store.check(keys):
             waited = time.monotonic() - start

@@ -38,6 +38,7 @@ from time import perf_counter
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -170,6 +171,7 @@ class Session(EpochLoop, SavedState):
         self._end_failed = False  # a STEP_END hook raised: the step is not ended again
         self._save_warned: set[str] = set()  # kinds of session.save() told inexact
         self._saves = 0  # session.save() calls on this rank (the ranks meet at each)
+        self._save_meetings: str | None = None  # their names' prefix (`meet_for_saves_from`)
         self._rng_at_save: tuple[Path, dict[str, Any]] | None = None  # the last save's
         # (epoch, batch) of a resume mid-epoch, until its first batch is done (watched)
         self._resumed_mid_epoch: tuple[int, int] | None = None
@@ -327,6 +329,8 @@ class Session(EpochLoop, SavedState):
         loaded = self.state.resumed_from  # by session.load(), which said so
         self.check_unsaved_state()
         self._registered_models_data_parallel()
+        if self.world.world_size > 1 and self._save_meetings is None:  # every rank, here
+            self.meet_for_saves_from(dist.distributed_c10d._get_default_store())
         self.scheduler.fire(Event.FIT_START, self.state)  # may resume: state.step moves on
         self.state.first_step = self.state.step
         if loaded is None:
