@@ -730,6 +730,16 @@ def test_image_folder_splits_are_labelled_by_class_name_and_every_class_has_imag
         assert code == 2 and f"{images / 'train' / 'b'} holds no image" in err, err
 
 
+def check_under(program: str, scenario) -> subprocess.CompletedProcess:
+    """``overlapkit check SCENARIO`` run by ``program`` (which ends in the CLI's main)."""
+    return subprocess.run(
+        [sys.executable, "-c", program, "check", str(scenario)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.mark.parametrize("module", ["numpy", "numpy.lib._format_impl"])
 def test_ctrl_c_while_torch_imports_numpy_is_not_swallowed(tiny_scenario, module):
     """torch imports numpy from its C extension's start and drops any error that raises:
@@ -754,12 +764,7 @@ def test_ctrl_c_while_torch_imports_numpy_is_not_swallowed(tiny_scenario, module
         sys.exit(main())
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", program, "check", str(tiny_scenario())],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = check_under(program, tiny_scenario())
     assert result.returncode == 130, result.stdout[-500:] + result.stderr[-2000:]
     assert result.stderr == "interrupted\n", result.stderr[-2000:]
 
@@ -783,12 +788,7 @@ def test_ctrl_c_as_the_interpreter_exits_after_the_command_prints_no_traceback(t
         sys.exit(main())
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", program, "check", str(tiny_scenario())],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = check_under(program, tiny_scenario())
     assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, (
         result.stderr[-2000:]
     )

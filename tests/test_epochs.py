@@ -2032,57 +2032,17 @@ def test_a_gan_whose_second_optimizer_is_not_registered_is_told(tmp_path):
     assert summary["optimizations"]["checkpoint"]["checkpoints"] == 0
 
 
-def test_a_registered_models_forward_and_optimizer_step_are_timed_as_such(tmp_path):
-    """DCGAN's generator (registered, the discriminator prepared): its forward and its
-    optimizer's step were timed as ``other``, the script's own time (with ngf=32,
-    0.31 s of a step's 0.32 s of other; forward and optimizer looked 25% and 2%)."""
-    session = Session(run_dir=tmp_path)
-    phases: list[str] = []  # the phase the clock is in while the generator works
+def _gan_phases(session: Session, samples: int, fail_first: bool = False) -> tuple[list, nn.Module]:
+    """DCGAN's loop with the discriminator prepared and the generator registered: the
+    phase the clock is in at each of the generator's forwards and its optimizer's steps,
+    and the generator. ``fail_first``: its first forward raises, and the script skips
+    the rest of that step."""
+    phases: list[str] = []
 
     class Generator(nn.Linear):
         def forward(self, x):
             phases.append(session.state.clock.current)
-            return super().forward(x)
-
-    class Adam(torch.optim.Adam):
-        def step(self, closure=None):
-            phases.append(session.state.clock.current)
-            return super().step(closure)
-
-    torch.manual_seed(0)
-    real = DataLoader(TensorDataset(torch.randn(12, 4) + 2), batch_size=4)
-    net_d = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    net_g = Generator(3, 4)
-    opt_d = torch.optim.Adam(net_d.parameters(), lr=0.01)
-    opt_g = Adam(net_g.parameters(), lr=0.01)
-    bce = nn.BCEWithLogitsLoss()
-    net_d, opt_d, real = session.prepare(net_d, opt_d, real)
-    session.start(net_g=net_g, opt_g=opt_g)
-    for (batch,) in real:
-        net_d.zero_grad()
-        bce(net_d(batch), torch.ones(4, 1)).backward()
-        fake = net_g(torch.randn(4, 3))
-        bce(net_d(fake.detach()), torch.zeros(4, 1)).backward()
-        opt_d.step()
-        net_g.zero_grad()
-        bce(net_d(fake), torch.ones(4, 1)).backward()
-        opt_g.step()
-    with torch.no_grad():
-        net_g(torch.randn(4, 3))  # outside any step: the script's own
-    session.finish()
-    assert phases == [*["forward", "optimizer"] * 3, "other"], phases
-
-
-def test_a_registered_models_forward_that_raised_leaves_later_ones_timed():
-    """The script catches a generator's error and skips the rest of the step: the call
-    never said it was done, and no later call of it or its optimizer was timed."""
-    session = Session()
-    phases: list[str] = []  # the phase the clock is in while the generator runs
-
-    class Generator(nn.Linear):
-        def forward(self, x):
-            phases.append(session.state.clock.current)
-            if len(phases) == 1:
+            if fail_first and len(phases) == 1:
                 raise RuntimeError("a generator's error")
             return super().forward(x)
 
@@ -2092,7 +2052,7 @@ def test_a_registered_models_forward_that_raised_leaves_later_ones_timed():
             return super().step(closure)
 
     torch.manual_seed(0)
-    real = DataLoader(TensorDataset(torch.randn(16, 4) + 2), batch_size=4)
+    real = DataLoader(TensorDataset(torch.randn(samples, 4) + 2), batch_size=4)
     net_d = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     net_g = Generator(3, 4)
     opt_d = torch.optim.Adam(net_d.parameters(), lr=0.01)
@@ -2112,6 +2072,26 @@ def test_a_registered_models_forward_that_raised_leaves_later_ones_timed():
         net_g.zero_grad()
         bce(net_d(fake), torch.ones(4, 1)).backward()
         opt_g.step()
+    return phases, net_g
+
+
+def test_a_registered_models_forward_and_optimizer_step_are_timed_as_such(tmp_path):
+    """DCGAN's generator (registered, the discriminator prepared): its forward and its
+    optimizer's step were timed as ``other``, the script's own time (with ngf=32,
+    0.31 s of a step's 0.32 s of other; forward and optimizer looked 25% and 2%)."""
+    session = Session(run_dir=tmp_path)
+    phases, net_g = _gan_phases(session, 12)
+    with torch.no_grad():
+        net_g(torch.randn(4, 3))  # outside any step: the script's own
+    session.finish()
+    assert phases == [*["forward", "optimizer"] * 3, "other"], phases
+
+
+def test_a_registered_models_forward_that_raised_leaves_later_ones_timed():
+    """The script catches a generator's error and skips the rest of the step: the call
+    never said it was done, and no later call of it or its optimizer was timed."""
+    session = Session()
+    phases, _ = _gan_phases(session, 16, fail_first=True)
     session.finish()
     assert phases == ["forward", *["forward", "optimizer"] * 3], phases
 

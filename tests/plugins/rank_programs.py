@@ -31,6 +31,17 @@ def mlp() -> nn.Module:
     )
 
 
+def seeded_mlp_and_shard(
+    rank: int, world_size: int, num_samples: int, batch_size: int
+) -> tuple[nn.Module, ResumableLoader]:
+    """Seed 0, the MLP, and this rank's shard of the synthetic images, in batches."""
+    seed_everything(0)
+    model = mlp()
+    dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=num_samples, seed=0)
+    sampler = ShardedSampler(len(dataset), rank, world_size, seed=0)
+    return model, ResumableLoader(dataset, batch_size, sampler)
+
+
 def sigint_held() -> bool:
     """Whether SIGINT is still blocked when a rank's function starts."""
     import signal
@@ -68,12 +79,7 @@ def train_mlp(
     (their bytes, in launch order), and ``started``: for each gradient, in the order they
     were computed, how many of the step's calls had started by then (event order, not
     clock readings)."""
-    seed_everything(0)
-    model = mlp()
-    dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=512, seed=0)
-    loader = ResumableLoader(
-        dataset, batch_size, ShardedSampler(len(dataset), rank, world_size, seed=0)
-    )
+    model, loader = seeded_mlp_and_shard(rank, world_size, 512, batch_size)
     built = []
     for name, settings in optimizations.items():
         settings = dict(settings)
@@ -113,12 +119,7 @@ def clipped_training(ways: list[str], steps: int = 5) -> dict[str, dict[str, Any
     results = {}
     try:
         for way in ways:
-            seed_everything(0)
-            model = mlp()
-            dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=0)
-            loader = ResumableLoader(
-                dataset, 16, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
-            )
+            model, loader = seeded_mlp_and_shard(world.rank, world.world_size, 256, 16)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
             session = None
             if way == "ddp":
@@ -168,13 +169,9 @@ def ddp_script_accumulating(steps: int = 4) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     try:
         for way in ("ddp", "port", "plain", "plain_synced", "plain_overlap"):
-            seed_everything(0)
             plain = way.startswith("plain")
-            model = mlp() if plain else nn.parallel.DistributedDataParallel(mlp())
-            dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=0)
-            loader: Any = ResumableLoader(
-                dataset, 8, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
-            )
+            model, loader = seeded_mlp_and_shard(world.rank, world.world_size, 256, 8)
+            model = model if plain else nn.parallel.DistributedDataParallel(model)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
             overlap = [get_optimization("ddp_overlap")(1.0)] if way == "plain_overlap" else []
             session = Session(overlap, device="cpu") if way != "ddp" else None
@@ -685,12 +682,7 @@ def node_local_checkpoints(
     its own auto-mode bound, so that left alone they would checkpoint at different steps."""
     world = init_world("cpu", "gloo")
     try:
-        seed_everything(0)
-        model = mlp()
-        dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=0)
-        loader = ResumableLoader(
-            dataset, 8, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
-        )
+        model, loader = seeded_mlp_and_shard(world.rank, world.world_size, 256, 8)
         if overheads is not None:
             knobs = {**knobs, "max_overhead": overheads[world.rank]}
         checkpoint = get_optimization("checkpoint")(**knobs)
@@ -918,12 +910,8 @@ def straggling_backward(ways: list[str], delay: float, steps: int = 4) -> dict[s
     results: dict[str, Any] = {}
     try:
         for way in ways:
-            seed_everything(0)
-            model = nn.parallel.DistributedDataParallel(mlp())
-            dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=256, seed=0)
-            loader = ResumableLoader(
-                dataset, 16, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
-            )
+            model, loader = seeded_mlp_and_shard(world.rank, world.world_size, 256, 16)
+            model = nn.parallel.DistributedDataParallel(model)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             session = Session([get_optimization("ddp_overlap")(1.0)], device="cpu")
             model, optimizer, loader = session.prepare(model, optimizer, loader)
@@ -962,12 +950,7 @@ def save_on_one_rank_first(run_dir: str, late_s: float, sessions: int = 1) -> di
     try:
         said: list[str] = []
         for _ in range(sessions):
-            seed_everything(0)
-            model = mlp()
-            dataset = SyntheticImages(SHAPE, num_classes=4, num_samples=64, seed=0)
-            loader = ResumableLoader(
-                dataset, 16, ShardedSampler(len(dataset), world.rank, world.world_size, seed=0)
-            )
+            model, loader = seeded_mlp_and_shard(world.rank, world.world_size, 64, 16)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             session = Session(device="cpu", run_dir=run_dir)
             model, optimizer, loader = session.prepare(model, optimizer, loader)
