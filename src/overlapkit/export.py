@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from .folders import nearest_existing
 from .optimizations.checkpoint.store import (
     CheckpointError,
     Manifest,
@@ -300,7 +301,7 @@ def _check_target(target: Path) -> None:
     if target.is_dir():
         raise ExportError(f"--to {target}: a folder; name the file to write")
     if not target.parent.is_dir():
-        place = next((p for p in target.parents if p.exists()), None)
+        place = nearest_existing(target.parent)
         if place is not None and not place.is_dir():
             raise ExportError(f"--to {target}: {place} is a file; name a file in a folder")
         raise ExportError(f"--to {target}: its folder {target.parent} does not exist")

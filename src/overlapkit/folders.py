@@ -96,3 +96,10 @@ def _lock(fd: int, folder: Path, way_out: str) -> None:
             f"in one folder would write over each other's checkpoints and results. Let it "
             f"finish or stop it, or {way_out}"
         ) from None
+
+
+def nearest_existing(path: Path) -> Path | None:
+    """``path`` or the nearest folder above it that exists (``..`` resolved first:
+    ``run/../x`` is ``x``, though ``run`` does not exist yet); None: none does."""
+    resolved = path.resolve()
+    return next((place for place in (resolved, *resolved.parents) if place.exists()), None)

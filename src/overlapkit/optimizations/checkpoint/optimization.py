@@ -17,7 +17,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-from ...folders import LOCK, claim, stamped
+from ...folders import LOCK, claim, nearest_existing, stamped
 from ...runtime import (
     CombinationError,
     Demand,
@@ -327,8 +327,7 @@ class Checkpoint(Optimization):
 
     def newest_step(self) -> int | None:
         """The step of the newest complete checkpoint (None: none yet)."""
-        entries = Manifest(self.root).read() if self.root is not None else []
-        return entries[-1]["step"] if entries else None
+        return self.newest_in(self.root) if self.root is not None else None
 
     @classmethod
     def save_to(cls, state: State, root: Path) -> Path:
@@ -612,14 +611,13 @@ def _check_folder(root: Path, writable: bool = True) -> None:
     (``..`` resolved first: ``run/../x`` is ``x``, though ``run`` does not exist yet), or
     (``writable``) the nearest that exists cannot be written (the run failed once its
     folder was made)."""
-    resolved = root.resolve()
-    for place in (resolved, *resolved.parents):
-        if place.exists():
-            if not place.is_dir():
-                raise CombinationError(f"checkpoint.dir {root}: {place} is a file; name a folder")
-            if writable and not os.access(place, os.W_OK | os.X_OK):
-                raise CombinationError(
-                    f"checkpoint.dir {root}: {place} cannot be written (read-only, or not "
-                    "yours); name a folder you can write to"
-                )
-            return
+    place = nearest_existing(root)
+    if place is None:
+        return
+    if not place.is_dir():
+        raise CombinationError(f"checkpoint.dir {root}: {place} is a file; name a folder")
+    if writable and not os.access(place, os.W_OK | os.X_OK):
+        raise CombinationError(
+            f"checkpoint.dir {root}: {place} cannot be written (read-only, or not "
+            "yours); name a folder you can write to"
+        )
