@@ -299,20 +299,40 @@ class TwoHeads(nn.Module):
         return features * 0, self.head(features)
 
 
+class CheckpointedSegments(nn.Module):
+    """Recomputes each hidden layer in backward (reentrant activation checkpointing,
+    as long-sequence scripts do): each segment's backward is a pass of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(192, 64)
+        self.segments = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3))
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x.flatten(1))
+        for segment in self.segments:
+            x = torch.utils.checkpoint.checkpoint(segment, x, use_reentrant=True)
+        return self.head(x)
+
+
 def backwards_the_session_cannot_see(steps: int = 4) -> dict[str, Any]:
     """In one 2-rank group, backward passes that never reach the output the session
     hooks: a loss on a model's second output only, and a second backward through a
     part of the model. Each way syncs with the flat all-reduce (the session's own,
     and ddp_overlap's no_overlap baseline), clipping the gradients before each step;
     returns each one's final parameters and the norms clipping saw, and the DDP
-    script's type checks."""
+    script's type checks. And the session's all-reduces per step of a model whose
+    segments are recomputed in backward, each segment's backward a pass of its own."""
     world = init_world("cpu", "gloo")
     results: dict[str, Any] = {}
     try:
         for sync in ("session", "no_overlap"):
-            for pattern in ("second_output", "part_of_the_model"):
+            for pattern in ("second_output", "part_of_the_model", "checkpointed_segments"):
                 seed_everything(0)
-                model: Any = TwoHeads()
+                model: Any = (
+                    CheckpointedSegments() if pattern == "checkpointed_segments" else TwoHeads()
+                )
                 chosen = [get_optimization("ddp_overlap")(0.0)] if sync == "no_overlap" else []
                 session = Session(chosen, device="cpu")
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -321,15 +341,18 @@ def backwards_the_session_cannot_see(steps: int = 4) -> dict[str, Any]:
                 norms = []
                 for inputs in session.steps(steps, [torch.randn(8, *SHAPE)] * steps):
                     optimizer.zero_grad()
-                    _, out = model(inputs)
+                    out = model(inputs)
+                    out = out if pattern == "checkpointed_segments" else out[1]
                     out.square().mean().backward()
                     if pattern == "part_of_the_model":
                         model.head(torch.randn(8, 4)).square().mean().backward()
                     norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
                     optimizer.step()
-                session.finish()
+                summary = session.finish()
                 params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
                 results[f"{sync}/{pattern}"] = params, norms
+                if sync == "session" and pattern == "checkpointed_segments":
+                    results[f"all-reduces/{pattern}"] = summary["grad_sync"]["calls"]
         seed_everything(0)
         chosen = [get_optimization("ddp_overlap")(0.0)]
         session = Session(chosen, device="cpu")

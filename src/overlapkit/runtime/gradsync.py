@@ -36,6 +36,9 @@ class BackwardEnd:
     ``backward()`` returns, however many times `arm` is called during the pass (as
     DDP's reducer queues its end-of-backward work). A pass that raised never calls
     it; the next pass arms afresh (passes are told apart by autograd's task id).
+    A backward run inside another's node (reentrant activation checkpointing runs
+    one per checkpointed segment) is not the end: its end arms the pass around it,
+    once that node is done, so the callback runs once, when the outermost ends.
     On a GPU the callback runs on the autograd thread that finishes the pass.
     ``last``: after the end-of-backward work queued behind it too (DDP's reducer
     queues its wait for the buckets' all-reduces once the last bucket is launched:
@@ -44,22 +47,29 @@ class BackwardEnd:
     def __init__(self, callback: Callable[[], None], last: bool = False) -> None:
         self._callback = callback
         self._last = last
-        self._armed_in: int | None = None
+        self._armed_in: set[int] = set()  # the passes (tasks) it is queued in
 
     def arm(self) -> None:
         task = torch._C._current_graph_task_id()
-        if task != self._armed_in:
-            self._armed_in = task
+        if task not in self._armed_in:
+            self._armed_in.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(self._ended)
 
     def _ended(self) -> None:
-        if self._last:  # queued again: after every callback queued since
+        self._armed_in.discard(torch._C._current_graph_task_id())
+        around = torch._C._current_autograd_node()  # the node that ran this pass, if any
+        if around is not None:
+            around.register_hook(self._around_done)
+        elif self._last:  # queued again: after every callback queued since
             torch.autograd.Variable._execution_engine.queue_callback(self._run)
         else:
             self._run()
 
+    def _around_done(self, *grads: Any) -> None:
+        self.arm()  # in the pass around, now current
+
     def _run(self) -> None:
-        self._armed_in = None
+        self._armed_in.clear()  # and any a pass that raised left
         self._callback()
 
 
