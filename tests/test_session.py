@@ -222,7 +222,9 @@ def test_a_gans_registered_generator_is_data_parallel_on_two_ranks():
     left alone, so each rank trained its own generator from its own start (0.12 apart
     after 12 DCGAN steps), silently. It is made data-parallel as the prepared model
     is: the plain script's parameters with both models in DDP, on every rank. A
-    loader read whole by every rank is noted (each epoch trained every sample twice)."""
+    loader read whole by every rank is noted (each epoch trained every sample twice).
+    A generator the script wrapped in DDP itself, its ``.module`` registered, is left
+    to DDP: it was all-reduced a second time, told it "came without" DDP."""
     import sys
     from pathlib import Path
 
@@ -232,6 +234,7 @@ def test_a_gans_registered_generator_is_data_parallel_on_two_ranks():
     from overlapkit.launch.local import launch_local
 
     ways = ["ddp", "plain", "ddp_overlap", "unsharded", "session_backward", "one_optimizer"]
+    ways.append("g_in_ddp")
     ranks = launch_local(gan_on_two_ranks, 2, ways)
     for rank in ranks.values():
         for way in ("plain", "ddp_overlap", "session_backward"):
@@ -244,6 +247,9 @@ def test_a_gans_registered_generator_is_data_parallel_on_two_ranks():
         assert "every rank reads the whole" in unsharded
         assert "tied shares parameters with the prepared model" in unsharded
         assert "net_g came without" in " ".join(rank["one_optimizer"]["notes"])
+        assert "net_g came without" not in " ".join(rank["g_in_ddp"]["notes"])
+        for net in ("d", "g"):
+            assert torch.allclose(rank["g_in_ddp"][net], rank["ddp"][net], atol=1e-6), net
     for way in ("plain", "session_backward", "one_optimizer"):
         assert torch.equal(ranks[0][way]["g"], ranks[1][way]["g"]), way
         # Averaged when backward returns, before the optimizer's step: a script

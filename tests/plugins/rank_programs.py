@@ -222,7 +222,8 @@ def gan_on_two_ranks(ways: list[str], steps: int = 4) -> dict[str, Any]:
     without a DistributedSampler, and a third model registered that shares a layer
     with the discriminator; ``session_backward``: as ``plain``, the generator's loss
     through ``session.backward``; ``one_optimizer``: one optimizer over both models,
-    prepared, the generator registered alone. Returns each way's final parameters per
+    prepared, the generator registered alone; ``g_in_ddp``: as ``plain``, the generator
+    in the script's own DistributedDataParallel, its ``.module`` registered. Returns each way's final parameters per
     model, the generator's gradients after its first backward, and the session's
     notes."""
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -245,9 +246,10 @@ def gan_on_two_ranks(ways: list[str], steps: int = 4) -> dict[str, Any]:
             if way == "one_optimizer":
                 opt_d = opt_g = torch.optim.Adam([*net_d.parameters(), *net_g.parameters()])
             session = None
+            if way in ("ddp", "g_in_ddp"):
+                net_g = nn.parallel.DistributedDataParallel(net_g)
             if way == "ddp":
                 net_d = nn.parallel.DistributedDataParallel(net_d)
-                net_g = nn.parallel.DistributedDataParallel(net_g)
             else:
                 chosen = [get_optimization("ddp_overlap")(1.0)] if way == "ddp_overlap" else []
                 session = Session(chosen, device="cpu")
@@ -256,7 +258,7 @@ def gan_on_two_ranks(ways: list[str], steps: int = 4) -> dict[str, Any]:
                     tied = nn.Sequential(net_d[0], nn.ReLU(), nn.Linear(8, 4))
                     more |= {"tied": tied, "opt_t": torch.optim.SGD(tied[2].parameters(), 0.1)}
                 net_d, opt_d, loader = session.prepare(net_d, opt_d, loader)
-                session.start(net_g=net_g, **more)
+                session.start(net_g=getattr(net_g, "module", net_g), **more)
             bce = nn.BCEWithLogitsLoss()
             first: dict[str, torch.Tensor] = {}
             for (batch,) in loader:

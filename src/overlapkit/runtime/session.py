@@ -50,6 +50,7 @@ from .arguments import (
     check_prepare_arguments,
     check_session_arguments,
     check_total_steps,
+    wrapped_in_ddp,
 )
 from .batch import batch_size, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
@@ -363,12 +364,14 @@ class Session(EpochLoop, SavedState):
         averaged with one flat all-reduce when a backward that reached them ends, and
         what none synced is before its optimizer's step. Left alone, each rank trained
         its own, silently. One the script wrapped in DistributedDataParallel syncs
-        itself; one that shares parameters with the prepared model is told, not synced."""
+        itself (registered as the wrapper or as its ``.module``); one that shares
+        parameters with the prepared model is told, not synced."""
         state = self.state
         if state.dp.size < 2 or self._raw_model is None or not self.runs_a_script:
             return
         prepared = {id(p) for p in self._raw_model.parameters()}
         trainers = [*state.other_optimizers, *([state.optimizer] if state.optimizer else [])]
+        in_ddp: set[int] | None = None  # looked for once a module would be synced
         for name, obj in self._stateful.items():
             if not isinstance(obj, nn.Module) or isinstance(obj, DistributedDataParallel):
                 continue
@@ -380,6 +383,10 @@ class Session(EpochLoop, SavedState):
                 if any(id(p) in own for g in optimizer.param_groups for p in g["params"])
             ]
             if not optimizers:
+                continue
+            if in_ddp is None:
+                in_ddp = wrapped_in_ddp()
+            if id(obj) in in_ddp:  # the script's own DDP syncs it
                 continue
             if params & prepared:
                 self._note(
