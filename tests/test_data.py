@@ -1,6 +1,8 @@
 """Datasets and loaders: determinism, sharding, resumable position, local folders."""
 
+import os
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -316,3 +318,34 @@ def test_a_killed_scripts_loader_workers_end_with_it(tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"workers {left} outlived their killed script"
+
+
+def test_a_worker_whose_loader_process_died_before_it_started_ends():
+    """A worker adopted before its init ran (its loader's process killed while it
+    started) watched its new parent for good, with its memory: it ends at once. One
+    whose parent is a live process that did not build the loader (a forkserver) runs."""
+    import subprocess
+
+    from overlapkit.data.worker_watch import EndsWithParent
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    code = (
+        "import pickle, sys, time; init = pickle.loads(sys.stdin.buffer.read()); "
+        "init(0); time.sleep(0.5); print('ran')"
+    )
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for maker, expected in ((gone.pid, ""), (live.pid, "ran\n"), (os.getpid(), "ran\n")):
+            init = EndsWithParent(None)
+            init.maker = maker
+            worker = subprocess.run(
+                [sys.executable, "-c", code],
+                input=pickle.dumps(init),
+                capture_output=True,
+                timeout=60,
+            )
+            assert worker.returncode == 0, worker.stderr
+            assert worker.stdout.decode() == expected, maker
+    finally:
+        live.kill()

@@ -20,13 +20,19 @@ CHECK_EVERY_S = 1.0
 
 class EndsWithParent:
     """A worker init function: a thread that ends the worker (``os._exit``) once its
-    parent is gone, then ``init`` (the loader's own), if any."""
+    parent is gone, then ``init`` (the loader's own), if any. Made in the process that
+    builds the loader: a worker whose parent is no longer that process, which no longer
+    lives, lost it before it started (it was adopted) and ends at once. A live one is
+    not the parent under a forkserver or spawn context: the worker watches its own."""
 
     def __init__(self, init: Callable[[int], None] | None) -> None:
         self.init = init
+        self.maker = os.getpid()
 
     def __call__(self, worker_id: int) -> None:
         parent = os.getppid()
+        if parent != self.maker and not _alive(self.maker):
+            os._exit(0)
 
         def watch() -> None:
             while os.getppid() == parent:
@@ -36,6 +42,16 @@ class EndsWithParent:
         threading.Thread(target=watch, name="overlapkit-parent-watch", daemon=True).start()
         if self.init is not None:
             self.init(worker_id)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process now holds the number
+        return False
+    return True
 
 
 def ends_with_parent(init: Callable[[int], None] | None) -> EndsWithParent:
