@@ -1,6 +1,5 @@
 """Datasets and loaders: determinism, sharding, resumable position, local folders."""
 
-import os
 import pickle
 import sys
 
@@ -320,32 +319,40 @@ def test_a_killed_scripts_loader_workers_end_with_it(tmp_path):
     assert not left, f"workers {left} outlived their killed script"
 
 
-def test_a_worker_whose_loader_process_died_before_it_started_ends():
-    """A worker adopted before its init ran (its loader's process killed while it
-    started) watched its new parent for good, with its memory: it ends at once. One
-    whose parent is a live process that did not build the loader (a forkserver) runs."""
+def test_a_worker_ends_with_its_loaders_process_even_when_that_is_not_its_parent():
+    """Under forkserver (Python 3.14's default start method) or spawn, a worker's parent
+    is a server that outlives the rank: watching the parent, the worker outlived a
+    killed rank for good. It now ends with the process that built its loader, also when
+    that one died before the worker's init ran (it was adopted, and stayed)."""
     import subprocess
 
     from overlapkit.data.worker_watch import EndsWithParent
 
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
     code = (
         "import pickle, sys, time; init = pickle.loads(sys.stdin.buffer.read()); "
-        "init(0); time.sleep(0.5); print('ran')"
+        "init(0); print('started', flush=True); time.sleep(60)"
     )
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def worker_of(maker: int) -> subprocess.Popen:
+        init = EndsWithParent(None)
+        init.maker = maker  # a loader built there, not in this worker's parent (the test)
+        worker = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        worker.stdin.write(pickle.dumps(init))
+        worker.stdin.close()
+        return worker
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    early = worker_of(gone.pid)
+    assert early.wait(60) == 0 and early.stdout.read() == b""
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker = worker_of(rank.pid)
     try:
-        for maker, expected in ((gone.pid, ""), (live.pid, "ran\n"), (os.getpid(), "ran\n")):
-            init = EndsWithParent(None)
-            init.maker = maker
-            worker = subprocess.run(
-                [sys.executable, "-c", code],
-                input=pickle.dumps(init),
-                capture_output=True,
-                timeout=60,
-            )
-            assert worker.returncode == 0, worker.stderr
-            assert worker.stdout.decode() == expected, maker
+        assert worker.stdout.readline() == b"started\n"
+        rank.kill()
+        assert worker.wait(30) == 0  # not its 60 s of sleep, and no kill of ours
     finally:
-        live.kill()
+        rank.kill()
+        worker.kill()

@@ -5,12 +5,13 @@ killer) and leaves its loop, but its exit then waits for the thread that writes 
 batches into the shared result pipe. Batches that travel by value (numpy arrays, lists)
 fill that pipe, and every worker holds the pipe's read end too (inherited at fork), so
 the write never fails and the worker never exits: it stays, with its memory, for good.
-An overlapkit loader's workers end at once when their parent is gone.
+An overlapkit loader's workers end at once when the process that built it is gone.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -19,39 +20,38 @@ CHECK_EVERY_S = 1.0
 
 
 class EndsWithParent:
-    """A worker init function: a thread that ends the worker (``os._exit``) once its
-    parent is gone, then ``init`` (the loader's own), if any. Made in the process that
-    builds the loader: a worker whose parent is no longer that process, which no longer
-    lives, lost it before it started (it was adopted) and ends at once. A live one is
-    not the parent under a forkserver or spawn context: the worker watches its own."""
+    """A worker init function: a thread that ends the worker (``os._exit``) once the
+    process that built its loader is gone, then ``init`` (the loader's own), if any.
+    That process is the worker's parent under the fork context; under forkserver (Python
+    3.14's default) or spawn the parent is a server that outlives it, so that process
+    is watched itself (a pidfd: woken when it ends; where there is none, the parent is
+    polled). A worker whose loader's process died before its init ran ends at once."""
 
     def __init__(self, init: Callable[[int], None] | None) -> None:
         self.init = init
         self.maker = os.getpid()
 
     def __call__(self, worker_id: int) -> None:
-        parent = os.getppid()
-        if parent != self.maker and not _alive(self.maker):
+        try:
+            maker: int | None = os.pidfd_open(self.maker)
+        except ProcessLookupError:  # already gone
             os._exit(0)
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(CHECK_EVERY_S)
-            os._exit(0)
-
-        threading.Thread(target=watch, name="overlapkit-parent-watch", daemon=True).start()
+        except (AttributeError, OSError):  # no pidfds here
+            maker = None
+        threading.Thread(
+            target=_end_with, args=(maker, os.getppid()), name="overlapkit-maker-watch", daemon=True
+        ).start()
         if self.init is not None:
             self.init(worker_id)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process now holds the number
-        return False
-    return True
+def _end_with(maker: int | None, parent: int) -> None:
+    if maker is not None:
+        select.select([maker], [], [])  # readable once that process has ended
+    else:
+        while os.getppid() == parent:
+            time.sleep(CHECK_EVERY_S)
+    os._exit(0)
 
 
 def ends_with_parent(init: Callable[[int], None] | None) -> EndsWithParent:
