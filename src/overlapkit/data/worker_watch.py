@@ -20,12 +20,12 @@ CHECK_EVERY_S = 1.0
 
 
 class EndsWithParent:
-    """A worker init function: a thread that ends the worker (``os._exit``) once the
-    process that built its loader is gone, then ``init`` (the loader's own), if any.
-    That process is the worker's parent under the fork context; under forkserver (Python
-    3.14's default) or spawn the parent is a server that outlives it, so that process
-    is watched itself (a pidfd: woken when it ends; where there is none, the parent is
-    polled). A worker whose loader's process died before its init ran ends at once."""
+    """A worker init function: a thread that ends the worker (``os._exit``) once its
+    parent or the process that built its loader is gone, then ``init`` (the loader's
+    own), if any. Under the fork context they are one; under forkserver (Python 3.14's
+    default) or spawn the parent is a server that outlives a killed rank, so the
+    loader's process is watched too (through a pidfd, where there are pidfds). A
+    worker whose loader's process died before its init ran ends at once."""
 
     def __init__(self, init: Callable[[int], None] | None) -> None:
         self.init = init
@@ -46,11 +46,12 @@ class EndsWithParent:
 
 
 def _end_with(maker: int | None, parent: int) -> None:
-    if maker is not None:
-        select.select([maker], [], [])  # readable once that process has ended
-    else:
-        while os.getppid() == parent:
+    """Ends this process once ``maker`` (a pidfd) or its parent has ended."""
+    while os.getppid() == parent:
+        if maker is None:
             time.sleep(CHECK_EVERY_S)
+        elif select.select([maker], [], [], CHECK_EVERY_S)[0]:  # readable: it ended
+            break
     os._exit(0)
 
 
