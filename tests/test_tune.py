@@ -943,6 +943,21 @@ def test_a_trial_line_fits_80_columns_and_keeps_the_whole_setting():
     assert _lines(short, 80) == (
         "trial   -1    900.0 samples/s  goodput    890.0  search  prefetch 1"
     )  # one line where it fits
+    # A killed trial says what killed it (it said the run's last line: "killed: overlapkit:
+    # run folder ..."), and a long error is cut to the 80 columns (it took 108).
+    for kind, reason, said in (
+        ("killed", "killed by SIGKILL (out of memory?)\noverlapkit: run folder /x/run", "SIGKILL"),
+        ("crashed", "exit status 1\n" + "RuntimeError: " + "a very long error " * 6, "Runtime"),
+    ):
+        failed = optuna.trial.create_trial(
+            params={"prefetch.intensity": 1.0},
+            distributions={"prefetch.intensity": FloatDistribution(0, 1)},
+            state=optuna.trial.TrialState.FAIL,
+            user_attrs={"role": "baseline", "failure": kind, "reason": reason},
+        )
+        first = _lines(failed, 80).splitlines()[0]
+        assert f"failed ({kind}: " in first and said in first and "baseline" in first
+        assert len(first) <= 80, first
 
 
 def _open_at_once(url, barrier, results):

@@ -271,6 +271,15 @@ def _worker_process(*args: Any) -> None:
         sys.exit(130)
 
 
+def _headline(kind: str, trial: FrozenTrial) -> str:
+    """What a failed trial's line says of it: the signal that killed its run (its reason
+    goes on with the run's last lines), or the error it ended with (the last line)."""
+    reason = str(trial.user_attrs.get("reason", "")).splitlines()
+    if not reason:
+        return ""
+    return reason[0] if kind == "killed" else reason[-1]
+
+
 def _lines(trial: FrozenTrial, width: int) -> str:
     """One line per trial: its number, result, role and setting; when that would not fit
     in ``width`` columns, the setting goes on indented lines of its own."""
@@ -282,9 +291,10 @@ def _lines(trial: FrozenTrial, width: int) -> str:
     elif trial.state == TrialState.PRUNED:
         result = "pruned".ljust(38)
     else:
-        reason = str(trial.user_attrs.get("reason", "")).splitlines()
-        said = textwrap.shorten(reason[-1], 90, placeholder=" ...") if reason else ""
-        result = f"failed ({trial.user_attrs.get('failure', 'error')}: {said})"
+        kind = trial.user_attrs.get("failure", "error")
+        room = width - len(f"trial {trial.number:4d} failed ({kind}: )  {role}")
+        said = textwrap.shorten(_headline(kind, trial), max(room, 20), placeholder=" ...")
+        result = f"failed ({kind}: {said})"
     head = f"trial {trial.number:4d} {result}  {role}"
     if len(f"{head}  {params}") <= width:
         return f"{head}  {params}"
