@@ -21,7 +21,8 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,11 +38,26 @@ if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
 _FAILURE_DIR_ENV = "OVERLAPKIT_FAILURE_DIR"
-# multiprocessing's resource tracker, started for the ranks' queues, warned of "leaked
-# semaphore objects" it then cleaned up when a rank was killed (SIGKILL, the OOM killer):
-# a line under the run's own error that asks nothing of anyone. It reads its warning
-# filters from the environment it starts in.
+# multiprocessing's resource tracker, started for the ranks' queues (or shared by tune's
+# trials), warned of "leaked semaphore objects" it then cleaned up when a rank or trial
+# was killed (SIGKILL, the OOM killer): a line under the run's own error that asks
+# nothing of anyone. It reads its warning filters from the environment it starts in.
 _TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+@contextmanager
+def resource_tracker_quiet() -> Iterator[None]:
+    """Processes started inside (the ranks, tune's forkserver) start multiprocessing's
+    resource tracker, if they do, without its "leaked semaphore objects" warning."""
+    warnings = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (warnings, _TRACKER_QUIET)))
+    try:
+        yield
+    finally:
+        if warnings is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = warnings
 
 
 class RankFailedError(RuntimeError):
@@ -192,12 +208,11 @@ def launch_local(
     with (
         tempfile.TemporaryDirectory(prefix="overlapkit-ranks-") as failures,
         ranks_hold_ctrl_c_until_ready(Path(failures)),
+        resource_tracker_quiet(),
     ):
         config = _launch_config(nprocs, node)
         previous = os.environ.get(_FAILURE_DIR_ENV)
         os.environ[_FAILURE_DIR_ENV] = failures  # inherited by the ranks
-        warnings = os.environ.get("PYTHONWARNINGS")
-        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (warnings, _TRACKER_QUIET)))
         try:
             return elastic_launch(config, _run_rank)(fn, *args)
         except SignalException as error:
@@ -236,11 +251,10 @@ def launch_local(
                 message = message.get("message", str(message))
             raise RankFailedError(rank, f"{message} (exit code {failure.exitcode})") from None
         finally:
-            for name, value in ((_FAILURE_DIR_ENV, previous), ("PYTHONWARNINGS", warnings)):
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            if previous is None:
+                os.environ.pop(_FAILURE_DIR_ENV, None)
+            else:
+                os.environ[_FAILURE_DIR_ENV] = previous
             for s, handler in handlers.items():
                 signal.signal(s, handler)
 

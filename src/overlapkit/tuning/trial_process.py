@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..launch.local import resource_tracker_quiet
+
 PRELOAD = [
     "overlapkit.tuning.quiet_server",  # first: Ctrl-C while the server imports, ignored
     "torch",
@@ -54,7 +56,8 @@ def start_trial_process(
     process = context.Process(
         target=command_main, args=(command, str(stdout), str(stderr), env), daemon=False
     )
-    process.start()
+    with resource_tracker_quiet():  # the first start starts the server and the tracker
+        process.start()
     return _Forked(process)
 
 
