@@ -4,7 +4,7 @@ and fast_neural_style (a transformer net trained against a frozen VGG16's featur
 
 import pytest
 import torch
-from pytorch_examples import on_two_ranks, time_sequence_prediction
+from pytorch_examples import fast_neural_style, on_two_ranks, time_sequence_prediction
 
 from overlapkit import Session, get_optimization
 from overlapkit.launch.local import launch_local
@@ -67,3 +67,34 @@ def test_an_lbfgs_port_on_two_ranks_averages_every_evaluation_and_profiles_its_s
     assert sum(size["calls"] for size in profile["classes"]) == 39  # from the 2nd on
     assert overlap["buckets_per_step"] == 20
     assert overlap["overlap"]["hidden_fraction"] == 0.0
+
+
+def test_an_lbfgs_port_resumes_its_history_exactly(tmp_path):
+    """LBFGS keeps its history (lists of tensors it appends to and pops in place) in
+    its state (12 pairs after one step): a run stopped after its first step and
+    resumed gives the losses and parameters of the run never stopped."""
+    straight = time_sequence_prediction(Session(device="cpu"), steps=2)
+    session = Session([Checkpoint(every=1)], device="cpu", run_dir=tmp_path)
+    first = time_sequence_prediction(session, steps=2, stop_at=1)
+    resumed = time_sequence_prediction(
+        Session([Checkpoint(every=1)], device="cpu", run_dir=tmp_path), steps=2
+    )
+    assert first["losses"] + resumed["losses"] == straight["losses"]
+    assert torch.equal(resumed["params"], straight["params"])
+
+
+def test_a_frozen_loss_network_is_left_as_it_is_and_resumes_exactly(tmp_path):
+    """fast_neural_style's VGG16 (requires_grad False), registered or not: the port
+    gives the script's losses, the VGG is never changed, and a resume is exact."""
+    plain = fast_neural_style(None)
+    for register_vgg in (False, True):
+        port = fast_neural_style(Session(device="cpu"), register_vgg=register_vgg)
+        assert port["losses"] == plain["losses"], register_vgg
+        assert torch.equal(port["params"], plain["params"]) and torch.equal(
+            port["vgg"], plain["vgg"]
+        )
+    run = [Checkpoint(every=2, final=False)]
+    first = fast_neural_style(Session(run, run_dir=tmp_path), register_vgg=True, stop_after=3)
+    resumed = fast_neural_style(Session(run, run_dir=tmp_path), register_vgg=True)
+    assert first["losses"][:2] + resumed["losses"] == plain["losses"]  # from step 2
+    assert torch.equal(resumed["params"], plain["params"])
