@@ -107,6 +107,9 @@ class PlainCalls:
         # Looked for while checkpointing, until found once (`_look_for_carried_state`).
         self._carried: CarriedState | None = None
         self._timing: Any = None  # the registered model or optimizer timed now
+        # The phase the script's forwards and backwards return to: the optimizer's
+        # inside its step (LBFGS's closure runs them there, its own work between).
+        self._resting = "other"
 
     @property
     def in_session_call(self) -> bool:
@@ -151,8 +154,9 @@ class PlainCalls:
 
     def step_starts(self) -> None:
         """A registered model's call that raised never said it was done: a new step
-        times the next one afresh."""
+        times the next one afresh (and an optimizer step that raised, the same)."""
         self._timing = None
+        self._resting = "other"
 
     def _timed_done(self, owner: Any) -> None:
         if self._timing is owner:
@@ -221,7 +225,7 @@ class PlainCalls:
         if not self._plain(module):
             return
         session = self.session
-        session.state.clock.switch("other")
+        session.state.clock.switch(self._resting)
         session.scheduler.fire(Event.AFTER_FORWARD, session.state)
         tensor = _first_tensor_with_grad(output)
         if tensor is not None:
@@ -266,7 +270,7 @@ class PlainCalls:
         all-reduce's own hooks also sync when the output was not reached)."""
         session = self.session
         if session.state.clock.current == "backward":
-            session.state.clock.switch("other")
+            session.state.clock.switch(self._resting)
             session.scheduler.fire(Event.AFTER_BACKWARD, session.state)
         session.backward_ended()
 
@@ -288,10 +292,12 @@ class PlainCalls:
             session.state.clock.switch("other")
             session.scheduler.fire(Event.AFTER_BACKWARD, session.state)
         session.before_optimizer_step()
+        self._resting = "optimizer"
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.in_session_call or not self.session.in_step:
             return
+        self._resting = "other"
         self.session.after_optimizer_step()
 
 

@@ -142,9 +142,13 @@ class DDPOverlap(Optimization):
         self._timer: BucketTimer | None = None
         self._marks = Marks()
         self._flat: GradientSync | None = None  # the no-overlap baseline
-        self._unread: deque[SyncTiming] = deque()  # measured syncs, times not read yet
+        # Measured syncs and their steps, times not read yet (a step may sync several
+        # times: each of LBFGS's closure's backwards, each of a GAN's).
+        self._unread: deque[tuple[int, SyncTiming]] = deque()
         self._syncs = 0
         self._profiled_steps = 0
+        self._read_step: int | None = None  # the step of the sync read last
+        self._measured_calls = 0  # of the step's calls, those an earlier backward measured
         self._comm_busy_s = 0.0
         self._comm_exposed_s = 0.0
         self._last_buckets: list[int] = []
@@ -269,8 +273,9 @@ class DDPOverlap(Optimization):
     def on_step_start(self, state: State) -> None:
         if self._timer is not None:
             self._timer.calls = []
-        while self._unread and self._unread[0].ready():
-            self._read(self._unread.popleft())
+            self._measured_calls = 0
+        while self._unread and self._unread[0][1].ready():
+            self._read(*self._unread.popleft())
 
     def on_before_forward(self, state: State) -> None:
         if self.ddp is not None and state.accumulate > 1:
@@ -284,8 +289,10 @@ class DDPOverlap(Optimization):
             self._flat.backward_ended()
         elif self._timer is not None:
             self._syncs += 1
-            if self._timer.calls:
-                self._measure(state, SyncTiming(self._timer.calls, self._marks))
+            calls = self._timer.calls[self._measured_calls :]  # this backward's own
+            self._measured_calls = len(self._timer.calls)
+            if calls:
+                self._measure(state, SyncTiming(calls, self._marks))
 
     def on_before_optimizer_step(self, state: State) -> None:
         if self._flat is not None:
@@ -310,22 +317,24 @@ class DDPOverlap(Optimization):
             state.clock.reattribute("backward", "comm_exposed", timing.exposed)
         if state.is_warmup or self._syncs < PROFILE_FROM_SYNC:
             return
-        self._unread.append(timing)
+        self._unread.append((state.step, timing))
 
-    def _read(self, timing: SyncTiming) -> None:
+    def _read(self, step: int, timing: SyncTiming) -> None:
         exposed, busy, calls = timing.values()
         factor = wire_bytes_factor(self.settings["comm_hook"])
         for nbytes, latency in calls:
             self.profile.add(int(nbytes * factor), latency)
-        self._profiled_steps += 1
+        if step != self._read_step:  # the step's first sync
+            self._read_step, self._last_buckets = step, []
+            self._profiled_steps += 1
         self._comm_busy_s += busy
         self._comm_exposed_s += exposed
-        self._last_buckets = [int(nbytes * factor) for nbytes, _ in calls]
+        self._last_buckets += [int(nbytes * factor) for nbytes, _ in calls]
 
     # ---------------------------------------------------------------- results
     def summary(self) -> dict[str, Any]:
         while self._unread:
-            self._read(self._unread.popleft())
+            self._read(*self._unread.popleft())
         steps = self._profiled_steps
         busy = self._comm_busy_s / steps if steps else None
         exposed = self._comm_exposed_s / steps if steps else None

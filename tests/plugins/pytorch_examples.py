@@ -1,0 +1,326 @@
+"""Two pytorch/examples scripts ported to the Session API, kept close to the originals
+(small sizes; nothing downloaded: synthetic data, VGG16 randomly initialised).
+
+- ``time_sequence_prediction/train.py``: an LSTM trained with LBFGS, whose
+  ``optimizer.step(closure)`` runs forward and backward up to 20 times per step.
+- ``fast_neural_style/neural_style/neural_style.py`` (train): a transformer net
+  trained with Adam against a frozen VGG16's features.
+
+Each runs as the plain script (``session=None``) or ported; the 2-rank programs run
+inside `launch_local`'s ranks (gloo on localhost)."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import LBFGS, Adam
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from overlapkit import Session, get_optimization
+from overlapkit.runtime.distributed import init_world
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+# ------------------------------------------------------ time_sequence_prediction
+class Sequence(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm1 = nn.LSTMCell(1, 51)
+        self.lstm2 = nn.LSTMCell(51, 51)
+        self.linear = nn.Linear(51, 1)
+
+    def forward(self, input, future=0):
+        outputs = []
+        h_t = torch.zeros(input.size(0), 51, dtype=torch.double)
+        c_t = torch.zeros(input.size(0), 51, dtype=torch.double)
+        h_t2 = torch.zeros(input.size(0), 51, dtype=torch.double)
+        c_t2 = torch.zeros(input.size(0), 51, dtype=torch.double)
+        for input_t in input.split(1, dim=1):
+            h_t, c_t = self.lstm1(input_t, (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            output = self.linear(h_t2)
+            outputs += [output]
+        for _ in range(future):  # if we should predict the future
+            h_t, c_t = self.lstm1(output, (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            output = self.linear(h_t2)
+            outputs += [output]
+        return torch.cat(outputs, dim=1)
+
+
+def sine_waves(N: int = 7, L: int = 40, T: int = 20) -> np.ndarray:
+    """generate_sine_wave.py's data (it saves traindata.pt), N waves of length L."""
+    rng = np.random.RandomState(2)
+    x = np.empty((N, L), "int64")
+    x[:] = np.array(range(L)) + rng.randint(-4 * T, 4 * T, N).reshape(N, 1)
+    return np.sin(x / 1.0 / T).astype("float64")
+
+
+def time_sequence_prediction(
+    session: Session | None,
+    steps: int = 3,
+    stop_at: int | None = None,
+) -> dict[str, Any]:
+    """train.py's loop: ``steps`` LBFGS steps over the whole training set, a test
+    prediction after each (no plot). Ported: the training set is the one batch of a
+    list given to `prepare`, each epoch one step; ``stop_at``: the script stops before
+    that step (a checkpoint resumes it). On several ranks each trains its shard of the
+    rows. Returns every closure's loss, the test losses, the parameters and the summary."""
+    np.random.seed(0)
+    torch.manual_seed(0)
+    data = sine_waves()
+    shard = session.data_shard if session is not None else (0, 1)
+    input = torch.from_numpy(data[3:, :-1])[shard[0] :: shard[1]]
+    target = torch.from_numpy(data[3:, 1:])[shard[0] :: shard[1]]
+    test_input = torch.from_numpy(data[:3, :-1])
+    test_target = torch.from_numpy(data[:3, 1:])
+    seq = Sequence()
+    seq.double()
+    criterion = nn.MSELoss()
+    optimizer = LBFGS(seq.parameters(), lr=0.8)
+    loader: Any = [(input, target)]
+    first = 0
+    if session is not None:
+        seq, optimizer, loader = session.prepare(seq, optimizer, loader)
+        first = session.start().epoch
+    losses, test_losses = [], []
+    for i in range(first, steps):
+        if i == stop_at:
+            break
+        for input, target in loader:
+
+            def closure():
+                optimizer.zero_grad()
+                out = seq(input)  # noqa: B023 - called in this iteration, as in train.py
+                loss = criterion(out, target)  # noqa: B023
+                losses.append(loss.item())
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+        with torch.no_grad():
+            future = 20
+            pred = seq(test_input, future=future)
+            test_losses.append(criterion(pred[:, :-future], test_target).item())
+    summary = session.finish() if session is not None else None
+    return {"losses": losses, "test": test_losses, "params": flat(seq), "summary": summary}
+
+
+# ------------------------------------------------------------- fast_neural_style
+class ConvLayer(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, stride):
+        super().__init__()
+        self.reflection_pad = nn.ReflectionPad2d(kernel_size // 2)
+        self.conv2d = nn.Conv2d(in_channels, out_channels, kernel_size, stride)
+
+    def forward(self, x):
+        return self.conv2d(self.reflection_pad(x))
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = ConvLayer(channels, channels, kernel_size=3, stride=1)
+        self.in1 = nn.InstanceNorm2d(channels, affine=True)
+        self.conv2 = ConvLayer(channels, channels, kernel_size=3, stride=1)
+        self.in2 = nn.InstanceNorm2d(channels, affine=True)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        out = self.relu(self.in1(self.conv1(x)))
+        return self.in2(self.conv2(out)) + x
+
+
+class UpsampleConvLayer(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, stride, upsample=None):
+        super().__init__()
+        self.upsample = upsample
+        self.reflection_pad = nn.ReflectionPad2d(kernel_size // 2)
+        self.conv2d = nn.Conv2d(in_channels, out_channels, kernel_size, stride)
+
+    def forward(self, x):
+        if self.upsample:
+            x = nn.functional.interpolate(x, mode="nearest", scale_factor=self.upsample)
+        return self.conv2d(self.reflection_pad(x))
+
+
+class TransformerNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = ConvLayer(3, 32, kernel_size=9, stride=1)
+        self.in1 = nn.InstanceNorm2d(32, affine=True)
+        self.conv2 = ConvLayer(32, 64, kernel_size=3, stride=2)
+        self.in2 = nn.InstanceNorm2d(64, affine=True)
+        self.conv3 = ConvLayer(64, 128, kernel_size=3, stride=2)
+        self.in3 = nn.InstanceNorm2d(128, affine=True)
+        self.res = nn.Sequential(*[ResidualBlock(128) for _ in range(5)])
+        self.deconv1 = UpsampleConvLayer(128, 64, kernel_size=3, stride=1, upsample=2)
+        self.in4 = nn.InstanceNorm2d(64, affine=True)
+        self.deconv2 = UpsampleConvLayer(64, 32, kernel_size=3, stride=1, upsample=2)
+        self.in5 = nn.InstanceNorm2d(32, affine=True)
+        self.deconv3 = ConvLayer(32, 3, kernel_size=9, stride=1)
+        self.relu = nn.ReLU()
+
+    def forward(self, X):
+        y = self.relu(self.in1(self.conv1(X)))
+        y = self.relu(self.in2(self.conv2(y)))
+        y = self.relu(self.in3(self.conv3(y)))
+        y = self.res(y)
+        y = self.relu(self.in4(self.deconv1(y)))
+        y = self.relu(self.in5(self.deconv2(y)))
+        return self.deconv3(y)
+
+
+def vgg16_features() -> nn.Sequential:
+    """torchvision's ``vgg16().features`` up to relu4_3 (its indices), randomly
+    initialised: the real script downloads ImageNet weights."""
+    layers: list[nn.Module] = []
+    channels = 3
+    for width in (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512):
+        if width == "M":
+            layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
+        else:
+            layers += [nn.Conv2d(channels, width, kernel_size=3, padding=1), nn.ReLU()]
+            channels = width
+    return nn.Sequential(*layers)
+
+
+class Vgg16(nn.Module):
+    def __init__(self, requires_grad=False):
+        super().__init__()
+        features = vgg16_features()
+        self.slice1, self.slice2 = nn.Sequential(), nn.Sequential()
+        self.slice3, self.slice4 = nn.Sequential(), nn.Sequential()
+        for x in range(4):
+            self.slice1.add_module(str(x), features[x])
+        for x in range(4, 9):
+            self.slice2.add_module(str(x), features[x])
+        for x in range(9, 16):
+            self.slice3.add_module(str(x), features[x])
+        for x in range(16, 23):
+            self.slice4.add_module(str(x), features[x])
+        if not requires_grad:
+            for param in self.parameters():
+                param.requires_grad = False
+
+    def forward(self, X):
+        h_relu1_2 = h = self.slice1(X)
+        h_relu2_2 = h = self.slice2(h)
+        h_relu3_3 = h = self.slice3(h)
+        h_relu4_3 = self.slice4(h)
+        vgg_outputs = namedtuple("VggOutputs", ["relu1_2", "relu2_2", "relu3_3", "relu4_3"])
+        return vgg_outputs(h_relu1_2, h_relu2_2, h_relu3_3, h_relu4_3)
+
+
+def gram_matrix(y):
+    (b, ch, h, w) = y.size()
+    features = y.view(b, ch, w * h)
+    return features.bmm(features.transpose(1, 2)) / (ch * h * w)
+
+
+def normalize_batch(batch):
+    mean = batch.new_tensor([0.485, 0.456, 0.406]).view(-1, 1, 1)
+    std = batch.new_tensor([0.229, 0.224, 0.225]).view(-1, 1, 1)
+    batch = batch.div_(255.0)
+    return (batch - mean) / std
+
+
+def fast_neural_style(
+    session: Session | None,
+    epochs: int = 2,
+    stop_after: int | None = None,
+    register_vgg: bool = False,
+    vgg_seed: int = 0,
+    batch_size: int = 2,
+    images: int = 6,
+    size: int = 16,
+) -> dict[str, Any]:
+    """neural_style.py's train(): ``images`` synthetic images (ImageFolder's, already
+    resized, as 0-255 tensors) in batches, a style image, content and style losses
+    through the frozen VGG16. Ported: ``register_vgg``: the VGG given to
+    `Session.start` too; ``stop_after``: the script stops after that many steps (a
+    checkpoint resumes it). ``vgg_seed``: the seed its random weights are drawn with
+    (the real script's weights are the same everywhere). Returns each step's total
+    loss, the transformer's and VGG's parameters and the summary."""
+    torch.manual_seed(42)
+    content = torch.rand(images, 3, size, size).mul(255)
+    style = torch.rand(3, size, size).mul(255)
+    dataset = TensorDataset(content, torch.zeros(images, dtype=torch.long))
+    sampler = None
+    if session is not None and session.world.world_size > 1:
+        index, count = session.data_shard
+        sampler = DistributedSampler(dataset, count, index, shuffle=False)
+    train_loader: Any = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+    transformer = TransformerNet()
+    optimizer = Adam(transformer.parameters(), 1e-3)
+    mse_loss = nn.MSELoss()
+    torch.manual_seed(vgg_seed)
+    vgg = Vgg16(requires_grad=False)
+    torch.manual_seed(42)
+    style = style.repeat(batch_size, 1, 1, 1)
+    first = 0
+    if session is not None:
+        transformer, optimizer, train_loader = session.prepare(transformer, optimizer, train_loader)
+        start = session.start(**({"vgg": vgg} if register_vgg else {}))
+        first = start.epoch
+    features_style = vgg(normalize_batch(style))
+    gram_style = [gram_matrix(y) for y in features_style]
+    content_weight, style_weight = 1e5, 1e10
+
+    losses, steps = [], 0
+    for _e in range(first, epochs):
+        transformer.train()
+        for _batch_id, (x, _) in enumerate(train_loader):
+            n_batch = len(x)
+            optimizer.zero_grad()
+            y = transformer(x)
+            y = normalize_batch(y)
+            x = normalize_batch(x)
+            features_y = vgg(y)
+            features_x = vgg(x)
+            content_loss = content_weight * mse_loss(features_y.relu2_2, features_x.relu2_2)
+            style_loss = 0.0
+            for ft_y, gm_s in zip(features_y, gram_style, strict=True):
+                style_loss += mse_loss(gram_matrix(ft_y), gm_s[:n_batch, :, :])
+            style_loss *= style_weight
+            total_loss = content_loss + style_loss
+            total_loss.backward()
+            optimizer.step()
+            losses.append(total_loss.item())
+            steps += 1
+            if steps == stop_after:
+                break
+        if steps == stop_after:
+            break
+    summary = session.finish() if session is not None else None
+    return {"losses": losses, "params": flat(transformer), "vgg": flat(vgg), "summary": summary}
+
+
+# ------------------------------------------------------------------- two ranks
+def on_two_ranks(program: str, ways: list[str], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """In one 2-rank group, run ``program`` (a function of this module) once per way:
+    ``plain`` (ported, the flat all-reduce) or ``ddp_overlap``. Returns each way's
+    results, the session's notes, the flat all-reduce's calls and ddp_overlap's summary."""
+    init_world("cpu", "gloo")
+    results = {}
+    try:
+        for way in ways:
+            chosen = [get_optimization("ddp_overlap")(1.0)] if way == "ddp_overlap" else []
+            session = Session(chosen, device="cpu")
+            results[way] = globals()[program](session, **kwargs)
+            summary = results[way].pop("summary")
+            results[way]["notes"] = summary.get("notes", [])
+            results[way]["all_reduces"] = summary.get("grad_sync", {}).get("calls")
+            results[way]["ddp_overlap"] = summary["optimizations"].get("ddp_overlap")
+        return results
+    finally:
+        dist.destroy_process_group()

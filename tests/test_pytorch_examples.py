@@ -1,0 +1,100 @@
+"""Two pytorch/examples scripts ported to the Session API (tests/plugins/pytorch_examples.py):
+time_sequence_prediction (LBFGS: forward and backward run inside optimizer.step(closure))
+and fast_neural_style (a transformer net trained against a frozen VGG16's features)."""
+
+import pytest
+import torch
+from pytorch_examples import fast_neural_style, on_two_ranks, time_sequence_prediction
+
+from overlapkit import Session, get_optimization
+from overlapkit.launch.local import launch_local
+
+Checkpoint = get_optimization("checkpoint")
+
+
+def test_an_lbfgs_port_gives_the_scripts_losses_and_times_lbfgs_as_the_optimizer(
+    fake_clock, monkeypatch
+):
+    """LBFGS runs the closure (forward, backward) up to 20 times per step, its own work
+    between: that work was timed as ``other``, the script's own (on 2 cores: 0.0001 s
+    of optimizer in a 1.2 s step, 0.19 s of other). Here each of its updates takes 1 s
+    on the fake clock."""
+    import pytorch_examples
+
+    updates = []
+
+    class LBFGS(torch.optim.LBFGS):
+        def _add_grad(self, step_size, update):
+            updates.append(step_size)
+            fake_clock.sleep(1.0)
+            return super()._add_grad(step_size, update)
+
+    plain = time_sequence_prediction(None, steps=2)
+    monkeypatch.setattr(pytorch_examples, "LBFGS", LBFGS)
+    updates.clear()
+    port = time_sequence_prediction(Session(device="cpu"), steps=2)
+    for key in ("losses", "test"):
+        assert port[key] == plain[key], key
+    assert torch.equal(port["params"], plain["params"])
+    summary = port["summary"]
+    assert summary["steps"] == 2 and len(port["losses"]) == 40  # 20 evaluations a step
+    assert "optimizer steps" not in " ".join(summary.get("notes", []))
+    phases = summary["phases_s"]
+    assert len(updates) == 40 and phases["optimizer"] >= 20  # a step's mean
+    assert phases["other"] < 1.0
+    assert sum(phases.values()) == pytest.approx(summary["step_time_s"]["mean"])
+
+
+def test_an_lbfgs_port_on_two_ranks_averages_every_evaluation_and_profiles_its_steps():
+    """Each rank its half of the rows: every closure's backward is averaged (LBFGS reads
+    the gradients at each of its 20 evaluations a step), so the replicas stay one and
+    train as LBFGS on all the rows. Under ddp_overlap each backward's sync was measured
+    with all of its step's all-reduces: 2 steps were reported as 39 profiled steps, its
+    profile held 780 calls of the 39 made, and 99% of the communication was said hidden
+    (each backward's one bucket is launched at its end: none is)."""
+    whole = time_sequence_prediction(None, steps=2)
+    ranks = launch_local(
+        on_two_ranks, 2, "time_sequence_prediction", ["plain", "ddp_overlap"], {"steps": 2}
+    )
+    for way in ("plain", "ddp_overlap"):
+        assert torch.equal(ranks[0][way]["params"], ranks[1][way]["params"]), way
+        assert torch.allclose(ranks[0][way]["params"], whole["params"], atol=1e-8), way
+        assert len(ranks[0][way]["losses"]) == 40
+    assert ranks[0]["plain"]["all_reduces"] == 40  # one per evaluation
+    overlap = ranks[0]["ddp_overlap"]["ddp_overlap"]
+    profile = overlap["allreduce_profile"]
+    assert profile["profiled_steps"] == 2
+    assert sum(size["calls"] for size in profile["classes"]) == 39  # from the 2nd on
+    assert overlap["buckets_per_step"] == 20
+    assert overlap["overlap"]["hidden_fraction"] == 0.0
+
+
+def test_an_lbfgs_port_resumes_its_history_exactly(tmp_path):
+    """LBFGS keeps its history (lists of tensors it appends to and pops in place) in
+    its state (12 pairs after one step): a run stopped after its first step and
+    resumed gives the losses and parameters of the run never stopped."""
+    straight = time_sequence_prediction(Session(device="cpu"), steps=2)
+    session = Session([Checkpoint(every=1)], device="cpu", run_dir=tmp_path)
+    first = time_sequence_prediction(session, steps=2, stop_at=1)
+    resumed = time_sequence_prediction(
+        Session([Checkpoint(every=1)], device="cpu", run_dir=tmp_path), steps=2
+    )
+    assert first["losses"] + resumed["losses"] == straight["losses"]
+    assert torch.equal(resumed["params"], straight["params"])
+
+
+def test_a_frozen_loss_network_is_left_as_it_is_and_resumes_exactly(tmp_path):
+    """fast_neural_style's VGG16 (requires_grad False), registered or not: the port
+    gives the script's losses, the VGG is never changed, and a resume is exact."""
+    plain = fast_neural_style(None)
+    for register_vgg in (False, True):
+        port = fast_neural_style(Session(device="cpu"), register_vgg=register_vgg)
+        assert port["losses"] == plain["losses"], register_vgg
+        assert torch.equal(port["params"], plain["params"]) and torch.equal(
+            port["vgg"], plain["vgg"]
+        )
+    run = [Checkpoint(every=2, final=False)]
+    first = fast_neural_style(Session(run, run_dir=tmp_path), register_vgg=True, stop_after=3)
+    resumed = fast_neural_style(Session(run, run_dir=tmp_path), register_vgg=True)
+    assert first["losses"][:2] + resumed["losses"] == plain["losses"]  # from step 2
+    assert torch.equal(resumed["params"], plain["params"])
