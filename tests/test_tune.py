@@ -689,6 +689,8 @@ def test_a_grid_study_visits_every_point_then_confirms_its_finalists(tiny_scenar
         t.params["toy_sleep.intensity"] for t in study.trials if t.user_attrs["role"] == "search"
     ]
     assert sorted(searched) == [0.0, 0.5, 1.0]  # the grid, each point once
+    # Its heading says the grid's 3 trials, as the plan does (it said "search: 100 trials").
+    assert "search: 3 trials on 1 worker(s)" in (out / "tune-stderr.txt").read_text()
     # The grid sampler stops a study once its grid is done; the confirm phase still
     # measured the 2 best (the least sleep) a second time.
     again = [
