@@ -98,3 +98,40 @@ def test_a_frozen_loss_network_is_left_as_it_is_and_resumes_exactly(tmp_path):
     resumed = fast_neural_style(Session(run, run_dir=tmp_path), register_vgg=True)
     assert first["losses"][:2] + resumed["losses"] == plain["losses"]  # from step 2
     assert torch.equal(resumed["params"], plain["params"])
+
+
+def test_a_frozen_loss_networks_forward_and_backward_are_timed_as_such(fake_clock, monkeypatch):
+    """A registered frozen VGG (in eval mode, as perceptual losses keep it): its forwards
+    and the backward through it, before the gradient reaches the prepared model's
+    output, were timed as ``other``, the script's own. Here its forward and its
+    backward each take 1 s on the fake clock (its input's)."""
+    import pytorch_examples
+
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            fake_clock.sleep(1.0)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            fake_clock.sleep(1.0)
+            return grad
+
+    class SlowVgg16(pytorch_examples.Vgg16):
+        def __init__(self, requires_grad=False):
+            super().__init__(requires_grad)
+            self.eval()
+
+        def forward(self, X):
+            return super().forward(Slow.apply(X))
+
+    monkeypatch.setattr(pytorch_examples, "Vgg16", SlowVgg16)
+    plain = fast_neural_style(None, epochs=1)
+    port = fast_neural_style(Session(device="cpu"), epochs=1, register_vgg=True)
+    assert port["losses"] == plain["losses"]
+    summary = port["summary"]
+    phases = summary["phases_s"]  # a step's mean: the VGG on y and on x, y's backward
+    assert phases["forward"] >= 2.0 and phases["backward"] >= 1.0, phases
+    assert phases["other"] < 0.5, phases
+    assert sum(phases.values()) == pytest.approx(summary["step_time_s"]["mean"])

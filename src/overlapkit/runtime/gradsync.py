@@ -55,6 +55,10 @@ class BackwardEnd:
             self._armed_in.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(self._ended)
 
+    def armed_now(self) -> bool:
+        """Armed in the backward pass now running (none: False)."""
+        return torch._C._current_graph_task_id() in self._armed_in
+
     def _ended(self) -> None:
         self._armed_in.discard(torch._C._current_graph_task_id())
         around = torch._C._current_autograd_node()  # the node that ran this pass, if any

@@ -137,9 +137,11 @@ class PlainCalls:
         self._handles.append(optimizer.register_step_post_hook(SessionHook(self._update_done)))
 
     def watch_forward(self, module: nn.Module) -> None:
-        """A registered model (a GAN's generator): its training forwards inside a step
-        are timed as the forward phase (they counted as the script's own, ``other``).
-        Only timed: no forward events fire for it."""
+        """A registered model (a GAN's generator, a frozen loss network): its forwards
+        inside a step with gradients on are timed as the forward phase, in eval mode
+        too (a perceptual loss's VGG, a teacher), and the backward through it from
+        when the gradient first reaches one of its outputs (both counted as the
+        script's own, ``other``). Only timed: no forward events fire for it."""
         self._handles.append(module.register_forward_pre_hook(SessionHook(self._other_forward)))
         self._handles.append(module.register_forward_hook(SessionHook(self._other_forward_done)))
 
@@ -164,10 +166,15 @@ class PlainCalls:
             self.session.state.clock.switch("other")
 
     def _other_forward(self, module: nn.Module, args: Any) -> None:
-        self._timed_as("forward", module, module)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._timed_as("forward", module)
 
     def _other_forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._timing is not module:
+            return
         self._timed_done(module)
+        for tensor in _tensors_with_grad(output):  # backward starts at the first reached
+            tensor.register_hook(_OutputReached(self, self.session.state.step))
 
     def _update_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._timed_as("optimizer", optimizer)
@@ -257,7 +264,7 @@ class PlainCalls:
         session = self.session
         if session.in_step and session.state.step != forward_step:
             session.warn_fetch_ahead(forward_step)
-        if session.in_step and not self.in_session_call:
+        if session.in_step and not self.in_session_call and not self._backward_end.armed_now():
             session.scheduler.fire(Event.BEFORE_BACKWARD, session.state)
             session.state.clock.switch("backward")
             # Once per pass, whatever the outputs; on a GPU on an autograd thread: the
@@ -449,16 +456,21 @@ def _calling_scaler() -> torch.amp.GradScaler | None:
 
 
 def _first_tensor_with_grad(output: Any) -> torch.Tensor | None:
+    return next(_tensors_with_grad(output), None)
+
+
+def _tensors_with_grad(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``output`` (a tensor, or dicts, lists and tuples of them, named
+    tuples too) that gradients will reach."""
     if isinstance(output, torch.Tensor):
-        return output if output.requires_grad else None
+        if output.requires_grad:
+            yield output
+        return
     if isinstance(output, dict):
         output = list(output.values())
     if isinstance(output, (list, tuple)):
         for value in output:
-            found = _first_tensor_with_grad(value)
-            if found is not None:
-                return found
-    return None
+            yield from _tensors_with_grad(value)
 
 
 def note(message: str) -> None:
