@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import weakref
 from typing import Any
 
 import torch
@@ -223,7 +224,8 @@ def gan_on_two_ranks(ways: list[str], steps: int = 4) -> dict[str, Any]:
     with the discriminator; ``session_backward``: as ``plain``, the generator's loss
     through ``session.backward``; ``one_optimizer``: one optimizer over both models,
     prepared, the generator registered alone; ``g_in_ddp``: as ``plain``, the generator
-    in the script's own DistributedDataParallel, its ``.module`` registered. Returns each way's final parameters per
+    in the script's own DistributedDataParallel, its ``.module`` registered (a dead
+    weakref proxy alive as the session starts). Returns each way's final parameters per
     model, the generator's gradients after its first backward, and the session's
     notes."""
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -258,6 +260,9 @@ def gan_on_two_ranks(ways: list[str], steps: int = 4) -> dict[str, Any]:
                     tied = nn.Sequential(net_d[0], nn.ReLU(), nn.Linear(8, 4))
                     more |= {"tied": tied, "opt_t": torch.optim.SGD(tied[2].parameters(), 0.1)}
                 net_d, opt_d, loader = session.prepare(net_d, opt_d, loader)
+                # A dead weakref proxy alive at the start (numpy's npz BagObj holds one):
+                # looking for the script's DDP wrappers must not read its class.
+                dead = weakref.proxy(contextlib.ExitStack())  # noqa: F841
                 session.start(net_g=getattr(net_g, "module", net_g), **more)
             bce = nn.BCEWithLogitsLoss()
             first: dict[str, torch.Tensor] = {}
