@@ -135,3 +135,34 @@ def test_a_frozen_loss_networks_forward_and_backward_are_timed_as_such(fake_cloc
     assert phases["forward"] >= 2.0 and phases["backward"] >= 1.0, phases
     assert phases["other"] < 0.5, phases
     assert sum(phases.values()) == pytest.approx(summary["step_time_s"]["mean"])
+
+
+def test_a_registered_module_returning_its_own_parameter_is_not_hooked_step_after_step(
+    tmp_path, recwarn
+):
+    """A registered module that returns a parameter (a learned prior, a codebook): its
+    output is the same tensor every step. Hooked as an output, it gathered a hook a step,
+    and an earlier step's hook said the loop fetches ahead: no final checkpoint."""
+    torch.manual_seed(0)
+
+    class Prior(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu = torch.nn.Parameter(torch.zeros(4))
+
+        def forward(self):
+            return self.mu
+
+    model, prior = torch.nn.Linear(4, 4), Prior()
+    optimizer = torch.optim.SGD([*model.parameters(), *prior.parameters()], lr=0.1)
+    session = Session([Checkpoint(every=2)], device="cpu", run_dir=tmp_path)
+    model, optimizer, _ = session.prepare(model, optimizer)
+    session.start(prior=prior)
+    for x in session.steps(5, [torch.randn(2, 4) for _ in range(5)]):
+        optimizer.zero_grad()
+        (model(x).square().mean() + prior().square().sum()).backward()
+        optimizer.step()
+    notes = " ".join(session.finish().get("notes", []))
+    assert "fetches its next batch" not in notes + " ".join(str(w.message) for w in recwarn)
+    assert not prior.mu._backward_hooks
+    assert "no final checkpoint" not in notes

@@ -173,8 +173,12 @@ class PlainCalls:
         if self._timing is not module:
             return
         self._timed_done(module)
-        for tensor in _tensors_with_grad(output):  # backward starts at the first reached
-            tensor.register_hook(_OutputReached(self, self.session.state.step))
+        # Backward starts at the first output it reaches: those this forward made (not
+        # a parameter or an input it returns, which would gather a hook every step).
+        passed = {id(tensor) for tensor in _tensors_with_grad(args)}
+        for tensor in _tensors_with_grad(output):
+            if tensor.grad_fn is not None and id(tensor) not in passed:
+                tensor.register_hook(_OutputReached(self, None))
 
     def _update_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._timed_as("optimizer", optimizer)
@@ -260,9 +264,11 @@ class PlainCalls:
         session.notes.append(f"cannot resume exactly: {message}")
         warn(message)
 
-    def _backward_reaches_output(self, forward_step: int) -> None:
+    def _backward_reaches_output(self, forward_step: int | None) -> None:
+        """``forward_step``: the prepared model's forward's step (a registered model's
+        outputs say nothing of the loop's order: None)."""
         session = self.session
-        if session.in_step and session.state.step != forward_step:
+        if session.in_step and forward_step is not None and session.state.step != forward_step:
             session.warn_fetch_ahead(forward_step)
         if session.in_step and not self.in_session_call and not self._backward_end.armed_now():
             session.scheduler.fire(Event.BEFORE_BACKWARD, session.state)
@@ -370,7 +376,7 @@ class _OutputReached:
     interpreter's exit while the script kept its last ``loss`` (a log file it never
     closed was never flushed, and came out empty)."""
 
-    def __init__(self, calls: PlainCalls, forward_step: int) -> None:
+    def __init__(self, calls: PlainCalls, forward_step: int | None) -> None:
         self._calls = weakref.ref(calls)
         self._forward_step = forward_step
 
