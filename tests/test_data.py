@@ -1,5 +1,6 @@
 """Datasets and loaders: determinism, sharding, resumable position, local folders."""
 
+import os
 import pickle
 import sys
 
@@ -277,7 +278,6 @@ def test_a_killed_scripts_loader_workers_end_with_it(tmp_path):
     """A rank killed (SIGKILL, the OOM killer) while its DataLoader's result pipe was
     full left workers that never ended: each holds the pipe's read end, so its write
     never fails and its exit waits for it (one was found 37 minutes after a test)."""
-    import os
     import signal
     import subprocess
     import sys
@@ -319,36 +319,47 @@ def test_a_killed_scripts_loader_workers_end_with_it(tmp_path):
     assert not left, f"workers {left} outlived their killed script"
 
 
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfds: the parent is watched")
 def test_a_worker_ends_with_its_loaders_process_even_when_that_is_not_its_parent():
-    """Under forkserver (Python 3.14's default start method) or spawn, a worker's parent
-    is a server that outlives the rank: watching the parent, the worker outlived a
-    killed rank for good. It now ends with the process that built its loader, also when
-    that one died before the worker's init ran (it was adopted, and stayed)."""
+    """Under forkserver (Python 3.14's default start method) a worker's parent is a
+    server that outlives the rank: watching the parent, the worker outlived a killed
+    rank for good. It now ends with the process that started it (that pickled its
+    init), also when that one died before the worker's init ran (it was adopted, and
+    stayed), and when the worker holds over 1024 files (select() refused the pidfd)."""
     import subprocess
 
-    from overlapkit.data.worker_watch import EndsWithParent
-
-    code = (
-        "import pickle, sys, time; init = pickle.loads(sys.stdin.buffer.read()); "
+    rank_code = (
+        "import pickle, sys, time; from overlapkit.data.worker_watch import EndsWithParent; "
+        "sys.stdout.buffer.write(pickle.dumps(EndsWithParent(None)).hex().encode() + b'\\n'); "
+        "sys.stdout.flush(); time.sleep(float(sys.argv[1]))"
+    )
+    worker_code = (
+        "import os, pickle, resource, sys, time\n"
+        "if resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 1200:\n"
+        "    files = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]\n"
+        "init = pickle.loads(bytes.fromhex(sys.stdin.read()))\n"
         "init(0); print('started', flush=True); time.sleep(60)"
     )
 
-    def worker_of(maker: int) -> subprocess.Popen:
-        init = EndsWithParent(None)
-        init.maker = maker  # a loader built there, not in this worker's parent (the test)
-        worker = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    def rank_and_worker(lives_s: float) -> tuple[subprocess.Popen, subprocess.Popen]:
+        rank = subprocess.Popen(
+            [sys.executable, "-c", rank_code, str(lives_s)], stdout=subprocess.PIPE
         )
-        worker.stdin.write(pickle.dumps(init))
+        init = rank.stdout.readline()  # pickled there: the worker is not its child
+        if lives_s == 0:
+            rank.wait(60)
+        worker = subprocess.Popen(
+            [sys.executable, "-c", worker_code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        worker.stdin.write(init)
         worker.stdin.close()
-        return worker
+        return rank, worker
 
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    early = worker_of(gone.pid)
+    _, early = rank_and_worker(0)
     assert early.wait(60) == 0 and early.stdout.read() == b""
-    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    worker = worker_of(rank.pid)
+    rank, worker = rank_and_worker(60)
     try:
         assert worker.stdout.readline() == b"started\n"
         rank.kill()

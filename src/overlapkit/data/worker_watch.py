@@ -15,21 +15,27 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 CHECK_EVERY_S = 1.0
 
 
 class EndsWithParent:
     """A worker init function: a thread that ends the worker (``os._exit``) once its
-    parent or the process that built its loader is gone, then ``init`` (the loader's
-    own), if any. Under the fork context they are one; under forkserver (Python 3.14's
-    default) or spawn the parent is a server that outlives a killed rank, so the
-    loader's process is watched too (through a pidfd, where there are pidfds). A
+    parent or the process that starts its loader's workers is gone, then ``init`` (the
+    loader's own), if any. Under the fork and spawn contexts they are one; under
+    forkserver (Python 3.14's default) the parent is a server that outlives a killed
+    rank, so that process is watched too (through a pidfd, where there are pidfds). A
     worker whose loader's process died before its init ran ends at once."""
 
     def __init__(self, init: Callable[[int], None] | None) -> None:
         self.init = init
-        self.maker = os.getpid()
+        self.maker = os.getpid()  # forked workers: the process that built the loader
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled for spawn or forkserver workers by the process starting them (a rank
+        # iterating a loader built before it started).
+        return {**self.__dict__, "maker": os.getpid()}
 
     def __call__(self, worker_id: int) -> None:
         try:
@@ -47,10 +53,14 @@ class EndsWithParent:
 
 def _end_with(maker: int | None, parent: int) -> None:
     """Ends this process once ``maker`` (a pidfd) or its parent has ended."""
+    ended = None
+    if maker is not None:  # poll, not select: a pidfd may be numbered past 1024
+        ended = select.poll()
+        ended.register(maker, select.POLLIN)
     while os.getppid() == parent:
-        if maker is None:
+        if ended is None:
             time.sleep(CHECK_EVERY_S)
-        elif select.select([maker], [], [], CHECK_EVERY_S)[0]:  # readable: it ended
+        elif ended.poll(CHECK_EVERY_S * 1000):  # readable: it ended
             break
     os._exit(0)
 
