@@ -17,6 +17,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 
+from ..launch.local import resource_tracker_quiet
 from . import worker_start
 from .analysis import UNUSED, Analysis
 from .progress import StudyPlan, StudyProgress
@@ -234,8 +235,9 @@ def _round(
         for share, ids in zip(shares, own, strict=True)
         if share
     ]
-    for process in processes:
-        process.start()
+    with resource_tracker_quiet():  # its tracker is the workers' (and their trials')
+        for process in processes:
+            process.start()
     try:
         while any(p.is_alive() for p in processes):
             time.sleep(POLL_S)
