@@ -12,13 +12,14 @@ from overlapkit.launch.local import launch_local
 Checkpoint = get_optimization("checkpoint")
 
 
+@pytest.mark.parametrize("session_calls", [False, True])
 def test_an_lbfgs_port_gives_the_scripts_losses_and_times_lbfgs_as_the_optimizer(
-    fake_clock, monkeypatch
+    fake_clock, monkeypatch, session_calls
 ):
     """LBFGS runs the closure (forward, backward) up to 20 times per step, its own work
     between: that work was timed as ``other``, the script's own (on 2 cores: 0.0001 s
-    of optimizer in a 1.2 s step, 0.19 s of other). Here each of its updates takes 1 s
-    on the fake clock."""
+    of optimizer in a 1.2 s step, 0.19 s of other), also with the closure's calls
+    through the session. Here each of its updates takes 1 s on the fake clock."""
     import pytorch_examples
 
     updates = []
@@ -32,7 +33,7 @@ def test_an_lbfgs_port_gives_the_scripts_losses_and_times_lbfgs_as_the_optimizer
     plain = time_sequence_prediction(None, steps=2)
     monkeypatch.setattr(pytorch_examples, "LBFGS", LBFGS)
     updates.clear()
-    port = time_sequence_prediction(Session(device="cpu"), steps=2)
+    port = time_sequence_prediction(Session(device="cpu"), steps=2, session_calls=session_calls)
     for key in ("losses", "test"):
         assert port[key] == plain[key], key
     assert torch.equal(port["params"], plain["params"])

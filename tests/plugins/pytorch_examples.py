@@ -68,11 +68,13 @@ def time_sequence_prediction(
     session: Session | None,
     steps: int = 3,
     stop_at: int | None = None,
+    session_calls: bool = False,
 ) -> dict[str, Any]:
     """train.py's loop: ``steps`` LBFGS steps over the whole training set, a test
     prediction after each (no plot). Ported: the training set is the one batch of a
     list given to `prepare`, each epoch one step; ``stop_at``: the script stops before
-    that step (a checkpoint resumes it). On several ranks each trains its shard of the
+    that step (a checkpoint resumes it); ``session_calls``: the closure's forward and
+    backward through ``session.forward()`` and ``session.backward``. On several ranks each trains its shard of the
     rows. Returns every closure's loss, the test losses, the parameters and the summary."""
     np.random.seed(0)
     torch.manual_seed(0)
@@ -99,6 +101,13 @@ def time_sequence_prediction(
 
             def closure():
                 optimizer.zero_grad()
+                if session_calls:
+                    with session.forward():
+                        out = seq(input)  # noqa: B023
+                        loss = criterion(out, target)  # noqa: B023
+                    losses.append(loss.item())
+                    session.backward(loss)
+                    return loss
                 out = seq(input)  # noqa: B023 - called in this iteration, as in train.py
                 loss = criterion(out, target)  # noqa: B023
                 losses.append(loss.item())

@@ -109,7 +109,7 @@ class PlainCalls:
         self._timing: Any = None  # the registered model or optimizer timed now
         # The phase the script's forwards and backwards return to: the optimizer's
         # inside its step (LBFGS's closure runs them there, its own work between).
-        self._resting = "other"
+        self.resting = "other"
 
     @property
     def in_session_call(self) -> bool:
@@ -147,10 +147,11 @@ class PlainCalls:
 
     def _timed_as(self, phase: str, owner: Any, module: nn.Module | None = None) -> None:
         """Time the registered ``owner``'s call as ``phase``: a script's own call inside
-        a step, from the script's own time (not inside another phase: a registered
-        model called within the prepared one's forward is that forward's)."""
+        a step, from the script's own time, or the optimizer's inside a closure (not
+        inside another phase: a registered model called within the prepared one's
+        forward is that forward's)."""
         clock = self.session.state.clock
-        if self._timing is None and self._plain(module) and clock.current == "other":
+        if self._timing is None and self._plain(module) and clock.current == self.resting:
             clock.switch(phase)
             self._timing = owner
 
@@ -158,12 +159,12 @@ class PlainCalls:
         """A registered model's call that raised never said it was done: a new step
         times the next one afresh (and an optimizer step that raised, the same)."""
         self._timing = None
-        self._resting = "other"
+        self.resting = "other"
 
     def _timed_done(self, owner: Any) -> None:
         if self._timing is owner:
             self._timing = None
-            self.session.state.clock.switch("other")
+            self.session.state.clock.switch(self.resting)
 
     def _other_forward(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
@@ -236,7 +237,7 @@ class PlainCalls:
         if not self._plain(module):
             return
         session = self.session
-        session.state.clock.switch(self._resting)
+        session.state.clock.switch(self.resting)
         session.scheduler.fire(Event.AFTER_FORWARD, session.state)
         tensor = _first_tensor_with_grad(output)
         if tensor is not None:
@@ -283,7 +284,7 @@ class PlainCalls:
         all-reduce's own hooks also sync when the output was not reached)."""
         session = self.session
         if session.state.clock.current == "backward":
-            session.state.clock.switch(self._resting)
+            session.state.clock.switch(self.resting)
             session.scheduler.fire(Event.AFTER_BACKWARD, session.state)
         session.backward_ended()
 
@@ -305,12 +306,12 @@ class PlainCalls:
             session.state.clock.switch("other")
             session.scheduler.fire(Event.AFTER_BACKWARD, session.state)
         session.before_optimizer_step()
-        self._resting = "optimizer"
+        self.resting = "optimizer"
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.in_session_call or not self.session.in_step:
             return
-        self._resting = "other"
+        self.resting = "other"
         self.session.after_optimizer_step()
 
 

@@ -435,7 +435,7 @@ class Session(EpochLoop, SavedState):
         clock.switch("forward")
         with self.precision.autocast(), self._session_call():
             yield
-        clock.switch("other")
+        clock.switch(self._plain_calls.resting)  # the optimizer's, inside a closure
         self.scheduler.fire(Event.AFTER_FORWARD, self.state)
 
     def training_forward_starts(self) -> None:
@@ -505,7 +505,7 @@ class Session(EpochLoop, SavedState):
         clock.switch("backward")
         with self._session_call():
             self.precision.backward(loss / state.accumulate if state.accumulate > 1 else loss)
-        clock.switch("other")
+        clock.switch(self._plain_calls.resting)
         self.scheduler.fire(Event.AFTER_BACKWARD, self.state)
         self.backward_ended()
 
