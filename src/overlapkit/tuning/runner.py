@@ -295,8 +295,7 @@ def _lines(trial: FrozenTrial, width: int) -> str:
         result = "pruned".ljust(38)
     else:
         kind = trial.user_attrs.get("failure", "error")
-        room = width - len(f"trial {trial.number:4d} failed ({kind}: )  {role}")
-        said = textwrap.shorten(_headline(kind, trial), max(room, 20), placeholder=" ...")
+        said = textwrap.shorten(_headline(kind, trial), 90, placeholder=" ...")
         result = f"failed ({said if said.startswith(kind) else f'{kind}: {said}'})"
     head = f"trial {trial.number:4d} {result}  {role}"
     if len(f"{head}  {params}") <= width:
