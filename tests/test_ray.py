@@ -339,6 +339,34 @@ def test_a_run_whose_driver_is_killed_resumes_from_the_checkpoints_that_reached_
     assert summary["steps"] == 3 and summary["run_dir"] == str(out)
 
 
+def test_paths_are_the_drivers_and_data_a_machine_lacks_is_one_line(
+    cluster, tiny_scenario, tmp_path, monkeypatch
+):
+    """A relative data.root and --tensorboard name the driver's folders (the ranks ran
+    in the Ray worker's folder: the data was not found there and the event files were
+    written there, the run said ok). Data that the driver has and a machine lacks (here
+    ~, the driver's home not the machine's) is the machine's one line, exit status 2
+    (it was status 1 and "exit codes per machine [2]")."""
+    from test_cli_errors import image_folder
+
+    home = tmp_path / "home"
+    image_folder(home / "images", classes="ab")
+    text = TINY_SCENARIO.replace("num_classes: 4, width", "num_classes: 2, width")
+    text = text.replace("steps: 6", "steps: 1").replace("warmup_steps: 2", "warmup_steps: 0")
+    data = "data: {name: imagefolder, root: %s, size: 16}"
+    text = "\n".join(data if line.startswith("data:") else line for line in text.splitlines())
+    path = tiny_scenario(text % "images")
+    run = ["run", path, "--ray", cluster.address, "--quiet", "--set", "world.device=cpu"]
+    result = run_cli(*run, "--out", tmp_path / "r1", "--tensorboard", "board", cwd=home)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((home / "board").glob("events.out.tfevents.*")), "no TensorBoard files here"
+    monkeypatch.setenv("HOME", str(home))
+    result = run_cli(*run, "--out", tmp_path / "r2", "--set", "data.root=~/images")
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: machine 0 of the run (") and "image folder not found" in line
+
+
 def test_a_trial_the_cluster_has_no_room_for_waits_says_so_and_runs_again_later(
     cluster, tiny_scenario, tmp_path
 ):
@@ -386,7 +414,7 @@ def test_a_tensorflow_run_on_two_machines_equals_two_local_ranks(cluster, tiny_s
     assert summary["strategy"]["model_sha256"] == local_summary["strategy"]["model_sha256"]
 
 
-def test_no_cluster_at_the_address_is_a_clear_error_at_once(tiny_scenario):
+def test_no_cluster_at_the_address_is_a_clear_error_at_once(tiny_scenario, monkeypatch):
     from conftest import free_port
 
     path = two_machine_scenario(tiny_scenario, "{}")
@@ -394,6 +422,14 @@ def test_no_cluster_at_the_address_is_a_clear_error_at_once(tiny_scenario):
     assert result.returncode == 2
     assert "no Ray cluster answers at 127.0.0.1:" in result.stderr
     assert "Traceback" not in result.stderr
+    # A stale RAY_ADDRESS (a cluster gone since) behind a plain --ray: the same line, not
+    # minutes of Ray's retries.
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")
+    result = run_cli("run", path, "--ray", timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "no Ray cluster answers at 127.0.0.1:" in result.stderr
+    assert "(from RAY_ADDRESS)" in result.stderr
+    monkeypatch.delenv("RAY_ADDRESS")
     # Something else listening there (a web server): said at once, not retried for minutes.
     import http.server
     import threading

@@ -92,6 +92,7 @@ class RayOutcome:
     lost_machine: int | None = None  # which machine of the run (k) was lost
     timed_out: bool = False
     stopped: bool = False  # on_lines asked to stop
+    failed_on: str = ""  # "machine <k> of the run (<ip>)": the one whose stderr this is
 
     @property
     def ok(self) -> bool:
@@ -111,12 +112,14 @@ def connect(address: str | None) -> None:
     room_timeout_s()  # a setting that cannot work, named before any wait
     if ray.is_initialized():
         return
-    if address and address != "auto":
-        _reachable(address)  # ray.init retries an unreachable address for minutes
+    source = ""
+    if not address or address == "auto":
+        address, source = _address_here()
+    _reachable(address, source)  # ray.init retries an unreachable address for minutes
     _cluster_errors_to_stderr()
     try:
         ray.init(
-            address=address or "auto",
+            address=address,
             namespace="overlapkit",
             log_to_driver=False,
             logging_level=logging.WARNING,
@@ -124,7 +127,7 @@ def connect(address: str | None) -> None:
         )
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise RayClusterError(
-            f"no Ray cluster at {address or 'auto'} ({error}); {START_ONE}"
+            f"no Ray cluster at {address}{source} ({error}); {START_ONE}"
         ) from None
     # Leave the cluster before Ray's own exit hook, which first sleeps half a second
     # for worker logs to reach the driver (there are none: log_to_driver=False).
@@ -156,15 +159,39 @@ def _cluster_errors_to_stderr() -> None:
     worker.print_to_stdstream = one_line
 
 
-def _reachable(address: str) -> None:
+def _address_here() -> tuple[str, str]:
+    """The cluster ``ray.init("auto")`` would join, and where its address comes from:
+    RAY_ADDRESS, else the newest `ray start` on this machine (or a cluster running
+    here). Checked like a given address: a stale RAY_ADDRESS was minutes of Ray's
+    retries."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    named = os.environ.get("RAY_ADDRESS", "").strip()
+    if named and named != "auto":
+        return named, " (from RAY_ADDRESS)"
+    try:
+        found = canonicalize_bootstrap_address("auto")
+    except (ConnectionError, ValueError):
+        found = None
+    if not found:
+        raise RayClusterError(
+            f"--ray: no Ray cluster on this machine (none started here, RAY_ADDRESS unset); "
+            f"{START_ONE}"
+        )
+    return found, " (the newest `ray start` on this machine)"
+
+
+def _reachable(address: str, source: str = "") -> None:
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        raise RayClusterError(f"--ray takes HOST:PORT (the head's GCS address), not {address!r}")
+        raise RayClusterError(
+            f"--ray takes HOST:PORT (the head's GCS address), not {address!r}{source}"
+        )
     try:
         socket.create_connection((host, int(port)), timeout=10).close()
     except OSError as error:
         raise RayClusterError(
-            f"no Ray cluster answers at {address} ({error.strerror or error}); {START_ONE}"
+            f"no Ray cluster answers at {address}{source} ({error.strerror or error}); {START_ONE}"
         ) from None
     if os.environ.get("RAY_USE_TLS", "0") not in ("", "0"):
         return  # a TLS channel needs the cluster's certificates: ray.init checks
@@ -177,7 +204,7 @@ def _reachable(address: str) -> None:
     except grpc.FutureTimeoutError:
         # Something else listens there (ray.init would retry it for minutes).
         raise RayClusterError(
-            f"{address} answers, but not as a Ray cluster (no gRPC server there): is it "
+            f"{address}{source} answers, but not as a Ray cluster (no gRPC server there): is it "
             f"the head's GCS port (6379 by default)? {START_ONE}"
         ) from None
     finally:
@@ -402,6 +429,7 @@ def _watch(
     failing = [k for k, c in enumerate(outcome.returncodes) if c]
     if failing:
         outcome.stderr = ray.get(actors[failing[0]].stderr.remote())
+        outcome.failed_on = f"machine {failing[0]} of the run ({places[failing[0]]['ip']})"
     return outcome
 
 

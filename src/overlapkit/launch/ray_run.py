@@ -28,10 +28,16 @@ from .ray_nodes import (
     placed_world,
     run_on_ray,
 )
+from .ray_paths import paths_from_here
 
 
 class RayRunFailed(RuntimeError):
     """The run on the cluster failed: a machine was lost, or its ranks failed."""
+
+
+class RayRunRefused(RuntimeError):
+    """A machine's ranks refused the run (exit status 2): the user's mistake, found on
+    that machine (data that the driver has and that machine lacks, say)."""
 
 
 def run_on_cluster(
@@ -52,6 +58,7 @@ def run_on_cluster(
             "resume; leave checkpoint.dir unset"
         )
     connect(address)
+    paths_from_here(scenario)
     world = scenario.world = placed_world(scenario.world)  # one decision for all machines
     scenario.check_setup(world.ranks, gpus_here=False)
     run_dir = run_dir or new_stamped(Path("runs"), scenario.name)
@@ -94,6 +101,12 @@ def run_on_cluster(
             progress.stop()
     if outcome.lost:
         raise RayRunFailed(f"{outcome.lost}; {_kept(run_dir, world.nodes)}")
+    if outcome.returncode == 2:
+        said = [line.strip() for line in outcome.stderr.splitlines() if line.strip()][-3:]
+        raise RayRunRefused(
+            f"{outcome.failed_on}: {' '.join(said).removeprefix('error: ')} (each machine "
+            "reads the scenario's files from its own disk)"
+        )
     if not outcome.ok:
         tail = "\n".join(outcome.stderr.strip().splitlines()[-15:])
         raise RayRunFailed(
@@ -150,8 +163,10 @@ def _move_aside(run_dir: Path, nodes: int) -> None:
 
 
 def _progress(total: int) -> Progress:
+    import ray
+
     return Progress(
-        TextColumn("[bold]training on the cluster[/]"),
+        TextColumn(f"[bold]training on the cluster at {ray.get_runtime_context().gcs_address}[/]"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total} steps"),
         TimeRemainingColumn(),

@@ -47,7 +47,7 @@ class RayTrials:
             else ""
         )
         return (
-            f"Ray cluster: {len(nodes)} machines, {total.get('CPU', 0):g} CPUs, "
+            f"Ray cluster at {ray.get_runtime_context().gcs_address}: {len(nodes)} machines, {total.get('CPU', 0):g} CPUs, "
             f"{total.get('GPU', 0):g} GPUs; up to {self.concurrency} trial(s) in flight, "
             f"each on {self.world.nodes} machine(s) x {self.world.nprocs} rank(s){waiting}"
         )
