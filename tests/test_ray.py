@@ -269,6 +269,7 @@ def test_a_run_on_two_machines_matches_two_local_ranks_and_resumes(
     for folder in (on_ray, on_ray / "nodes" / "node1"):
         assert list((folder / "checkpoints").glob("*")), folder
     assert summary["run_dir"] == str(on_ray)  # not the machine's temporary folder
+    assert summary["optimizations"]["checkpoint"]["dir"] == str(on_ray / "checkpoints")
     first = step_losses(on_ray)
     # Three more steps: each machine gets its checkpoints back and resumes.
     more = ["--set", "train.steps=9"]

@@ -474,7 +474,8 @@ def _send_checkpoints(root: Path, actor: Any) -> None:
 
 def _gather(actors: list[Any], run_dir: Path) -> None:
     """Every machine's run folder (its checkpoints apart: see `_mirrors`), with the
-    summary's ``run_dir`` saying where it is now."""
+    summary's ``run_dir`` and checkpoint folder saying where they are now (not in the
+    machine's temporary folder, removed by then)."""
     import ray
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -485,7 +486,11 @@ def _gather(actors: list[Any], run_dir: Path) -> None:
         summary = folder / "summary.json"
         if summary.is_file():
             document = json.loads(summary.read_text())
-            document["run_dir"] = str(folder)
+            there, document["run_dir"] = document.get("run_dir"), str(folder)
+            checkpoint = (document.get("optimizations") or {}).get("checkpoint")
+            held = checkpoint.get("dir") if isinstance(checkpoint, dict) else None
+            if there and isinstance(held, str) and Path(held).is_relative_to(there):
+                checkpoint["dir"] = str(folder / Path(held).relative_to(there))
             summary.write_text(json.dumps(document, indent=1))
 
 
