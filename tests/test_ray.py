@@ -105,25 +105,31 @@ def most_at_once(trials) -> int:
 
 
 # ------------------------------------------------------------------ studies
-def test_a_study_of_two_machine_trials_runs_two_at_once_in_postgresql(
-    cluster, tiny_scenario, tmp_path
+def test_a_study_of_two_machine_trials_in_postgresql_with_more_in_flight_than_room(
+    cluster, tiny_scenario, tmp_path, monkeypatch
 ):
-    path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (2, 4))
+    """Three trials at most in flight on a cluster that holds two: the third waits for
+    room that the study's own trials hold, past the room time-out (it failed as "no
+    room" then, and stopped the study)."""
+    path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (3, 4))
     out = tmp_path / "tune"
+    monkeypatch.setenv("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", "1")
     with throwaway_postgres() as url:
         result = run_cli(
-            "tune", path, "--ray", cluster.address, "--max-concurrent", "2",
+            "tune", path, "--ray", cluster.address, "--max-concurrent", "3",
             "--storage", url, "--out", out, timeout=600,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
-        assert "up to 2 trial(s) in flight, each on 2 machine(s)" in result.stderr
+        assert "up to 3 trial(s) in flight, each on 2 machine(s)" in result.stderr
         trials = trials_of(url)
         status, body = dashboard_get(url, "/api/studies")  # what optuna-dashboard serves
         assert status.startswith("200") and b'"study_name": "tiny"' in body.replace(b'":"', b'": "')
+    failed = [t.user_attrs.get("reason") for t in trials if t.state == TrialState.FAIL]
+    assert not failed, failed
     search = [t for t in trials if t.user_attrs.get("role") == "search"]
-    assert len(search) == 2 and all(t.state == TrialState.COMPLETE for t in search)
+    assert len(search) == 3 and all(t.state == TrialState.COMPLETE for t in search)
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
-    assert most_at_once(search) == 2
+    assert most_at_once(search) == 3  # in flight: one of them waiting for room
     # Each trial's run folder came back: node 0's summary of both ranks, node 1's folder.
     folders = sorted(p.name for p in (out / "trials").iterdir())
     assert folders == [f"{t.number:05d}" for t in sorted(search, key=lambda t: t.number)]

@@ -55,6 +55,7 @@ START_ONE = (
 # first): `room_timeout_s`; and after how long it says that it waits.
 ROOM_TIMEOUT = "OVERLAPKIT_RAY_ROOM_TIMEOUT_S"
 ROOM_NOTICE_S = 10.0
+ROOM_POLL_S = 1.0  # how often a run waiting for room looks whether the cluster could hold it
 STRAGGLER_S = 20.0  # after one machine's ranks fail, how long the others get to fail too
 NODE_FOLDERS = "nodes"  # machine k > 0's run folder: <run folder>/nodes/node<k>
 CHECKPOINTS = "checkpoints"  # the checkpoint optimization's folder in a run folder
@@ -293,23 +294,7 @@ def run_on_ray(
     lost: int | None = None  # the machine that was lost: nothing to stop there
     mirrors: Mirrors | None = None
     try:
-        ready, _ = ray.wait([group.ready()], timeout=min(ROOM_NOTICE_S, placement_timeout_s))
-        if not ready and placement_timeout_s > ROOM_NOTICE_S:
-            print(
-                f"overlapkit: waiting for room on the cluster for {world.nodes} machine(s) "
-                f"holding {bundle} each ({strategy}); it has {_live_machines()} (an autoscaler "
-                f"may add machines); giving up after {placement_timeout_s:g} s",
-                file=sys.stderr,
-                flush=True,
-            )
-            ready, _ = ray.wait([group.ready()], timeout=placement_timeout_s - ROOM_NOTICE_S)
-        if not ready:
-            raise RayClusterError(
-                f"the cluster found no room within {placement_timeout_s:g} s for "
-                f"{world.nodes} machine(s) holding {bundle} each ({strategy}); it has "
-                f"{_live_machines()}: add machines, or ask for fewer (world.nodes, "
-                "world.nprocs, world.threads)"
-            )
+        _wait_for_room(group, world, strategy, placement_timeout_s)
         runner = ray.remote(NodeRunner)
         for k in range(world.nodes):
             actors.append(
@@ -375,6 +360,51 @@ def run_on_ray(
         for actor in actors:
             ray.kill(actor)
         remove_placement_group(group)
+
+
+def _wait_for_room(group: Any, world: WorldConfig, strategy: str, timeout_s: float) -> None:
+    """Wait until ``group`` is placed. Only the time that the cluster's live machines
+    could not hold the run even when idle counts against ``timeout_s`` (an autoscaler
+    may be adding machines); a cluster that holds it but is busy (this study's other
+    trials, other jobs) is waited for: a trial queued behind the study's own trials
+    (``--max-concurrent`` above what the cluster holds) failed as "no room" and
+    stopped the study."""
+    import ray
+
+    bundle = node_bundle(world)
+    what = f"{world.nodes} machine(s) holding {bundle} each ({strategy})"
+    started = checked = time.monotonic()
+    short_since: float | None = None
+    said: set[bool] = set()
+    placed = group.ready()  # once: each call starts a task in the group
+    while not ray.wait([placed], timeout=ROOM_POLL_S)[0]:
+        now, busy = time.monotonic(), runs_that_fit(world) > 0
+        short_since = None if busy else short_since or checked
+        checked = now
+        if short_since is not None and now - short_since >= timeout_s:
+            raise RayClusterError(
+                f"the cluster found no room within {timeout_s:g} s for {what}; it has "
+                f"{_live_machines()}: add machines, or ask for fewer (world.nodes, "
+                "world.nprocs, world.threads)"
+            )
+        if (
+            now - started < ROOM_NOTICE_S
+            or busy in said
+            or (not busy and timeout_s <= ROOM_NOTICE_S)
+        ):
+            continue
+        said.add(busy)
+        why = (
+            "its live machines hold it once the work on them ends (other trials or jobs)"
+            if busy
+            else f"it has {_live_machines()} (an autoscaler may add machines); giving up "
+            f"after {timeout_s:g} s"
+        )
+        print(
+            f"overlapkit: waiting for room on the cluster for {what}; {why}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _watch(
