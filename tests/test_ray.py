@@ -22,7 +22,7 @@ import sqlalchemy
 from optuna.trial import TrialState
 from pg_server import throwaway_postgres
 
-from conftest import ROOT, TINY_SCENARIO, dashboard_get, run_cli, step_losses
+from conftest import ROOT, TINY_SCENARIO, cli_here, dashboard_get, run_cli, step_losses
 from overlapkit.tuning.study import open_storage
 
 pytestmark = pytest.mark.slow
@@ -437,6 +437,10 @@ def test_no_cluster_at_the_address_is_a_clear_error_at_once(tiny_scenario, monke
     assert "no Ray cluster answers at 127.0.0.1:" in result.stderr
     assert "(from RAY_ADDRESS)" in result.stderr
     monkeypatch.delenv("RAY_ADDRESS")
+    # The dashboard's URL (what `ray job submit` takes): not "Name or service not known".
+    result = cli_here("run", path, "--ray", "http://127.0.0.1:8265")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "not the URL 'http://127.0.0.1:8265'" in result.stderr, result.stderr
     # Something else listening there (a web server): said at once, not retried for minutes.
     import http.server
     import threading

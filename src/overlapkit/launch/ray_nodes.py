@@ -184,6 +184,11 @@ def _address_here() -> tuple[str, str]:
 
 def _reachable(address: str, source: str = "") -> None:
     host, _, port = address.removeprefix("ray://").rpartition(":")
+    if "://" in host:  # http://HOST:8265, the dashboard's (and `ray job`'s) address
+        raise RayClusterError(
+            f"--ray takes HOST:PORT (the head's GCS address, port 6379 by default), not the "
+            f"URL {address!r}{source}: the dashboard's, for `ray job submit`"
+        )
     if not host or not port.isdigit():
         raise RayClusterError(
             f"--ray takes HOST:PORT (the head's GCS address), not {address!r}{source}"
