@@ -346,14 +346,15 @@ def test_a_run_whose_driver_is_killed_resumes_from_the_checkpoints_that_reached_
     assert summary["steps"] == 3 and summary["run_dir"] == str(out)
 
 
-def test_paths_are_the_drivers_and_data_a_machine_lacks_is_one_line(
+def test_paths_and_plugins_are_the_drivers_and_data_a_machine_lacks_is_one_line(
     cluster, tiny_scenario, tmp_path, monkeypatch
 ):
     """A relative data.root and --tensorboard name the driver's folders (the ranks ran
     in the Ray worker's folder: the data was not found there and the event files were
-    written there, the run said ok). Data that the driver has and a machine lacks (here
-    ~, the driver's home not the machine's) is the machine's one line, exit status 2
-    (it was status 1 and "exit codes per machine [2]")."""
+    written there, the run said ok), and the driver's OVERLAPKIT_PLUGINS is each
+    machine's (a plugin's optimization was unknown there). Data that the driver has and
+    a machine lacks (here ~, the driver's home not the machine's) is the machine's one
+    line, exit status 2 (it was status 1 and "exit codes per machine [2]")."""
     from test_cli_errors import image_folder
 
     home = tmp_path / "home"
@@ -362,11 +363,14 @@ def test_paths_are_the_drivers_and_data_a_machine_lacks_is_one_line(
     text = text.replace("steps: 6", "steps: 1").replace("warmup_steps: 2", "warmup_steps: 0")
     data = "data: {name: imagefolder, root: %s, size: 16}"
     text = "\n".join(data if line.startswith("data:") else line for line in text.splitlines())
-    path = tiny_scenario(text % "images")
+    path = tiny_scenario(text % "images" + "\noptimizations: {toy_elsewhere: {}}\n")
     run = ["run", path, "--ray", cluster.address, "--quiet", "--set", "world.device=cpu"]
+    monkeypatch.setenv("OVERLAPKIT_PLUGINS", "toy_plugins,toy_elsewhere")
     result = run_cli(*run, "--out", tmp_path / "r1", "--tensorboard", "board", cwd=home)
     assert result.returncode == 0, result.stderr[-3000:]
     assert list((home / "board").glob("events.out.tfevents.*")), "no TensorBoard files here"
+    summary = json.loads((tmp_path / "r1" / "summary.json").read_text())
+    assert "toy_elsewhere" in summary["optimizations"]
     monkeypatch.setenv("HOME", str(home))
     result = run_cli(*run, "--out", tmp_path / "r2", "--set", "data.root=~/images")
     assert result.returncode == 2, result.stderr[-3000:]

@@ -59,6 +59,7 @@ ROOM_POLL_S = 1.0  # how often a run waiting for room looks whether the cluster 
 STRAGGLER_S = 20.0  # after one machine's ranks fail, how long the others get to fail too
 NODE_FOLDERS = "nodes"  # machine k > 0's run folder: <run folder>/nodes/node<k>
 CHECKPOINTS = "checkpoints"  # the checkpoint optimization's folder in a run folder
+PLUGINS = "OVERLAPKIT_PLUGINS"  # the plugin modules that name optimizations
 
 
 class RayClusterError(RuntimeError):
@@ -327,10 +328,17 @@ def run_on_ray(
                 k: pack(folder, skip=(NODE_FOLDERS, CHECKPOINTS, LOCK))
                 for k, folder in (resume or {}).items()
             }
+            plugins = os.environ.get(PLUGINS)  # the driver's, which checked the scenario
             ray.get(
                 [
                     a.start.remote(
-                        scenario_text, k, world.nodes, master, run_args or [], earlier.get(k)
+                        scenario_text,
+                        k,
+                        world.nodes,
+                        master,
+                        run_args or [],
+                        earlier.get(k),
+                        plugins,
                     )
                     for k, a in enumerate(actors)
                 ]
@@ -584,6 +592,7 @@ class NodeRunner:
         master: str,
         run_args: list[str],
         earlier: bytes | None = None,
+        plugins: str | None = None,
     ) -> None:
         if earlier is not None:
             unpack(earlier, self.folder / "run")
@@ -599,6 +608,8 @@ class NodeRunner:
 
         env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
         env["PYTHONUNBUFFERED"] = "1"
+        if plugins is not None:  # the machine's Ray was started without the driver's
+            env[PLUGINS] = plugins
         # The launcher's node type (it starts each node with RAY_NODE_TYPE_NAME, which
         # Ray turns into this label), recorded in the run's hardware.
         labels = ray.get_runtime_context().get_node_labels()

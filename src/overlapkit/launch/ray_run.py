@@ -104,8 +104,8 @@ def run_on_cluster(
     if outcome.returncode == 2:
         said = [line.strip() for line in outcome.stderr.splitlines() if line.strip()][-3:]
         raise RayRunRefused(
-            f"{outcome.failed_on}: {' '.join(said).removeprefix('error: ')} (each machine "
-            "reads the scenario's files from its own disk)"
+            f"{outcome.failed_on}: {' '.join(said).removeprefix('error: ')} (found on that "
+            "machine: its files, data and installed packages are its own)"
         )
     if not outcome.ok:
         tail = "\n".join(outcome.stderr.strip().splitlines()[-15:])
