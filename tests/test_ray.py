@@ -378,6 +378,35 @@ def test_paths_and_plugins_are_the_drivers_and_data_a_machine_lacks_is_one_line(
     assert line.startswith("error: machine 0 of the run (") and "image folder not found" in line
 
 
+def test_a_run_stopped_with_sigterm_says_where_as_ctrl_c_does(cluster, tiny_scenario, tmp_path):
+    """`kill` (SIGTERM) of the driver: one line naming the newest checkpoint that
+    reached it, status 143, as on one machine (Ray's handler printed a C++ dump and
+    exited with status 15, no word of the run)."""
+    gate = tmp_path / "gate"
+    Path(f"{gate}.first").touch()  # the run waits at step 5
+    text = TINY_SCENARIO.replace("world: {nprocs: 1}", "world: {nprocs: 1, device: cpu}")
+    text += f"optimizations: {{checkpoint: {{every: 2}}, toy_gate: {{path: '{gate}', step: 5}}}}\n"
+    out = tmp_path / "run"
+    command = ["run", str(tiny_scenario(text)), "--ray", cluster.address, "--out", str(out)]
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "overlapkit", *command, "--quiet"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    manifest = out / "checkpoints" / "manifest.json"
+    try:
+        wait_for(lambda: manifest.exists() and '"step": 4' in manifest.read_text(), 120, "step 4")
+        driver.send_signal(signal.SIGTERM)
+        _, err = driver.communicate(timeout=60)
+    finally:
+        driver.kill()
+        driver.wait()
+    assert driver.returncode == 143, err[-3000:]
+    assert "overlapkit: stopped by SIGTERM" in err and "the newest checkpoint is step 4" in err
+    assert "SIGTERM received" not in err, err[-3000:]
+
+
 def test_a_trial_the_cluster_has_no_room_for_waits_says_so_and_runs_again_later(
     cluster, tiny_scenario, tmp_path
 ):

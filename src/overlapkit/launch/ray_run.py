@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -85,17 +86,19 @@ def run_on_cluster(
     if progress is not None:
         progress.start()
     try:
-        outcome = run_on_ray(
-            dump_scenario(scenario),
-            world,
-            run_dir,
-            run_args=["--fresh"] if fresh else [],
-            on_lines=on_lines,
-            resume=resume,
-        )
-    except KeyboardInterrupt:
+        with _sigterm_as_interrupt():
+            outcome = run_on_ray(
+                dump_scenario(scenario),
+                world,
+                run_dir,
+                run_args=["--fresh"] if fresh else [],
+                on_lines=on_lines,
+                resume=resume,
+            )
+    except KeyboardInterrupt as stop:
+        signum = stop.signum if isinstance(stop, RunInterrupted) else signal.SIGINT
         newest = _newest_checkpoint(run_dir, world.nodes)
-        raise RunInterrupted(signal.SIGINT, None, newest) from None
+        raise RunInterrupted(signum, None, newest) from None
     finally:
         if progress is not None:
             progress.stop()
@@ -117,6 +120,22 @@ def run_on_cluster(
         print_summary(summary)
         errors.print(f"run folder: {run_dir}")
     return summary
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (`kill`) stops the run as Ctrl-C does: the machines' ranks stopped, one
+    line, status 143. Ray's own handler, set by ray.init, exited with status 15."""
+
+    def stop(signum: int, _frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one waits for the first
+        raise RunInterrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _newest_checkpoint(run_dir: Path, nodes: int) -> int | None:
