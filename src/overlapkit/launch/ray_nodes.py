@@ -119,9 +119,6 @@ def connect(address: str | None) -> None:
         address, source = _address_here()
     _reachable(address, source)  # ray.init retries an unreachable address for minutes
     _cluster_errors_to_stderr()
-    # Ray's crash handler printed a 6-line C++ dump at a plain `kill` (SIGTERM) of the
-    # driver, which then exited 15 with no word: `stop_on_sigterm` says where it was.
-    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     try:
         ray.init(
             address=address,

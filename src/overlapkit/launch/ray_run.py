@@ -125,7 +125,8 @@ def run_on_cluster(
 @contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM (`kill`) stops the run as Ctrl-C does: the machines' ranks stopped, one
-    line, status 143. Ray's own handler, set by ray.init, exited with status 15."""
+    line, status 143. The handlers that ray.init set (Ray's crash handler printed a
+    6-line C++ dump, then its own exited with status 15) are replaced meanwhile."""
 
     def stop(signum: int, _frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one waits for the first
