@@ -22,7 +22,7 @@ import sqlalchemy
 from optuna.trial import TrialState
 from pg_server import throwaway_postgres
 
-from conftest import ROOT, TINY_SCENARIO, dashboard_get, run_cli, step_losses
+from conftest import ROOT, TINY_SCENARIO, cli_here, dashboard_get, run_cli, step_losses
 from overlapkit.tuning.study import open_storage
 
 pytestmark = pytest.mark.slow
@@ -105,25 +105,31 @@ def most_at_once(trials) -> int:
 
 
 # ------------------------------------------------------------------ studies
-def test_a_study_of_two_machine_trials_runs_two_at_once_in_postgresql(
-    cluster, tiny_scenario, tmp_path
+def test_a_study_of_two_machine_trials_in_postgresql_with_more_in_flight_than_room(
+    cluster, tiny_scenario, tmp_path, monkeypatch
 ):
-    path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (2, 4))
+    """Three trials at most in flight on a cluster that holds two: the third waits for
+    room that the study's own trials hold, past the room time-out (it failed as "no
+    room" then, and stopped the study)."""
+    path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (3, 4))
     out = tmp_path / "tune"
+    monkeypatch.setenv("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", "1")
     with throwaway_postgres() as url:
         result = run_cli(
-            "tune", path, "--ray", cluster.address, "--max-concurrent", "2",
+            "tune", path, "--ray", cluster.address, "--max-concurrent", "3",
             "--storage", url, "--out", out, timeout=600,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
-        assert "up to 2 trial(s) in flight, each on 2 machine(s)" in result.stderr
+        assert "up to 3 trial(s) in flight, each on 2 machine(s)" in result.stderr
         trials = trials_of(url)
         status, body = dashboard_get(url, "/api/studies")  # what optuna-dashboard serves
         assert status.startswith("200") and b'"study_name": "tiny"' in body.replace(b'":"', b'": "')
+    failed = [t.user_attrs.get("reason") for t in trials if t.state == TrialState.FAIL]
+    assert not failed, failed
     search = [t for t in trials if t.user_attrs.get("role") == "search"]
-    assert len(search) == 2 and all(t.state == TrialState.COMPLETE for t in search)
+    assert len(search) == 3 and all(t.state == TrialState.COMPLETE for t in search)
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
-    assert most_at_once(search) == 2
+    assert most_at_once(search) == 3  # in flight: one of them waiting for room
     # Each trial's run folder came back: node 0's summary of both ranks, node 1's folder.
     folders = sorted(p.name for p in (out / "trials").iterdir())
     assert folders == [f"{t.number:05d}" for t in sorted(search, key=lambda t: t.number)]
@@ -234,8 +240,13 @@ def test_a_driver_killed_and_started_again_resumes_the_study(cluster, tiny_scena
             return states.count(TrialState.COMPLETE) >= 1 and running
 
         wait_for(one_done_one_running, 240, "one trial done and the next one running", log)
+        # `kill`: the driver ends at once, as without Ray (Ray's handlers printed a C++
+        # dump and aborted it); the driver alone: Ray cleans up after it.
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=30) == -signal.SIGTERM, log.read_text()[-3000:]
+        assert "SIGTERM received" not in log.read_text()
     finally:
-        driver.send_signal(signal.SIGKILL)  # the driver alone: Ray cleans up after it
+        driver.kill()
         driver.wait()
     gate.with_suffix(".open").touch()
     done_before = {t.number for t in trials_of(sqlite(out)) if t.state == TrialState.COMPLETE}
@@ -269,6 +280,7 @@ def test_a_run_on_two_machines_matches_two_local_ranks_and_resumes(
     for folder in (on_ray, on_ray / "nodes" / "node1"):
         assert list((folder / "checkpoints").glob("*")), folder
     assert summary["run_dir"] == str(on_ray)  # not the machine's temporary folder
+    assert summary["optimizations"]["checkpoint"]["dir"] == str(on_ray / "checkpoints")
     first = step_losses(on_ray)
     # Three more steps: each machine gets its checkpoints back and resumes.
     more = ["--set", "train.steps=9"]
@@ -339,6 +351,67 @@ def test_a_run_whose_driver_is_killed_resumes_from_the_checkpoints_that_reached_
     assert summary["steps"] == 3 and summary["run_dir"] == str(out)
 
 
+def test_paths_and_plugins_are_the_drivers_and_data_a_machine_lacks_is_one_line(
+    cluster, tiny_scenario, tmp_path, monkeypatch
+):
+    """A relative data.root and --tensorboard name the driver's folders (the ranks ran
+    in the Ray worker's folder: the data was not found there and the event files were
+    written there, the run said ok), and the driver's OVERLAPKIT_PLUGINS is each
+    machine's (a plugin's optimization was unknown there). Data that the driver has and
+    a machine lacks (here ~, the driver's home not the machine's) is the machine's one
+    line, exit status 2 (it was status 1 and "exit codes per machine [2]")."""
+    from test_cli_errors import image_folder
+
+    home = tmp_path / "home"
+    image_folder(home / "images", classes="ab")
+    text = TINY_SCENARIO.replace("num_classes: 4, width", "num_classes: 2, width")
+    text = text.replace("steps: 6", "steps: 1").replace("warmup_steps: 2", "warmup_steps: 0")
+    data = "data: {name: imagefolder, root: %s, size: 16}"
+    text = "\n".join(data if line.startswith("data:") else line for line in text.splitlines())
+    path = tiny_scenario(text % "images" + "\noptimizations: {toy_elsewhere: {}}\n")
+    run = ["run", path, "--ray", cluster.address, "--quiet", "--set", "world.device=cpu"]
+    monkeypatch.setenv("OVERLAPKIT_PLUGINS", "toy_plugins,toy_elsewhere")
+    result = run_cli(*run, "--out", tmp_path / "r1", "--tensorboard", "board", cwd=home)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((home / "board").glob("events.out.tfevents.*")), "no TensorBoard files here"
+    summary = json.loads((tmp_path / "r1" / "summary.json").read_text())
+    assert "toy_elsewhere" in summary["optimizations"]
+    monkeypatch.setenv("HOME", str(home))
+    result = run_cli(*run, "--out", tmp_path / "r2", "--set", "data.root=~/images")
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: machine 0 of the run (") and "image folder not found" in line
+
+
+def test_a_run_stopped_with_sigterm_says_where_as_ctrl_c_does(cluster, tiny_scenario, tmp_path):
+    """`kill` (SIGTERM) of the driver: one line naming the newest checkpoint that
+    reached it, status 143, as on one machine (Ray's handler printed a C++ dump and
+    exited with status 15, no word of the run)."""
+    gate = tmp_path / "gate"
+    Path(f"{gate}.first").touch()  # the run waits at step 5
+    text = TINY_SCENARIO.replace("world: {nprocs: 1}", "world: {nprocs: 1, device: cpu}")
+    text += f"optimizations: {{checkpoint: {{every: 2}}, toy_gate: {{path: '{gate}', step: 5}}}}\n"
+    out = tmp_path / "run"
+    command = ["run", str(tiny_scenario(text)), "--ray", cluster.address, "--out", str(out)]
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "overlapkit", *command, "--quiet"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    manifest = out / "checkpoints" / "manifest.json"
+    try:
+        wait_for(lambda: manifest.exists() and '"step": 4' in manifest.read_text(), 120, "step 4")
+        driver.send_signal(signal.SIGTERM)
+        _, err = driver.communicate(timeout=60)
+    finally:
+        driver.kill()
+        driver.wait()
+    assert driver.returncode == 143, err[-3000:]
+    assert "overlapkit: stopped by SIGTERM" in err and "the newest checkpoint is step 4" in err
+    assert "SIGTERM received" not in err, err[-3000:]
+
+
 def test_a_trial_the_cluster_has_no_room_for_waits_says_so_and_runs_again_later(
     cluster, tiny_scenario, tmp_path
 ):
@@ -386,7 +459,7 @@ def test_a_tensorflow_run_on_two_machines_equals_two_local_ranks(cluster, tiny_s
     assert summary["strategy"]["model_sha256"] == local_summary["strategy"]["model_sha256"]
 
 
-def test_no_cluster_at_the_address_is_a_clear_error_at_once(tiny_scenario):
+def test_no_cluster_at_the_address_is_a_clear_error_at_once(tiny_scenario, monkeypatch):
     from conftest import free_port
 
     path = two_machine_scenario(tiny_scenario, "{}")
@@ -394,6 +467,18 @@ def test_no_cluster_at_the_address_is_a_clear_error_at_once(tiny_scenario):
     assert result.returncode == 2
     assert "no Ray cluster answers at 127.0.0.1:" in result.stderr
     assert "Traceback" not in result.stderr
+    # A stale RAY_ADDRESS (a cluster gone since) behind a plain --ray: the same line, not
+    # minutes of Ray's retries.
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")
+    result = run_cli("run", path, "--ray", timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "no Ray cluster answers at 127.0.0.1:" in result.stderr
+    assert "(from RAY_ADDRESS)" in result.stderr
+    monkeypatch.delenv("RAY_ADDRESS")
+    # The dashboard's URL (what `ray job submit` takes): not "Name or service not known".
+    result = cli_here("run", path, "--ray", "http://127.0.0.1:8265")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "not the URL 'http://127.0.0.1:8265'" in result.stderr, result.stderr
     # Something else listening there (a web server): said at once, not retried for minutes.
     import http.server
     import threading

@@ -39,7 +39,7 @@ from .launch.local import (
     under_torchrun,
 )
 from .launch.ray_nodes import RayClusterError
-from .launch.ray_run import RayRunFailed
+from .launch.ray_run import RayRunFailed, RayRunRefused
 from .models import MODEL_NAMES
 from .optimizations import PluginError, plugin_blamed, registered_optimizations
 from .optimizations.checkpoint import CheckpointError
@@ -494,6 +494,7 @@ USER_ERRORS = (
     TuneError,
     ClusterConfigError,
     RayClusterError,
+    RayRunRefused,
     UsageError,
     EarlierRunError,
     FolderInUseError,

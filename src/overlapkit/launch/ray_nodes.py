@@ -55,9 +55,11 @@ START_ONE = (
 # first): `room_timeout_s`; and after how long it says that it waits.
 ROOM_TIMEOUT = "OVERLAPKIT_RAY_ROOM_TIMEOUT_S"
 ROOM_NOTICE_S = 10.0
+ROOM_POLL_S = 1.0  # how often a run waiting for room looks whether the cluster could hold it
 STRAGGLER_S = 20.0  # after one machine's ranks fail, how long the others get to fail too
 NODE_FOLDERS = "nodes"  # machine k > 0's run folder: <run folder>/nodes/node<k>
 CHECKPOINTS = "checkpoints"  # the checkpoint optimization's folder in a run folder
+PLUGINS = "OVERLAPKIT_PLUGINS"  # the plugin modules that name optimizations
 
 
 class RayClusterError(RuntimeError):
@@ -92,6 +94,7 @@ class RayOutcome:
     lost_machine: int | None = None  # which machine of the run (k) was lost
     timed_out: bool = False
     stopped: bool = False  # on_lines asked to stop
+    failed_on: str = ""  # "machine <k> of the run (<ip>)": the one whose stderr this is
 
     @property
     def ok(self) -> bool:
@@ -111,12 +114,14 @@ def connect(address: str | None) -> None:
     room_timeout_s()  # a setting that cannot work, named before any wait
     if ray.is_initialized():
         return
-    if address and address != "auto":
-        _reachable(address)  # ray.init retries an unreachable address for minutes
+    source = ""
+    if not address or address == "auto":
+        address, source = _address_here()
+    _reachable(address, source)  # ray.init retries an unreachable address for minutes
     _cluster_errors_to_stderr()
     try:
         ray.init(
-            address=address or "auto",
+            address=address,
             namespace="overlapkit",
             log_to_driver=False,
             logging_level=logging.WARNING,
@@ -124,7 +129,7 @@ def connect(address: str | None) -> None:
         )
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise RayClusterError(
-            f"no Ray cluster at {address or 'auto'} ({error}); {START_ONE}"
+            f"no Ray cluster at {address}{source} ({error}); {START_ONE}"
         ) from None
     # Leave the cluster before Ray's own exit hook, which first sleeps half a second
     # for worker logs to reach the driver (there are none: log_to_driver=False).
@@ -156,15 +161,44 @@ def _cluster_errors_to_stderr() -> None:
     worker.print_to_stdstream = one_line
 
 
-def _reachable(address: str) -> None:
+def _address_here() -> tuple[str, str]:
+    """The cluster ``ray.init("auto")`` would join, and where its address comes from:
+    RAY_ADDRESS, else the newest `ray start` on this machine (or a cluster running
+    here). Checked like a given address: a stale RAY_ADDRESS was minutes of Ray's
+    retries."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    named = os.environ.get("RAY_ADDRESS", "").strip()
+    if named and named != "auto":
+        return named, " (from RAY_ADDRESS)"
+    try:
+        found = canonicalize_bootstrap_address("auto")
+    except (ConnectionError, ValueError):
+        found = None
+    if not found:
+        raise RayClusterError(
+            f"--ray: no Ray cluster on this machine (none started here, RAY_ADDRESS unset); "
+            f"{START_ONE}"
+        )
+    return found, " (the newest `ray start` on this machine)"
+
+
+def _reachable(address: str, source: str = "") -> None:
     host, _, port = address.removeprefix("ray://").rpartition(":")
+    if "://" in host:  # http://HOST:8265, the dashboard's (and `ray job`'s) address
+        raise RayClusterError(
+            f"--ray takes HOST:PORT (the head's GCS address, port 6379 by default), not the "
+            f"URL {address!r}{source}: the dashboard's, for `ray job submit`"
+        )
     if not host or not port.isdigit():
-        raise RayClusterError(f"--ray takes HOST:PORT (the head's GCS address), not {address!r}")
+        raise RayClusterError(
+            f"--ray takes HOST:PORT (the head's GCS address), not {address!r}{source}"
+        )
     try:
         socket.create_connection((host, int(port)), timeout=10).close()
     except OSError as error:
         raise RayClusterError(
-            f"no Ray cluster answers at {address} ({error.strerror or error}); {START_ONE}"
+            f"no Ray cluster answers at {address}{source} ({error.strerror or error}); {START_ONE}"
         ) from None
     if os.environ.get("RAY_USE_TLS", "0") not in ("", "0"):
         return  # a TLS channel needs the cluster's certificates: ray.init checks
@@ -177,7 +211,7 @@ def _reachable(address: str) -> None:
     except grpc.FutureTimeoutError:
         # Something else listens there (ray.init would retry it for minutes).
         raise RayClusterError(
-            f"{address} answers, but not as a Ray cluster (no gRPC server there): is it "
+            f"{address}{source} answers, but not as a Ray cluster (no gRPC server there): is it "
             f"the head's GCS port (6379 by default)? {START_ONE}"
         ) from None
     finally:
@@ -266,23 +300,7 @@ def run_on_ray(
     lost: int | None = None  # the machine that was lost: nothing to stop there
     mirrors: Mirrors | None = None
     try:
-        ready, _ = ray.wait([group.ready()], timeout=min(ROOM_NOTICE_S, placement_timeout_s))
-        if not ready and placement_timeout_s > ROOM_NOTICE_S:
-            print(
-                f"overlapkit: waiting for room on the cluster for {world.nodes} machine(s) "
-                f"holding {bundle} each ({strategy}); it has {_live_machines()} (an autoscaler "
-                f"may add machines); giving up after {placement_timeout_s:g} s",
-                file=sys.stderr,
-                flush=True,
-            )
-            ready, _ = ray.wait([group.ready()], timeout=placement_timeout_s - ROOM_NOTICE_S)
-        if not ready:
-            raise RayClusterError(
-                f"the cluster found no room within {placement_timeout_s:g} s for "
-                f"{world.nodes} machine(s) holding {bundle} each ({strategy}); it has "
-                f"{_live_machines()}: add machines, or ask for fewer (world.nodes, "
-                "world.nprocs, world.threads)"
-            )
+        _wait_for_room(group, world, strategy, placement_timeout_s)
         runner = ray.remote(NodeRunner)
         for k in range(world.nodes):
             actors.append(
@@ -310,10 +328,17 @@ def run_on_ray(
                 k: pack(folder, skip=(NODE_FOLDERS, CHECKPOINTS, LOCK))
                 for k, folder in (resume or {}).items()
             }
+            plugins = os.environ.get(PLUGINS)  # the driver's, which checked the scenario
             ray.get(
                 [
                     a.start.remote(
-                        scenario_text, k, world.nodes, master, run_args or [], earlier.get(k)
+                        scenario_text,
+                        k,
+                        world.nodes,
+                        master,
+                        run_args or [],
+                        earlier.get(k),
+                        plugins,
                     )
                     for k, a in enumerate(actors)
                 ]
@@ -348,6 +373,51 @@ def run_on_ray(
         for actor in actors:
             ray.kill(actor)
         remove_placement_group(group)
+
+
+def _wait_for_room(group: Any, world: WorldConfig, strategy: str, timeout_s: float) -> None:
+    """Wait until ``group`` is placed. Only the time that the cluster's live machines
+    could not hold the run even when idle counts against ``timeout_s`` (an autoscaler
+    may be adding machines); a cluster that holds it but is busy (this study's other
+    trials, other jobs) is waited for: a trial queued behind the study's own trials
+    (``--max-concurrent`` above what the cluster holds) failed as "no room" and
+    stopped the study."""
+    import ray
+
+    bundle = node_bundle(world)
+    what = f"{world.nodes} machine(s) holding {bundle} each ({strategy})"
+    started = checked = time.monotonic()
+    short_since: float | None = None
+    said: set[bool] = set()
+    placed = group.ready()  # once: each call starts a task in the group
+    while not ray.wait([placed], timeout=ROOM_POLL_S)[0]:
+        now, busy = time.monotonic(), runs_that_fit(world) > 0
+        short_since = None if busy else short_since or checked
+        checked = now
+        if short_since is not None and now - short_since >= timeout_s:
+            raise RayClusterError(
+                f"the cluster found no room within {timeout_s:g} s for {what}; it has "
+                f"{_live_machines()}: add machines, or ask for fewer (world.nodes, "
+                "world.nprocs, world.threads)"
+            )
+        if (
+            now - started < ROOM_NOTICE_S
+            or busy in said
+            or (not busy and timeout_s <= ROOM_NOTICE_S)
+        ):
+            continue
+        said.add(busy)
+        why = (
+            "its live machines hold it once the work on them ends (other trials or jobs)"
+            if busy
+            else f"it has {_live_machines()} (an autoscaler may add machines); giving up "
+            f"after {timeout_s:g} s"
+        )
+        print(
+            f"overlapkit: waiting for room on the cluster for {what}; {why}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _watch(
@@ -402,6 +472,7 @@ def _watch(
     failing = [k for k, c in enumerate(outcome.returncodes) if c]
     if failing:
         outcome.stderr = ray.get(actors[failing[0]].stderr.remote())
+        outcome.failed_on = f"machine {failing[0]} of the run ({places[failing[0]]['ip']})"
     return outcome
 
 
@@ -446,7 +517,8 @@ def _send_checkpoints(root: Path, actor: Any) -> None:
 
 def _gather(actors: list[Any], run_dir: Path) -> None:
     """Every machine's run folder (its checkpoints apart: see `_mirrors`), with the
-    summary's ``run_dir`` saying where it is now."""
+    summary's ``run_dir`` and checkpoint folder saying where they are now (not in the
+    machine's temporary folder, removed by then)."""
     import ray
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -457,7 +529,11 @@ def _gather(actors: list[Any], run_dir: Path) -> None:
         summary = folder / "summary.json"
         if summary.is_file():
             document = json.loads(summary.read_text())
-            document["run_dir"] = str(folder)
+            there, document["run_dir"] = document.get("run_dir"), str(folder)
+            checkpoint = (document.get("optimizations") or {}).get("checkpoint")
+            held = checkpoint.get("dir") if isinstance(checkpoint, dict) else None
+            if there and isinstance(held, str) and Path(held).is_relative_to(there):
+                checkpoint["dir"] = str(folder / Path(held).relative_to(there))
             summary.write_text(json.dumps(document, indent=1))
 
 
@@ -516,6 +592,7 @@ class NodeRunner:
         master: str,
         run_args: list[str],
         earlier: bytes | None = None,
+        plugins: str | None = None,
     ) -> None:
         if earlier is not None:
             unpack(earlier, self.folder / "run")
@@ -531,6 +608,8 @@ class NodeRunner:
 
         env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
         env["PYTHONUNBUFFERED"] = "1"
+        if plugins is not None:  # the machine's Ray was started without the driver's
+            env[PLUGINS] = plugins
         # The launcher's node type (it starts each node with RAY_NODE_TYPE_NAME, which
         # Ray turns into this label), recorded in the run's hardware.
         labels = ray.get_runtime_context().get_node_labels()

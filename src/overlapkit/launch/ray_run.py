@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,16 @@ from .ray_nodes import (
     placed_world,
     run_on_ray,
 )
+from .ray_paths import paths_from_here
 
 
 class RayRunFailed(RuntimeError):
     """The run on the cluster failed: a machine was lost, or its ranks failed."""
+
+
+class RayRunRefused(RuntimeError):
+    """A machine's ranks refused the run (exit status 2): the user's mistake, found on
+    that machine (data that the driver has and that machine lacks, say)."""
 
 
 def run_on_cluster(
@@ -52,6 +59,7 @@ def run_on_cluster(
             "resume; leave checkpoint.dir unset"
         )
     connect(address)
+    paths_from_here(scenario)
     world = scenario.world = placed_world(scenario.world)  # one decision for all machines
     scenario.check_setup(world.ranks, gpus_here=False)
     run_dir = run_dir or new_stamped(Path("runs"), scenario.name)
@@ -78,22 +86,30 @@ def run_on_cluster(
     if progress is not None:
         progress.start()
     try:
-        outcome = run_on_ray(
-            dump_scenario(scenario),
-            world,
-            run_dir,
-            run_args=["--fresh"] if fresh else [],
-            on_lines=on_lines,
-            resume=resume,
-        )
-    except KeyboardInterrupt:
+        with _sigterm_as_interrupt():
+            outcome = run_on_ray(
+                dump_scenario(scenario),
+                world,
+                run_dir,
+                run_args=["--fresh"] if fresh else [],
+                on_lines=on_lines,
+                resume=resume,
+            )
+    except KeyboardInterrupt as stop:
+        signum = stop.signum if isinstance(stop, RunInterrupted) else signal.SIGINT
         newest = _newest_checkpoint(run_dir, world.nodes)
-        raise RunInterrupted(signal.SIGINT, None, newest) from None
+        raise RunInterrupted(signum, None, newest) from None
     finally:
         if progress is not None:
             progress.stop()
     if outcome.lost:
         raise RayRunFailed(f"{outcome.lost}; {_kept(run_dir, world.nodes)}")
+    if outcome.returncode == 2:
+        said = [line.strip() for line in outcome.stderr.splitlines() if line.strip()][-3:]
+        raise RayRunRefused(
+            f"{outcome.failed_on}: {' '.join(said).removeprefix('error: ')} (found on that "
+            "machine: its files, data and installed packages are its own)"
+        )
     if not outcome.ok:
         tail = "\n".join(outcome.stderr.strip().splitlines()[-15:])
         raise RayRunFailed(
@@ -104,6 +120,23 @@ def run_on_cluster(
         print_summary(summary)
         errors.print(f"run folder: {run_dir}")
     return summary
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (`kill`) stops the run as Ctrl-C does: the machines' ranks stopped, one
+    line, status 143. The handlers that ray.init set (Ray's crash handler printed a
+    6-line C++ dump, then its own exited with status 15) are replaced meanwhile."""
+
+    def stop(signum: int, _frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one waits for the first
+        raise RunInterrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _newest_checkpoint(run_dir: Path, nodes: int) -> int | None:
@@ -150,8 +183,10 @@ def _move_aside(run_dir: Path, nodes: int) -> None:
 
 
 def _progress(total: int) -> Progress:
+    import ray
+
     return Progress(
-        TextColumn("[bold]training on the cluster[/]"),
+        TextColumn(f"[bold]training on the cluster at {ray.get_runtime_context().gcs_address}[/]"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total} steps"),
         TimeRemainingColumn(),

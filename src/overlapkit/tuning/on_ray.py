@@ -7,6 +7,7 @@ in flight."""
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,9 @@ class RayTrials:
 
     def __init__(self, world: WorldConfig, address: str, max_concurrent: int | None) -> None:
         connect(address)
+        # `kill` ends tune at once, as without Ray (the same command continues the
+        # study): the handlers that ray.init set printed a C++ dump and aborted it.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         self.world = placed_world(world)
         if max_concurrent is not None and max_concurrent < 1:
             raise RayClusterError("--max-concurrent must be at least 1")
@@ -47,7 +51,7 @@ class RayTrials:
             else ""
         )
         return (
-            f"Ray cluster: {len(nodes)} machines, {total.get('CPU', 0):g} CPUs, "
+            f"Ray cluster at {ray.get_runtime_context().gcs_address}: {len(nodes)} machines, {total.get('CPU', 0):g} CPUs, "
             f"{total.get('GPU', 0):g} GPUs; up to {self.concurrency} trial(s) in flight, "
             f"each on {self.world.nodes} machine(s) x {self.world.nprocs} rank(s){waiting}"
         )

@@ -1,0 +1,23 @@
+"""A scenario's paths under ``--ray``: each machine's ranks run in the folder of the
+Ray worker that starts them, not in the folder of the command, so a relative path
+that the driver checked (``data.root``) or names (``log.tensorboard``) is made
+absolute from here before the scenario travels. ``~`` stays: each machine's home."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def paths_from_here(scenario: Any) -> None:
+    """Make ``scenario``'s relative paths absolute, from the current folder."""
+    root = getattr(scenario.data, "root", None)
+    if root is not None and _relative(root):
+        scenario.data.root = Path(root).absolute()
+    board = scenario.log.tensorboard
+    if board is not None and _relative(board):
+        scenario.log.tensorboard = str(Path(board).absolute())
+
+
+def _relative(path: str | Path) -> bool:
+    return not (Path(path).is_absolute() or str(path).startswith("~"))
