@@ -4,9 +4,15 @@ and fast_neural_style (a transformer net trained against a frozen VGG16's featur
 
 import pytest
 import torch
-from pytorch_examples import fast_neural_style, on_two_ranks, time_sequence_prediction
+from pytorch_examples import (
+    fast_neural_style,
+    forward_forward,
+    gcn,
+    on_two_ranks,
+    time_sequence_prediction,
+)
 
-from overlapkit import Session, get_optimization
+from overlapkit import LoopWarning, Session, get_optimization
 from overlapkit.launch.local import launch_local
 
 Checkpoint = get_optimization("checkpoint")
@@ -167,3 +173,62 @@ def test_a_registered_module_returning_its_own_parameter_is_not_hooked_step_afte
     assert "fetches its next batch" not in notes + " ".join(str(w.message) for w in recwarn)
     assert not prior.mu._backward_hooks
     assert "no final checkpoint" not in notes
+
+
+@pytest.mark.parametrize("prepare_last", [True, False])
+def test_a_forward_forward_port_trains_layer_by_layer_as_the_script_and_resumes_exactly(
+    tmp_path, recwarn, prepare_last
+):
+    """mnist_forward_forward: each layer trained in turn by its own Adam (5 updates a
+    layer a batch), no global backward. A step is a batch: 10 updates. Prepared with no
+    optimizer (every layer's registered), a run stopped after its first batch took no
+    step and no checkpoint, with no word (its 10 updates by registered optimizers, its
+    layers' forwards called as ``layer.forward(x)``: taken for a look at one batch), and
+    the same command trained that batch again; resumed after it, a false warning said
+    the script skipped the batch by hand."""
+    kwargs = {"samples": 96, "train_size": 32, "prepare_last": prepare_last}
+    plain = forward_forward(None, **kwargs)
+    port = forward_forward(Session(device="cpu"), **kwargs)
+    assert port["losses"] == plain["losses"] and torch.equal(port["params"], plain["params"])
+    assert port["summary"]["steps"] == 3 and len(port["losses"][0]) == 15
+    run = [Checkpoint(every=1)]
+    first = forward_forward(Session(run, device="cpu", run_dir=tmp_path), stop_after=1, **kwargs)
+    assert first["summary"]["steps"] == 1
+    resumed = forward_forward(Session(run, device="cpu", run_dir=tmp_path), **kwargs)
+    assert resumed["summary"]["optimizations"]["checkpoint"]["resumed_from_step"] == 1
+    assert [a + b for a, b in zip(first["losses"], resumed["losses"], strict=True)] == plain[
+        "losses"
+    ]
+    assert torch.equal(resumed["params"], plain["params"])
+    assert not [w for w in recwarn if "went by with no training forward" in str(w.message)]
+
+
+def test_a_model_keeping_its_layers_in_a_plain_list_is_told_at_prepare(tmp_path):
+    """mnist_forward_forward's Net keeps its layers in a plain list: nn.Module sees no
+    parameter and an empty state_dict. Ported with its optimizers registered, it ran
+    with no word: resumed after 2 of 3 batches its layers started afresh (0.34 off the
+    run never stopped), and on 2 ranks nothing was synced."""
+    run = [Checkpoint(every=1)]
+    kwargs = {"samples": 96, "train_size": 32, "module_list": False, "prepare_last": False}
+    with pytest.warns(LoopWarning, match=r"Net\.layers \(a list of 2 modules: use nn\.ModuleList"):
+        summary = forward_forward(Session(run, run_dir=tmp_path), **kwargs)["summary"]
+    assert any("checkpoints miss their weights" in note for note in summary["notes"])
+    with pytest.raises(ValueError, match=r"Net\.layers"):  # the last layer's Adam, prepared
+        forward_forward(Session(device="cpu"), **{**kwargs, "prepare_last": True})
+
+
+def test_a_full_batch_graph_port_gives_the_scripts_epochs_and_resumes_exactly(tmp_path):
+    """gcn: one forward over the whole graph an epoch (the graph the one batch of a list),
+    dropout, the train and validation masks evaluated in eval mode after each update,
+    inside the step: one step an epoch, the script's numbers bit for bit, a resume after
+    3 of 6 epochs exact (dropout's draws included)."""
+    plain = gcn(None)
+    port = gcn(Session(device="cpu"))
+    assert port["log"] == plain["log"] and port["test"] == plain["test"]
+    assert torch.equal(port["params"], plain["params"])
+    assert port["summary"]["steps"] == 6 and "notes" not in port["summary"]
+    run = [Checkpoint(every=1)]
+    first = gcn(Session(run, device="cpu", run_dir=tmp_path), stop_at=3)
+    resumed = gcn(Session(run, device="cpu", run_dir=tmp_path))
+    assert first["log"] + resumed["log"] == plain["log"] and resumed["test"] == plain["test"]
+    assert torch.equal(resumed["params"], plain["params"])

@@ -1,10 +1,14 @@
-"""Two pytorch/examples scripts ported to the Session API, kept close to the originals
+"""pytorch/examples scripts ported to the Session API, kept close to the originals
 (small sizes; nothing downloaded: synthetic data, VGG16 randomly initialised).
 
 - ``time_sequence_prediction/train.py``: an LSTM trained with LBFGS, whose
   ``optimizer.step(closure)`` runs forward and backward up to 20 times per step.
 - ``fast_neural_style/neural_style/neural_style.py`` (train): a transformer net
   trained with Adam against a frozen VGG16's features.
+- ``mnist_forward_forward/main.py``: Hinton's forward-forward, each layer trained in
+  turn by its own Adam on its own local loss, many updates per batch; no global backward.
+- ``gcn/main.py``: a graph convolutional network trained full-batch, one forward over
+  the whole graph per epoch, train/val/test masks, no DataLoader.
 
 Each runs as the plain script (``session=None``) or ported; the 2-rank programs run
 inside `launch_local`'s ranks (gloo on localhost)."""
@@ -12,12 +16,14 @@ inside `launch_local`'s ranks (gloo on localhost)."""
 from __future__ import annotations
 
 from collections import namedtuple
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 from torch.optim import LBFGS, Adam
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -312,6 +318,236 @@ def fast_neural_style(
             break
     summary = session.finish() if session is not None else None
     return {"losses": losses, "params": flat(transformer), "vgg": flat(vgg), "summary": summary}
+
+
+# --------------------------------------------------------- mnist_forward_forward
+# main.py's globals, read by its Layer: its argparse defaults, but 5 updates per layer.
+args = SimpleNamespace(lr=0.03, threshold=2.0, epochs=5, log_interval=10)
+device = torch.device("cpu")
+
+
+def get_y_neg(y):
+    y_neg = y.clone()
+    for idx, y_samp in enumerate(y):
+        allowed_indices = list(range(10))
+        allowed_indices.remove(y_samp.item())
+        y_neg[idx] = torch.tensor(allowed_indices)[
+            torch.randint(len(allowed_indices), size=(1,))
+        ].item()
+    return y_neg.to(device)
+
+
+def overlay_y_on_x(x, y, classes=10):
+    x_ = x.clone()
+    x_[:, :classes] *= 0.0
+    x_[range(x.shape[0]), y] = x.max()
+    return x_
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dims, module_list=False):
+        super().__init__()
+        # main.py keeps its layers in a plain list, which nn.Module does not see (no
+        # parameters, an empty state_dict); ``module_list``: an nn.ModuleList instead.
+        self.layers = nn.ModuleList() if module_list else []
+        for d in range(len(dims) - 1):
+            self.layers.append(Layer(dims[d], dims[d + 1]).to(device))
+
+    def predict(self, x):
+        goodness_per_label = []
+        for label in range(10):
+            h = overlay_y_on_x(x, label)
+            goodness = []
+            for layer in self.layers:
+                h = layer(h)
+                goodness = goodness + [h.pow(2).mean(1)]
+            goodness_per_label += [sum(goodness).unsqueeze(1)]
+        goodness_per_label = torch.cat(goodness_per_label, 1)
+        return goodness_per_label.argmax(1)
+
+    def train(self, x_pos, x_neg):
+        h_pos, h_neg = x_pos, x_neg
+        for _i, layer in enumerate(self.layers):
+            h_pos, h_neg = layer.train(h_pos, h_neg)
+
+
+class Layer(nn.Linear):
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.relu = torch.nn.ReLU()
+        self.opt = Adam(self.parameters(), lr=args.lr)
+        self.threshold = args.threshold
+        self.num_epochs = args.epochs
+        self.losses = []  # main.py prints every log_interval-th
+
+    def forward(self, x):
+        x_direction = x / (x.norm(2, 1, keepdim=True) + 1e-4)
+        return self.relu(torch.mm(x_direction, self.weight.T) + self.bias.unsqueeze(0))
+
+    def train(self, x_pos, x_neg):
+        for _i in range(self.num_epochs):
+            g_pos = self.forward(x_pos).pow(2).mean(1)
+            g_neg = self.forward(x_neg).pow(2).mean(1)
+            loss = torch.log1p(
+                torch.exp(torch.cat([-g_pos + self.threshold, g_neg - self.threshold]))
+            ).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.losses.append(loss.item())
+        return self.forward(x_pos).detach(), self.forward(x_neg).detach()
+
+
+def forward_forward(
+    session: Session | None,
+    train_size: int = 64,
+    samples: int = 64,
+    module_list: bool = True,
+    prepare_last: bool = True,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """main.py on ``samples`` synthetic 32-pixel "images" of 10 classes: a Net of two
+    layers trained layer by layer on each batch of ``train_size`` (main.py's one batch,
+    the whole set, when they are equal), then its train error. ``module_list``: Net's
+    layers in an nn.ModuleList (main.py's plain list hides them from nn.Module). Ported:
+    the loader given to `prepare` with the last layer's Adam (``prepare_last``; else
+    none), the other layers' Adams registered; ``stop_after``: the script stops after
+    that many batches (a checkpoint resumes it). Returns every update's loss by layer,
+    the error, the parameters and the summary."""
+    torch.manual_seed(1)
+    x_all, y_all = torch.randn(samples, 32), torch.randint(0, 10, (samples,))
+    dataset = TensorDataset(x_all, y_all)
+    sampler = None
+    if session is not None and session.world.world_size > 1:
+        index, count = session.data_shard
+        sampler = DistributedSampler(dataset, count, index, shuffle=False)
+    train_loader: Any = DataLoader(dataset, batch_size=train_size, sampler=sampler)
+    net = Net([32, 16, 16], module_list)
+    if session is not None:
+        last = net.layers[-1].opt if prepare_last else None
+        _, _, train_loader = session.prepare(net, last, train_loader)  # ddp_overlap: a DDP
+        opts = {f"opt{i}": layer.opt for i, layer in enumerate(net.layers)}
+        if prepare_last:
+            del opts[f"opt{len(net.layers) - 1}"]
+        session.start(**opts)
+    for batch, (x, y) in enumerate(train_loader):
+        x_pos = overlay_y_on_x(x, y)
+        y_neg = get_y_neg(y)
+        x_neg = overlay_y_on_x(x, y_neg)
+        net.train(x_pos, x_neg)
+        if batch + 1 == stop_after:
+            break
+    error = 1.0 - net.predict(x_all).eq(y_all).float().mean().item()
+    summary = session.finish() if session is not None else None
+    params = torch.cat([flat(layer) for layer in net.layers])
+    losses = [layer.losses for layer in net.layers]
+    return {"losses": losses, "error": error, "params": params, "summary": summary}
+
+
+# ------------------------------------------------------------------------- gcn
+class GraphConv(nn.Module):
+    def __init__(self, input_dim, output_dim, use_bias=False):
+        super().__init__()
+        self.kernel = nn.Parameter(torch.Tensor(input_dim, output_dim))
+        nn.init.xavier_normal_(self.kernel)
+        self.bias = None
+        if use_bias:
+            self.bias = nn.Parameter(torch.Tensor(output_dim))
+            nn.init.zeros_(self.bias)
+
+    def forward(self, input_tensor, adj_mat):
+        support = torch.mm(input_tensor, self.kernel)
+        output = torch.spmm(adj_mat, support)
+        if self.bias is not None:
+            output = output + self.bias
+        return output
+
+
+class GCN(nn.Module):
+    def __init__(self, input_dim, hidden_dim, output_dim, use_bias=True, dropout_p=0.1):
+        super().__init__()
+        self.gc1 = GraphConv(input_dim, hidden_dim, use_bias=use_bias)
+        self.gc2 = GraphConv(hidden_dim, output_dim, use_bias=use_bias)
+        self.dropout = nn.Dropout(dropout_p)
+
+    def forward(self, input_tensor, adj_mat):
+        x = self.gc1(input_tensor, adj_mat)
+        x = F.relu(x)
+        x = self.dropout(x)
+        x = self.gc2(x, adj_mat)
+        return F.log_softmax(x, dim=1)
+
+
+def synthetic_cora(nodes: int = 60, words: int = 20, classes: int = 3, edges: int = 150):
+    """load_cora()'s tensors for a random graph: bag-of-words features scaled by their
+    row sums, labels, and the renormalised adjacency D^-1/2 (A + I) D^-1/2 (sparse)."""
+    features = (torch.rand(nodes, words) < 0.2).float()
+    labels = torch.randint(0, classes, (nodes,))
+    scale_vector = 1 / torch.sum(features, dim=1)
+    scale_vector[scale_vector == float("inf")] = 0
+    features = torch.diag(scale_vector).to_sparse() @ features
+    cites = torch.randint(0, nodes, (2, edges))
+    adj_mat = torch.sparse_coo_tensor(cites, torch.ones(edges), (nodes, nodes))
+    adj_mat = torch.eye(nodes) + adj_mat
+    degree_mat = torch.sqrt(1 / torch.sum(adj_mat, dim=1))
+    degree_mat[degree_mat == float("inf")] = 0
+    degree_mat = torch.diag(degree_mat).to_sparse()
+    adj_mat = degree_mat @ adj_mat @ degree_mat
+    return features.to_sparse(), labels, adj_mat.to_sparse()
+
+
+def train_iter(epoch, model, optimizer, criterion, input, target, mask_train, mask_val, log):
+    model.train()
+    optimizer.zero_grad()
+    output = model(*input)
+    loss = criterion(output[mask_train], target[mask_train])
+    loss.backward()
+    optimizer.step()
+    # main.py prints these every print_every epochs
+    loss_train, acc_train = test(model, criterion, input, target, mask_train)
+    loss_val, acc_val = test(model, criterion, input, target, mask_val)
+    log.append((epoch, loss.item(), loss_train, acc_train, loss_val, acc_val))
+
+
+def test(model, criterion, input, target, mask):
+    model.eval()
+    with torch.no_grad():
+        output = model(*input)
+        output, target = output[mask], target[mask]
+        loss = criterion(output, target)
+        acc = (output.argmax(dim=1) == target).float().sum() / len(target)
+    return loss.item(), acc.item()
+
+
+def gcn(session: Session | None, epochs: int = 6, stop_at: int | None = None) -> dict[str, Any]:
+    """main.py's training on `synthetic_cora`'s graph (dropout 0.5, Adam with weight
+    decay, its masks from one randperm). Ported: the graph is the one batch of a list
+    given to `prepare`, each epoch one step; ``stop_at``: the script stops before that
+    epoch (a checkpoint resumes it). Returns each epoch's losses and accuracies, the
+    test set's, the parameters and the summary."""
+    torch.manual_seed(42)
+    features, labels, adj_mat = synthetic_cora()
+    idx = torch.randperm(len(labels))
+    idx_test, idx_val, idx_train = idx[:20], idx[20:30], idx[30:]
+    model = GCN(features.shape[1], 16, labels.max().item() + 1, False, 0.5)
+    optimizer = Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+    criterion = nn.NLLLoss()
+    graph: Any = [((features, adj_mat), labels)]
+    first = 0
+    if session is not None:
+        model, optimizer, graph = session.prepare(model, optimizer, graph)
+        first = session.start().epoch
+    log: list[tuple] = []
+    for epoch in range(first, epochs):
+        if epoch == stop_at:
+            break
+        for input, target in graph:
+            train_iter(
+                epoch + 1, model, optimizer, criterion, input, target, idx_train, idx_val, log
+            )
+    loss_test, acc_test = test(model, criterion, (features, adj_mat), labels, idx_test)
+    summary = session.finish() if session is not None else None
+    return {"log": log, "test": (loss_test, acc_test), "params": flat(model), "summary": summary}
 
 
 # ------------------------------------------------------------------- two ranks

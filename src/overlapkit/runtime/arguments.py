@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .arbitration import ArbitrationPolicy
+from .hidden_modules import modules_out_of_sight, out_of_sight_message
 from .optimization import Optimization
 from .policies import POLICIES
 from .precision import PrecisionName
@@ -177,7 +178,9 @@ def check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer | None
     mine = {id(p) for p in model.parameters()}
     theirs = [p for group in optimizer.param_groups for p in group["params"]]
     if theirs and not any(id(p) in mine for p in theirs):
+        hidden = modules_out_of_sight(model)
         raise ValueError(
             "the optimizer holds none of the model's parameters (was it made for another "
             "model, or for a copy?): make it from model.parameters()"
+            + (f"; {out_of_sight_message(hidden)}" if hidden else "")
         )

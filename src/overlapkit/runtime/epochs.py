@@ -172,7 +172,7 @@ class EpochLoop:
                     self._epoch_batches = 0
                     return
                 self._epoch_batches += 1
-                updates = self._optimizer_steps
+                updates = self._updates_so_far
                 yield self._arrived(batch)
                 if self._resumed_mid_epoch is not None:
                     self._check_resumed_sampler_epoch(loader)
@@ -182,7 +182,7 @@ class EpochLoop:
         except GeneratorExit:
             peeked = (
                 self._epoch_batches == 1
-                and self._optimizer_steps == updates
+                and self._updates_so_far == updates
                 and not state.update_pending
                 and self._forwards_in_step == 0  # (a script updating by hand trained it)
             )
@@ -212,7 +212,7 @@ class EpochLoop:
         """The first batch after a resume mid-epoch is done: a script that went past it
         without training skips, by hand, the batches the loader already skipped."""
         (epoch, batch), self._resumed_mid_epoch = self._resumed_mid_epoch, None
-        if self._forwards_in_step or self._optimizer_steps != updates:
+        if self._forwards_in_step or self._updates_so_far != updates:
             return
         message = (
             f"the first batch after the resume (epoch {epoch}, batch {batch}) "
@@ -317,6 +317,12 @@ class EpochLoop:
                 clock.pause()
                 if self._gap_since is not None:
                     self._labelled_in_gap += seconds
+
+    @property
+    def _updates_so_far(self) -> int:
+        """Optimizer steps, the registered optimizers' too: a loop training each layer
+        with its own (forward-forward) trains a batch with none of the prepared one's."""
+        return self._optimizer_steps + self._plain_calls.registered_updates
 
     @property
     def paused_now(self) -> bool:

@@ -101,6 +101,7 @@ class PlainCalls:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.steps_outside = 0  # optimizer steps taken outside any session step
+        self.registered_updates = 0  # steps of registered optimizers (a layer's own)
         self._looked_for_scaler = False
         self._backward_end = BackwardEnd(self._backward_ends, last=True)
         self._handles: list[Any] = []
@@ -186,6 +187,7 @@ class PlainCalls:
 
     def _update_done(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._timed_done(optimizer)
+        self.registered_updates += 1
         if self.session.in_step:
             self.session.state.update_pending = False
 

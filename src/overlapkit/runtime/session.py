@@ -58,6 +58,7 @@ from .epochs import USED_UP, EpochLoop
 from .events import Event
 from .gradsync import DDPView, GradientSync
 from .hardware import describe_node, nodes_of
+from .hidden_modules import modules_out_of_sight, out_of_sight_message
 from .hooks import SessionHook
 from .metrics import PhaseClock, summarize
 from .optimization import Optimization, needed_environment
@@ -66,7 +67,7 @@ from .progress import ProgressBar
 from .report import LiveSteps, print_summary, write_run_files
 from .saved_state import SavedState
 from .scheduler import Scheduler
-from .script import PlainCalls, PlainValues, PreparedSchedule, Start, StepLoader, note
+from .script import PlainCalls, PlainValues, PreparedSchedule, Start, StepLoader, note, warn
 from .state import State, temporarily
 from .steplog import PendingStep, StepLog
 from .tensorboard import TensorBoardSteps
@@ -205,6 +206,10 @@ class Session(EpochLoop, SavedState):
         came_in_ddp = isinstance(model, DistributedDataParallel)
         came_wrapped = isinstance(model, (DistributedDataParallel, nn.DataParallel))
         model = self._unwrapped(model)
+        if hidden := modules_out_of_sight(model):  # (a script's own bug: told, not refused)
+            message = out_of_sight_message(hidden)
+            self.notes.append(message)
+            warn(message)
         whole = _unsharded(loader)
         loader = self._resumable(loader)
         model = model.to(self.world.device)
