@@ -232,3 +232,16 @@ def test_a_full_batch_graph_port_gives_the_scripts_epochs_and_resumes_exactly(tm
     resumed = gcn(Session(run, device="cpu", run_dir=tmp_path))
     assert first["log"] + resumed["log"] == plain["log"] and resumed["test"] == plain["test"]
     assert torch.equal(resumed["params"], plain["params"])
+
+
+def test_forward_forward_under_ddp_overlap_on_two_ranks_is_refused_not_left_to_part():
+    """mnist_forward_forward calls each layer as ``layer.forward(x)``: DDP never sees a
+    forward, so under ddp_overlap it averaged nothing and the replicas parted,
+    silently. The first backward is now refused, naming the call; the default sync
+    (overlapkit's all-reduce of any backward) keeps the replicas one."""
+    from overlapkit.launch.local import RankFailedError
+
+    with pytest.raises(RankFailedError, match="layer.forward"):
+        launch_local(on_two_ranks, 2, "forward_forward", ["ddp_overlap"], {})
+    ranks = launch_local(on_two_ranks, 2, "forward_forward", ["plain"], {})
+    assert torch.equal(ranks[0]["plain"]["params"], ranks[1]["plain"]["params"])

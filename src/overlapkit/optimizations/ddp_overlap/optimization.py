@@ -31,6 +31,7 @@ from ...runtime import (
 )
 from ...runtime.gradsync import GradientSync
 from ...runtime.timing import Marks
+from .forward_watch import ForwardWatch
 from .hooks import BucketCall, BucketTimer, SyncTiming, make_hook, wire_bytes_factor
 from .profile import AllreduceProfile
 
@@ -142,6 +143,7 @@ class DDPOverlap(Optimization):
         self._timer: BucketTimer | None = None
         self._marks = Marks()
         self._flat: GradientSync | None = None  # the no-overlap baseline
+        self._watch: ForwardWatch | None = None  # a backward DDP cannot see is refused
         # Measured syncs and their steps, times not read yet (a step may sync several
         # times: each of LBFGS's closure's backwards, each of a GAN's).
         self._unread: deque[tuple[int, SyncTiming]] = deque()
@@ -224,6 +226,8 @@ class DDPOverlap(Optimization):
             find_unused_parameters=s["find_unused_parameters"],
             **{_SYNC_BUFFERS: s["broadcast_buffers"]},
         )
+        if state.data_parallel is None:  # (a pipeline's schedule calls its stages' DDPs)
+            self._watch = ForwardWatch(self.ddp)
         hook_state, hook = make_hook(s["comm_hook"], s, state.dp.group)
         if self._timer is None:  # one timer sees the buckets of every part
             self._timer = BucketTimer(hook, self._marks)
@@ -301,6 +305,8 @@ class DDPOverlap(Optimization):
     def on_fit_end(self, state: State) -> None:
         if self._flat is not None:  # the model outlives the run: no all-reduce after it
             self._flat.remove_hooks()
+        if self._watch is not None:
+            self._watch.remove()
 
     @contextmanager
     def _timed_flat(self) -> Iterator[None]:

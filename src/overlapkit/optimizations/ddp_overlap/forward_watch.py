@@ -1,0 +1,58 @@
+"""DDP syncs the gradients of a backward only when a forward through its wrapper came
+before it: a script that calls a part of its model directly (``layer.forward(x)``, as
+mnist_forward_forward trains each layer) gets gradients that DDP never averages, and
+its replicas part, silently. `ForwardWatch` counts the forwards through the wrapper
+and the backward passes that reach the model's parameters, and refuses a pass that
+no forward through it came before."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...runtime.gradsync import BackwardEnd
+from ...runtime.hooks import SessionHook
+
+
+class UnsyncedBackward(RuntimeError):
+    """A backward reached the model's parameters with no forward through DDP before it."""
+
+
+class ForwardWatch:
+    def __init__(self, ddp: nn.Module) -> None:
+        self.waiting = 0  # training forwards through the wrapper whose backward has not ended
+        self._checked_in: int | None = None  # the pass (autograd task) checked last
+        self._end = BackwardEnd(self._pass_ended)
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        self._handles = [ddp.register_forward_pre_hook(SessionHook(self._forward))]
+        self._handles += [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
+
+    def _forward(self, module: nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.waiting += 1
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == self._checked_in:
+            return
+        self._checked_in = task
+        if self.waiting <= 0:
+            raise UnsyncedBackward(
+                "ddp_overlap: a backward reached the model's parameters with no forward "
+                "through the model before it (a part of it called directly, as "
+                "layer.forward(x)): DistributedDataParallel syncs nothing then, and the "
+                "ranks' replicas would part. Call the prepared model itself, or leave "
+                "ddp_overlap out (overlapkit's own all-reduce syncs any backward)"
+            )
+        self._end.arm()
+
+    def _pass_ended(self) -> None:
+        self.waiting -= 1
+        self._checked_in = None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
