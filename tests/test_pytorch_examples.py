@@ -2,6 +2,8 @@
 time_sequence_prediction (LBFGS: forward and backward run inside optimizer.step(closure))
 and fast_neural_style (a transformer net trained against a frozen VGG16's features)."""
 
+import contextlib
+
 import pytest
 import torch
 from pytorch_examples import (
@@ -245,3 +247,26 @@ def test_forward_forward_under_ddp_overlap_on_two_ranks_is_refused_not_left_to_p
         launch_local(on_two_ranks, 2, "forward_forward", ["ddp_overlap"], {})
     ranks = launch_local(on_two_ranks, 2, "forward_forward", ["plain"], {})
     assert torch.equal(ranks[0]["plain"]["params"], ranks[1]["plain"]["params"])
+
+
+def test_a_module_kept_in_a_plain_list_and_registered_is_not_told(recwarn):
+    """A model keeping a second network in a plain list (out of its state_dict on
+    purpose) that the script registers: checkpointed and synced as registered, so
+    nothing is told (prepare said checkpoints missed its weights)."""
+    import weakref
+
+    class Holder(torch.nn.Module):
+        def __init__(self, critic):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+            self.critic = [critic]
+            self.gone = [weakref.proxy(contextlib.ExitStack())]  # a dead proxy: not read
+
+    critic = torch.nn.Linear(4, 1)
+    holder = Holder(critic)
+    optimizer = torch.optim.SGD([*holder.body.parameters(), *critic.parameters()], lr=0.1)
+    session = Session(device="cpu")
+    model, _, _ = session.prepare(holder, optimizer)
+    session.start(critic=critic)
+    session.finish()
+    assert not [w for w in recwarn if "does not see them" in str(w.message)]

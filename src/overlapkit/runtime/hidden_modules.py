@@ -10,20 +10,22 @@ from torch import nn
 INSTEAD = {list: "nn.ModuleList", tuple: "nn.ModuleList", dict: "nn.ModuleDict"}
 
 
-def modules_out_of_sight(model: nn.Module) -> list[str]:
+def modules_out_of_sight(model: nn.Module, seen_elsewhere: set[int] | None = None) -> list[str]:
     """Where ``model`` (or a module inside it) holds trainable modules in a plain
-    container: one phrase each, ``"Net.layers (a list of 2 modules: use nn.ModuleList)"``."""
-    seen = {id(p) for p in model.parameters()}
+    container, their parameters neither the model's nor in ``seen_elsewhere`` (ids: a
+    registered module's): one phrase each, ``"Net.layers (a list of 2 modules: use
+    nn.ModuleList)"``."""
+    seen = {id(p) for p in model.parameters()} | (seen_elsewhere or set())
     found = []
     for owner in model.modules():
         for name, value in vars(owner).items():
-            if type(value) not in INSTEAD:
+            if type(value) not in INSTEAD or name in ("_modules", "_parameters", "_buffers"):
                 continue
             held = value.values() if isinstance(value, dict) else value
             hidden = [
                 item
                 for item in held
-                if isinstance(item, nn.Module)
+                if issubclass(type(item), nn.Module)  # (not a proxy's __class__)
                 and any(p.requires_grad and id(p) not in seen for p in item.parameters())
             ]
             if hidden:

@@ -206,10 +206,6 @@ class Session(EpochLoop, SavedState):
         came_in_ddp = isinstance(model, DistributedDataParallel)
         came_wrapped = isinstance(model, (DistributedDataParallel, nn.DataParallel))
         model = self._unwrapped(model)
-        if hidden := modules_out_of_sight(model):  # (a script's own bug: told, not refused)
-            message = out_of_sight_message(hidden)
-            self.notes.append(message)
-            warn(message)
         whole = _unsharded(loader)
         loader = self._resumable(loader)
         model = model.to(self.world.device)
@@ -334,6 +330,7 @@ class Session(EpochLoop, SavedState):
         self._started = True
         loaded = self.state.resumed_from  # by session.load(), which said so
         self.check_unsaved_state()
+        self._tell_modules_out_of_sight()
         self._registered_models_data_parallel()
         if self.world.world_size > 1 and self._save_meetings is None:  # every rank, here
             self.meet_for_saves_from(dist.distributed_c10d._get_default_store())
@@ -360,6 +357,23 @@ class Session(EpochLoop, SavedState):
                     self.scheduler.policy.name,
                 )
             )
+
+    def _tell_modules_out_of_sight(self) -> None:
+        """The prepared model keeps trainable modules in a plain list, tuple or dict
+        (mnist_forward_forward's layers), registered nowhere: a script's own bug, told
+        (checkpoints miss them, ranks do not sync them), not refused."""
+        if self._raw_model is None:
+            return
+        registered = {
+            id(p)
+            for obj in self._stateful.values()
+            if isinstance(obj, nn.Module)
+            for p in obj.parameters()
+        }
+        if hidden := modules_out_of_sight(self._raw_model, registered):
+            message = out_of_sight_message(hidden)
+            self.notes.append(message)
+            warn(message)
 
     def _registered_models_data_parallel(self) -> None:
         """On several ranks, a registered model that an optimizer trains (a GAN's
