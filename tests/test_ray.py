@@ -505,3 +505,20 @@ def test_the_actor_on_each_machine_imports_no_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_tune_trials_relative_data_root_is_made_absolute_in_the_text_sent_only(
+    tmp_path, monkeypatch
+):
+    """tune --ray makes a relative data.root absolute in each trial's text for the
+    machines, not in the study's scenario: a study begun without --ray (or from another
+    folder on a shared database) was refused as "measured with another scenario"."""
+    from overlapkit.launch.ray_paths import data_root_from_here
+
+    monkeypatch.chdir(tmp_path)
+    scenario = {"name": "s", "data": {"name": "imagefolder", "root": "images"}}
+    sent = data_root_from_here(scenario)
+    assert sent["data"]["root"] == str(tmp_path / "images")
+    assert scenario["data"]["root"] == "images"  # the study's own, as written
+    for kept in ("~/images", "/abs/images"):
+        assert data_root_from_here({"data": {"root": kept}})["data"]["root"] == kept

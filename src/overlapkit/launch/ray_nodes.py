@@ -195,7 +195,8 @@ def _reachable(address: str, source: str = "") -> None:
             f"--ray takes HOST:PORT (the head's GCS address), not {address!r}{source}"
         )
     try:
-        socket.create_connection((host, int(port)), timeout=10).close()
+        # An IPv6 host comes bracketed ([fd00::1]:6379, as Ray writes it): not for sockets.
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
     except OSError as error:
         raise RayClusterError(
             f"no Ray cluster answers at {address}{source} ({error.strerror or error}); {START_ONE}"

@@ -19,5 +19,15 @@ def paths_from_here(scenario: Any) -> None:
         scenario.log.tensorboard = str(Path(board).absolute())
 
 
+def data_root_from_here(data: dict[str, Any]) -> dict[str, Any]:
+    """A scenario as a dict (a tune trial's), its relative ``data.root`` made absolute
+    from here. Only the text sent to the machines changes: the study compares trials
+    by the scenario as written (a study begun without --ray goes on with it)."""
+    root = (data.get("data") or {}).get("root")
+    if root is None or not _relative(root):
+        return data
+    return {**data, "data": {**data["data"], "root": str(Path(root).absolute())}}
+
+
 def _relative(path: str | Path) -> bool:
     return not (Path(path).is_absolute() or str(path).startswith("~"))

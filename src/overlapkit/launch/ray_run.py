@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..folders import new_stamped, stamped, unused
@@ -85,8 +86,9 @@ def run_on_cluster(
 
     if progress is not None:
         progress.start()
+    received: list[int] = []  # the signal that stopped it (Ray may turn it to Ctrl-C's)
     try:
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt(received):
             outcome = run_on_ray(
                 dump_scenario(scenario),
                 world,
@@ -95,8 +97,8 @@ def run_on_cluster(
                 on_lines=on_lines,
                 resume=resume,
             )
-    except KeyboardInterrupt as stop:
-        signum = stop.signum if isinstance(stop, RunInterrupted) else signal.SIGINT
+    except KeyboardInterrupt:
+        signum = received[0] if received else signal.SIGINT
         newest = _newest_checkpoint(run_dir, world.nodes)
         raise RunInterrupted(signum, None, newest) from None
     finally:
@@ -123,20 +125,24 @@ def run_on_cluster(
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def _sigterm_as_interrupt(received: list[int]) -> Iterator[None]:
     """SIGTERM (`kill`) stops the run as Ctrl-C does: the machines' ranks stopped, one
     line, status 143. The handlers that ray.init set (Ray's crash handler printed a
-    6-line C++ dump, then its own exited with status 15) are replaced meanwhile."""
+    6-line C++ dump, then its own exited with status 15) are replaced meanwhile. The
+    signal goes in ``received``: inside a blocking ray.get Ray turns the exception
+    raised here into a plain KeyboardInterrupt. Once one came, later ones wait."""
 
     def stop(signum: int, _frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one waits for the first
+        received.append(signum)
         raise RunInterrupted(signum)
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not received:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _newest_checkpoint(run_dir: Path, nodes: int) -> int | None:
@@ -186,7 +192,9 @@ def _progress(total: int) -> Progress:
     import ray
 
     return Progress(
-        TextColumn(f"[bold]training on the cluster at {ray.get_runtime_context().gcs_address}[/]"),
+        TextColumn(
+            f"[bold]training on the cluster at {escape(ray.get_runtime_context().gcs_address)}[/]"
+        ),
         BarColumn(),
         TextColumn("{task.completed}/{task.total} steps"),
         TimeRemainingColumn(),

@@ -29,13 +29,11 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     scenario.data.check()
     ray = None
     if args.ray:
-        from ..launch.ray_paths import paths_from_here
         from .on_ray import RayTrials
 
         if args.workers != 1:
             raise TuneError("--workers runs trials here; on a Ray cluster use --max-concurrent")
         ray = RayTrials(scenario.world, args.ray, args.max_concurrent)
-        paths_from_here(scenario)
         scenario.world = ray.world  # the device the cluster decided, for every trial
         scenario.check_setup(gpus_here=False)  # each machine checks its own GPUs
     else:
@@ -112,7 +110,7 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     cores = os.cpu_count() or 1
     gpus = None
     if ray is not None:
-        Console(stderr=True).print(ray.describe(), soft_wrap=True)
+        Console(stderr=True).print(ray.describe(), soft_wrap=True, markup=False)
     elif args.workers * scenario.world.ranks > cores:
         Console(stderr=True).print(
             f"note: {args.workers} workers x {scenario.world.ranks} ranks on {cores} cores: "

@@ -21,6 +21,7 @@ from ..launch.ray_nodes import (
     run_on_ray,
     runs_that_fit,
 )
+from ..launch.ray_paths import data_root_from_here
 from .trial import NODE_LOST, StepWatch, TrialFailed, TrialStopped, failure_of
 
 
@@ -50,8 +51,9 @@ class RayTrials:
             if not self.fits_now
             else ""
         )
+        address = ray.get_runtime_context().gcs_address
         return (
-            f"Ray cluster at {ray.get_runtime_context().gcs_address}: {len(nodes)} machines, {total.get('CPU', 0):g} CPUs, "
+            f"Ray cluster at {address}: {len(nodes)} machines, {total.get('CPU', 0):g} CPUs, "
             f"{total.get('GPU', 0):g} GPUs; up to {self.concurrency} trial(s) in flight, "
             f"each on {self.world.nodes} machine(s) x {self.world.nprocs} rank(s){waiting}"
         )
@@ -65,7 +67,7 @@ class RayTrials:
     ) -> dict[str, Any]:
         folder.mkdir(parents=True, exist_ok=True)
         world = self.world.model_dump(include={"device", "threads"})
-        data = {**data, "world": {**(data.get("world") or {}), **world}}
+        data = {**data_root_from_here(data), "world": {**(data.get("world") or {}), **world}}
         text = yaml.safe_dump(data, sort_keys=False)
         (folder / "scenario.yaml").write_text(text)
         watch = StepWatch(on_step)
