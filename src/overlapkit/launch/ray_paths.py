@@ -1,7 +1,8 @@
 """A scenario's paths under ``--ray``: each machine's ranks run in the folder of the
 Ray worker that starts them, not in the folder of the command, so a relative path
 that the driver checked (``data.root``) or names (``log.tensorboard``) is made
-absolute from here before the scenario travels. ``~`` stays: each machine's home."""
+absolute from here before the scenario travels. ``~`` in ``data.root`` stays: each
+machine's home (the TensorBoard path's was expanded on the driver, when read)."""
 
 from __future__ import annotations
 
