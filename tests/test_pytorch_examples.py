@@ -270,3 +270,23 @@ def test_a_module_kept_in_a_plain_list_and_registered_is_not_told(recwarn):
     session.start(critic=critic)
     session.finish()
     assert not [w for w in recwarn if "does not see them" in str(w.message)]
+
+
+def test_a_loop_of_registered_optimizers_only_that_bypasses_the_session_is_told():
+    """Forward-forward prepared with no optimizer, each layer's registered, its loop over
+    its own loader (not the one prepare returned): 0 steps and no checkpoint, and
+    nothing said (only the prepared optimizer's steps outside a step were counted)."""
+    from overlapkit import LoopWarning
+
+    layer = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    batches = [torch.randn(2, 4) for _ in range(3)]
+    session = Session([Checkpoint(every=1)], device="cpu")
+    model, _, _ = session.prepare(torch.nn.Sequential(layer), None, batches)
+    session.start(optimizer=optimizer)
+    for x in batches:  # the script's own list
+        optimizer.zero_grad()
+        layer(x).square().mean().backward()
+        optimizer.step()
+    with pytest.warns(LoopWarning, match=r"no step ran through the session"):
+        session.finish()

@@ -183,6 +183,11 @@ class PlainCalls:
                 tensor.register_hook(_OutputReached(self, None))
 
     def _update_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.session.in_step and not self.in_session_call:
+            # Counted: a run whose only updates are registered optimizers' (a loop
+            # training each layer by its own) ran no step if its loop bypassed the
+            # session, and finish() says so (not at once: a GAN may step once after).
+            self.steps_outside += 1
         self._timed_as("optimizer", optimizer)
 
     def _update_done(self, optimizer: Any, args: Any, kwargs: Any) -> None:
