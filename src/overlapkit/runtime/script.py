@@ -146,13 +146,13 @@ class PlainCalls:
         self._handles.append(module.register_forward_pre_hook(SessionHook(self._other_forward)))
         self._handles.append(module.register_forward_hook(SessionHook(self._other_forward_done)))
 
-    def _timed_as(self, phase: str, owner: Any, module: nn.Module | None = None) -> None:
+    def _timed_as(self, phase: str, owner: Any) -> None:
         """Time the registered ``owner``'s call as ``phase``: a script's own call inside
         a step, from the script's own time, or the optimizer's inside a closure (not
         inside another phase: a registered model called within the prepared one's
         forward is that forward's)."""
         clock = self.session.state.clock
-        if self._timing is None and self._plain(module) and clock.current == self.resting:
+        if self._timing is None and self._plain() and clock.current == self.resting:
             clock.switch(phase)
             self._timing = owner
 

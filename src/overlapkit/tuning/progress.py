@@ -44,15 +44,17 @@ class StudyPlan:
         analysis = sweeps + pairs + policies if tune.references else 0
         counts = {
             "references": references if tune.references else 0,
-            # A grid ends with its last point.
-            "search": min(tune.trials, space.grid_size())
-            if tune.sampler == "grid"
-            else tune.trials,
+            "search": cls.search_trials(space, tune),
             "confirm": (tune.finalists + (rows if tune.references else 0)) * again,
             "analysis": analysis,
             "confirm curves": analysis * again,
         }
         return cls(counts)
+
+    @staticmethod
+    def search_trials(space: SearchSpace, tune: TuneConfig) -> int:
+        """The search phase's trials: ``tune.trials``, or fewer where a grid ends first."""
+        return min(tune.trials, space.grid_size()) if tune.sampler == "grid" else tune.trials
 
     @property
     def total(self) -> int:

@@ -107,8 +107,8 @@ def _phases(
     if job.tune.references:
         enqueue(study, reference_settings(job.space))
         _phase("references", job, study, queue, pool, deadline, shown)
-    size = min(job.tune.trials, job.space.grid_size()) if job.tune.sampler == "grid" else None
-    budget = lambda: (size or job.tune.trials) - search_done(study)  # noqa: E731
+    searched = StudyPlan.search_trials(job.space, job.tune)  # as the plan above said
+    budget = lambda: searched - search_done(study)  # noqa: E731
     _phase("search", job, study, budget, pool, deadline, shown)
     if job.tune.repeats > 1:
         repeats = confirm_settings(study, Analysis.of(study, job.space, job.tune), job.tune)

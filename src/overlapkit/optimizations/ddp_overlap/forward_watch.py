@@ -23,7 +23,6 @@ class UnsyncedBackward(RuntimeError):
 class ForwardWatch:
     def __init__(self, ddp: nn.Module) -> None:
         self.waiting = 0  # training forwards through the wrapper whose backward has not ended
-        self._checked_in: int | None = None  # the pass (autograd task) checked last
         self._end = BackwardEnd(self._pass_ended)
         params = [p for p in ddp.parameters() if p.requires_grad]
         self._handles = [ddp.register_forward_pre_hook(SessionHook(self._forward))]
@@ -34,10 +33,8 @@ class ForwardWatch:
             self.waiting += 1
 
     def _accumulated(self, param: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if task == self._checked_in:
+        if self._end.armed_now():  # this pass was checked at its first gradient
             return
-        self._checked_in = task
         if self.waiting <= 0:
             raise UnsyncedBackward(
                 "ddp_overlap: a backward reached the model's parameters with no forward "
@@ -50,7 +47,6 @@ class ForwardWatch:
 
     def _pass_ended(self) -> None:
         self.waiting -= 1
-        self._checked_in = None
 
     def remove(self) -> None:
         for handle in self._handles:
