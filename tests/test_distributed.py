@@ -5,11 +5,12 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 
-from conftest import ROOT, cli_here, free_port, run_cli
+from conftest import ROOT, TINY_SCENARIO, cli_here, free_port, run_cli
 from overlapkit.runtime.distributed import init_world
 
 # How long a rank waits in a collective for a peer that is gone: the process group's timeout.
@@ -170,18 +171,31 @@ def final_loss(folder):
     return json.loads((folder / "summary.json").read_text())["final_loss"]
 
 
-def two_local_ranks(tiny_scenario, tmp_path, *overrides):
-    out = tmp_path / "local"
-    result = run_cli(
-        "run", tiny_scenario(), "--out", out, "--quiet", "--set", "world.nprocs=2", *overrides
-    )
-    assert result.returncode == 0, result.stderr
-    return out
+@pytest.fixture(scope="module")
+def two_local_ranks(tmp_path_factory):
+    """The final loss of the tiny scenario on two local ranks with these ``--set``
+    overrides: run once for the module's tests that compare with it."""
+    losses = {}
+
+    def final_loss_of(*overrides: str) -> float:
+        if overrides not in losses:
+            folder = tmp_path_factory.mktemp("local")
+            scenario = folder / "scenario.yaml"
+            scenario.write_text(textwrap.dedent(TINY_SCENARIO))
+            sets = [part for name in ("world.nprocs=2", *overrides) for part in ("--set", name)]
+            result = run_cli("run", scenario, "--out", folder / "run", "--quiet", *sets)
+            assert result.returncode == 0, result.stderr
+            losses[overrides] = final_loss(folder / "run")
+        return losses[overrides]
+
+    return final_loss_of
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shared", [False, True], ids=["own folders", "one shared folder"])
-def test_two_machines_started_by_hand_train_as_two_local_ranks(tiny_scenario, tmp_path, shared):
+def test_two_machines_started_by_hand_train_as_two_local_ranks(
+    tiny_scenario, tmp_path, shared, two_local_ranks
+):
     """What each Ray actor does, without Ray: node k of 2, rendezvous at node 0. With
     one folder (a shared file system), node 1 was refused: 'in use by another run',
     node 0's lock on the run folder, while node 0 waited for it."""
@@ -206,14 +220,14 @@ def test_two_machines_started_by_hand_train_as_two_local_ranks(tiny_scenario, tm
     summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert not (tmp_path / "node1" / "summary.json").exists()  # rank 0 writes it
-    local = two_local_ranks(
-        tiny_scenario, tmp_path, "--set", "optimizations.ddp_overlap.intensity=0.5"
-    )
-    assert summary["final_loss"] == pytest.approx(final_loss(local), rel=1e-6)
+    local = two_local_ranks("optimizations.ddp_overlap.intensity=0.5")
+    assert summary["final_loss"] == pytest.approx(local, rel=1e-6)
 
 
 @pytest.mark.slow
-def test_a_run_trains_in_a_process_group_started_before_it_and_leaves_it(tiny_scenario, tmp_path):
+def test_a_run_trains_in_a_process_group_started_before_it_and_leaves_it(
+    tiny_scenario, tmp_path, two_local_ranks
+):
     """Ray Train's TorchTrainer starts the group before the training function runs."""
     from rank_programs import run_in_a_group_started_before
 
@@ -222,8 +236,7 @@ def test_a_run_trains_in_a_process_group_started_before_it_and_leaves_it(tiny_sc
     path = tiny_scenario()
     results = launch_local(run_in_a_group_started_before, 2, str(path), str(tmp_path / "adopted"))
     assert all(r["group_kept"] for r in results.values())
-    local = two_local_ranks(tiny_scenario, tmp_path)
-    assert results[0]["final_loss"] == pytest.approx(final_loss(local), rel=1e-6)
+    assert results[0]["final_loss"] == pytest.approx(two_local_ranks(), rel=1e-6)
     assert final_loss(tmp_path / "adopted") == results[0]["final_loss"]
 
 

@@ -62,6 +62,9 @@ def test_gpu_benchmark_runs_every_part_on_a_cpu(tmp_path):
             "1",
             "--json",
             tmp_path / "n.json",
+            # a folder that does not exist yet: it was a FileNotFoundError traceback
+            "--dir",
+            tmp_path / "new" / "scratch",
         ],
         capture_output=True,
         text=True,
@@ -69,6 +72,7 @@ def test_gpu_benchmark_runs_every_part_on_a_cpu(tmp_path):
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "new" / "scratch").is_dir()
     numbers = json.loads((tmp_path / "n.json").read_text())
     for model in ("resnet18", "resnet50"):
         rows = numbers["a"][model]["rows"]
@@ -138,16 +142,6 @@ def test_a_benchmarks_bad_flag_is_one_line_and_exit_2(script, args, message):
     result = run_benchmark_args(script, *args)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr and "Traceback" not in result.stderr
-
-
-def test_the_gpu_benchmark_makes_its_scratch_folder(tmp_path):
-    # --dir named a folder that did not exist yet: a FileNotFoundError traceback
-    result = run_benchmark_args(
-        "gpu.py", "--device", "cpu", "--quick", "--parts", "a", "--rounds", "1",
-        "--steps", "1", "--dir", str(tmp_path / "new" / "scratch"),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert (tmp_path / "new" / "scratch").is_dir()
 
 
 def test_a_benchmarks_help_gives_its_docstrings_whole_first_paragraph():

@@ -43,6 +43,11 @@ def cluster(tmp_path_factory):
         "RAY_TMPDIR": str(short),
         "TMPDIR": str(scratch),
         "RAY_NODE_TYPE_NAME": "fake_cpu_node",  # as the cluster launcher starts its nodes
+        # A removed machine is counted out after 3 missed health checks 1 s apart
+        # (Ray's default: 5 of 3 s, ~15 s of each lost-machine test spent waiting).
+        "RAY_health_check_period_ms": "1000",
+        "RAY_health_check_timeout_ms": "2000",
+        "RAY_health_check_failure_threshold": "3",
     }
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)  # the raylets, their actors and the drivers below inherit it
@@ -479,15 +484,19 @@ def test_no_cluster_at_the_address_is_a_clear_error_at_once(tiny_scenario, monke
     result = cli_here("run", path, "--ray", "http://127.0.0.1:8265")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "not the URL 'http://127.0.0.1:8265'" in result.stderr, result.stderr
-    # Something else listening there (a web server): said at once, not retried for minutes.
+    # Something else listening there (a web server): said at once, not retried for minutes
+    # (after GRPC_READY_S, 10 s: 1 s here).
     import http.server
     import threading
 
+    from overlapkit.launch import ray_nodes
+
+    monkeypatch.setattr(ray_nodes, "GRPC_READY_S", 1.0)
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         address = f"127.0.0.1:{server.server_address[1]}"
-        result = run_cli("run", path, "--ray", address, timeout=60)
+        result = cli_here("run", path, "--ray", address)
     finally:
         server.shutdown()
     assert result.returncode == 2, result.stderr[-2000:]
