@@ -61,6 +61,19 @@ def test_the_gcp_config_has_the_node_types_a_study_needs(tmp_path):
     }
 
 
+def test_a_zone_outside_the_region_is_refused(tmp_path):
+    config = gcp()
+    config["provider"]["availability_zone"] = "europe-west4-a"  # region us-central1
+    assert (
+        "provider.availability_zone: europe-west4-a is not a zone of provider.region "
+        "us-central1" in problems(config, tmp_path)
+    )
+    config["provider"]["availability_zone"] = "us-central1-f"
+    path = tmp_path / "ok.yaml"
+    path.write_text(yaml.safe_dump(config))
+    check_cluster_file(path, "2.60.0")
+
+
 def test_rays_schema_runs_first(tmp_path):
     config = gcp()
     config["max_wrokers"] = 3

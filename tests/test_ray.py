@@ -116,7 +116,9 @@ def test_a_study_of_two_machine_trials_in_postgresql_with_more_in_flight_than_ro
     """Three trials at most in flight on a cluster that holds two: the third waits for
     room that the study's own trials hold, past the room time-out (it failed as "no
     room" then, and stopped the study)."""
-    path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (3, 4))
+    optimizations = "{ddp_overlap: {intensity: 1}, checkpoint: {every: 2}}"
+    tune = TUNE[:-1] % (3, 4) + ", search: {ddp_overlap: null}}"  # checkpoints: every 2
+    path = two_machine_scenario(tiny_scenario, optimizations, tune)
     out = tmp_path / "tune"
     monkeypatch.setenv("OVERLAPKIT_RAY_ROOM_TIMEOUT_S", "1")
     with throwaway_postgres() as url:
@@ -147,6 +149,9 @@ def test_a_study_of_two_machine_trials_in_postgresql_with_more_in_flight_than_ro
         assert summary["hardware"]["nodes"][0]["ray"] == "2.60.0"
         assert summary["hardware"]["nodes"][0]["node_type"] == "fake_cpu_node"
         assert trial.user_attrs["hardware"].startswith("1 machine (fake_cpu_node), 2 cores")
+        # A trial's checkpoints stay on its machines: the summary named a folder here.
+        checkpoint = summary["optimizations"]["checkpoint"]
+        assert checkpoint["checkpoints"] == 2 and checkpoint["dir"] is None
 
 
 def test_a_machine_lost_mid_trial_fails_that_trial_and_the_study_completes(
@@ -417,6 +422,46 @@ def test_a_run_stopped_with_sigterm_says_where_as_ctrl_c_does(cluster, tiny_scen
     assert "SIGTERM received" not in err, err[-3000:]
 
 
+def test_a_trial_waiting_for_room_past_tunes_timeout_is_queued_for_the_next_tune(
+    cluster, tiny_scenario, tmp_path
+):
+    """Two trials in flight on a cluster that holds one: the second waited for room
+    for as long as the first ran, past tune's --timeout, and then ran whole."""
+    gate = tmp_path / "gate"
+    Path(f"{gate}.first").touch()  # every trial waits at step 2 until the gate opens
+    optimizations = f"{{toy_gate: {{path: '{gate}', step: 2}}}}"
+    path = two_machine_scenario(tiny_scenario, optimizations, TUNE % (2, 4))
+    out = tmp_path / "tune"
+    command = ["tune", str(path), "--ray", cluster.address, "--max-concurrent", "2"]
+    command += ["--out", str(out), "--timeout", "3", "--set", "world.threads=2"]
+    log = tmp_path / "tune.log"
+    with log.open("wb") as sink:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "overlapkit", *command], cwd=ROOT, stdout=sink, stderr=sink
+        )
+    try:
+
+        def given_up():
+            try:
+                return [t for t in trials_of(sqlite(out)) if t.state == TrialState.FAIL]
+            except (KeyError, sqlalchemy.exc.SQLAlchemyError):
+                return []  # the study is not there yet
+
+        (waited,) = wait_for(given_up, 120, "the waiting trial to give up", log)
+        gate.with_suffix(".open").touch()
+        assert driver.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        driver.kill()
+        driver.wait()
+    assert waited.user_attrs["failure"] == "no_room"
+    assert "tune's --timeout" in waited.user_attrs["reason"]
+    trials = trials_of(sqlite(out))
+    (ran,) = [t for t in trials if t.state == TrialState.COMPLETE]
+    (again,) = [t for t in trials if t.state == TrialState.WAITING]
+    assert again.system_attrs["fixed_params"] == waited.params  # runs first next time
+    assert ran.number != waited.number
+
+
 def test_a_trial_the_cluster_has_no_room_for_waits_says_so_and_runs_again_later(
     cluster, tiny_scenario, tmp_path
 ):
@@ -531,3 +576,46 @@ def test_a_tune_trials_relative_data_root_is_made_absolute_in_the_text_sent_only
     assert scenario["data"]["root"] == "images"  # the study's own, as written
     for kept in ("~/images", "/abs/images"):
         assert data_root_from_here({"data": {"root": kept}})["data"]["root"] == kept
+
+
+def test_a_machines_own_plugins_stay_beside_the_drivers():
+    from overlapkit.launch.ray_nodes import joined_plugins
+
+    # The driver's list replaced the machine's: a plugin its ranks import was dropped.
+    assert joined_plugins("toy_plugins, toy_elsewhere", "site_hooks,toy_plugins") == (
+        "toy_plugins,toy_elsewhere,site_hooks"
+    )
+    assert joined_plugins("toy_plugins", None) == "toy_plugins"
+
+
+def test_a_machines_run_folder_goes_with_its_run_and_an_orphaned_one_with_the_next(
+    tmp_path, monkeypatch
+):
+    """Each run left its folder (its checkpoints: gigabytes on a real model) in each
+    machine's temporary folder when it was stopped, failed or lost its driver."""
+    import tempfile
+
+    from overlapkit.launch.ray_nodes import NodeRunner
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # an actor killed with its driver, before any stop
+    orphan = tmp_path / f"overlapkit-node-{gone.pid}-x1"
+    live = tmp_path / f"overlapkit-node-{os.getpid()}-x2"  # another run's, going on
+    for folder in (orphan, live):
+        (folder / "run" / "checkpoints").mkdir(parents=True)
+    runner = NodeRunner()
+    assert not orphan.exists() and live.exists() and runner.folder.is_dir()
+    # A run stopped (Ctrl-C, a failed peer): its ranks killed and its folder removed.
+    runner.process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    (runner.folder / "run" / "checkpoints").mkdir(parents=True)
+    runner.stop()
+    assert runner.process.returncode == -signal.SIGKILL and not runner.folder.exists()
+
+
+def test_a_machines_refusal_is_its_whole_error_not_its_last_three_lines():
+    from overlapkit.launch.ray_run import _refusal
+
+    said = "warning: something else\nerror: data.root: no such folder\n  /data/images\n"
+    assert _refusal(said) == "data.root: no such folder /data/images"
+    assert _refusal("a\nb\nc\nd\n") == "b c d"  # no error line: the last lines

@@ -11,7 +11,8 @@ and key:
 - resources are whole numbers;
 - each accelerator has a type and a positive count;
 - a node type's ``min_workers`` and ``max_workers`` are not negative, min no more than max;
-- on GCP, ``provider.project_id`` is set, and not to the shipped placeholder;
+- on GCP, ``provider.project_id`` is set, and not to the shipped placeholder, and
+  ``provider.availability_zone`` lies in ``provider.region``;
 - Ray and overlapkit are pinned in the setup commands (the driver's Ray must be
   the cluster's, and every node must run the same overlapkit);
 - the study storage is one the workers can reach (a database server on the
@@ -138,6 +139,7 @@ def overlapkit_problems(config: dict[str, Any], ray_version: str | None) -> list
     provider = (config.get("provider") or {}).get("type")
     if provider == "gcp":
         problems += _project_problems(config["provider"].get("project_id"))
+        problems += _zone_problems(config["provider"])
     for name, node in (config.get("available_node_types") or {}).items():
         problems += _node_problems(f"available_node_types.{name}", node, provider)
     if provider not in ONE_MACHINE:
@@ -156,6 +158,18 @@ def _project_problems(project: Any) -> list[Problem]:
         said = "not a GCP project ID (6-30 lowercase letters, digits and hyphens, from a letter)"
         return [Problem(where, f"{said}: {project!r} ({find})")]
     return []
+
+
+def _zone_problems(provider: dict[str, Any]) -> list[Problem]:
+    """GCP's zone lies in its region (us-central1-a in us-central1): the launcher asks
+    for VMs in the zone, and fails only then, on Google's side."""
+    region, zone = provider.get("region"), provider.get("availability_zone")
+    if not (isinstance(region, str) and isinstance(zone, str) and region and zone):
+        return []  # Ray's schema says what is missing
+    if zone.rpartition("-")[0] == region:
+        return []
+    said = f"{zone} is not a zone of provider.region {region} (its zones are {region}-a, -b, ...)"
+    return [Problem("provider.availability_zone", said)]
 
 
 def _node_problems(where: str, node: Any, provider: str | None) -> list[Problem]:

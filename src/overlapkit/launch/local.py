@@ -107,6 +107,17 @@ def is_rank_zero() -> bool:
     return not under_torchrun() or int(os.environ.get("RANK", "0")) == 0
 
 
+def alive(pid: int) -> bool:
+    """Whether a process ``pid`` is there (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def die_with_parent() -> None:
     """Linux kills this process when its parent dies: ranks never outlive their
     launcher, nor a launcher the Ray actor that started it (a lost machine, a killed

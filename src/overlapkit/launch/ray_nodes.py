@@ -44,7 +44,7 @@ from ..runtime.checkpoint_folder import (
 )
 from ..runtime.checkpoint_mirrors import Mirrors
 from .config import WorldConfig
-from .local import die_with_parent
+from .local import alive, die_with_parent
 
 POLL_S = 0.5
 GRPC_READY_S = 10.0  # how long a head's gRPC port may take to answer
@@ -55,7 +55,8 @@ START_ONE = (
 # first): `room_timeout_s`; and after how long it says that it waits.
 ROOM_TIMEOUT = "OVERLAPKIT_RAY_ROOM_TIMEOUT_S"
 ROOM_NOTICE_S = 10.0
-ROOM_POLL_S = 1.0  # how often a run waiting for room looks whether the cluster could hold it
+ROOM_POLL_S = 1.0  # how often a run waiting for room looks whether it was placed
+ROOM_CHECK_S = 2.0  # and asks the cluster whether its machines could hold it
 STRAGGLER_S = 20.0  # after one machine's ranks fail, how long the others get to fail too
 NODE_FOLDERS = "nodes"  # machine k > 0's run folder: <run folder>/nodes/node<k>
 CHECKPOINTS = "checkpoints"  # the checkpoint optimization's folder in a run folder
@@ -64,6 +65,11 @@ PLUGINS = "OVERLAPKIT_PLUGINS"  # the plugin modules that name optimizations
 
 class RayClusterError(RuntimeError):
     """No cluster to run on, or one that cannot hold the run."""
+
+
+class OutOfTime(RayClusterError):
+    """The time given (tune's ``--timeout``: only tune gives one) ran out while the run
+    waited for room."""
 
 
 def room_timeout_s() -> float:
@@ -279,6 +285,7 @@ def run_on_ray(
     checkpoints: bool = True,
     resume: dict[int, Path] | None = None,
     placement_timeout_s: float | None = None,
+    give_up_at: float | None = None,
 ) -> RayOutcome:
     """Run the scenario (YAML text, with the `placed_world` ``world``) over
     ``world.nodes`` machines of the cluster and
@@ -287,7 +294,8 @@ def run_on_ray(
     as they are written; returning True stops the run. ``checkpoints``: mirror each
     machine's checkpoints there as they are written (a run that fails, is stopped or
     loses its driver keeps what had reached it). ``resume``: machine k's folder of an
-    earlier run, sent to it first."""
+    earlier run, sent to it first. ``give_up_at`` (a `time.time()`): raise `OutOfTime`
+    if the run still waits for room then."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -301,7 +309,7 @@ def run_on_ray(
     lost: int | None = None  # the machine that was lost: nothing to stop there
     mirrors: Mirrors | None = None
     try:
-        _wait_for_room(group, world, strategy, placement_timeout_s)
+        _wait_for_room(group, world, strategy, placement_timeout_s, give_up_at)
         runner = ray.remote(NodeRunner)
         for k in range(world.nodes):
             actors.append(
@@ -358,7 +366,7 @@ def run_on_ray(
                     pass  # a machine lost just now: the manifests seen before stand
             mirrors.finish(lost=lost)
         if outcome.lost is None and not outcome.stopped:
-            _gather(actors, run_dir)
+            _gather(actors, run_dir, mirrored=checkpoints)
         return outcome
     finally:
         if mirrors is not None:
@@ -376,23 +384,39 @@ def run_on_ray(
         remove_placement_group(group)
 
 
-def _wait_for_room(group: Any, world: WorldConfig, strategy: str, timeout_s: float) -> None:
+def _wait_for_room(
+    group: Any, world: WorldConfig, strategy: str, timeout_s: float, give_up_at: float | None
+) -> None:
     """Wait until ``group`` is placed. Only the time that the cluster's live machines
     could not hold the run even when idle counts against ``timeout_s`` (an autoscaler
     may be adding machines); a cluster that holds it but is busy (this study's other
-    trials, other jobs) is waited for: a trial queued behind the study's own trials
-    (``--max-concurrent`` above what the cluster holds) failed as "no room" and
-    stopped the study."""
+    trials, other jobs) is waited for, until ``give_up_at``: a trial queued behind the
+    study's own trials (``--max-concurrent`` above what the cluster holds) failed as
+    "no room" and stopped the study. The cluster is asked what it holds every
+    ``ROOM_CHECK_S``; a question it does not answer (the GCS restarting, say) leaves
+    the last answer standing."""
     import ray
+    from ray.exceptions import RayError
 
     bundle = node_bundle(world)
     what = f"{world.nodes} machine(s) holding {bundle} each ({strategy})"
     started = checked = time.monotonic()
     short_since: float | None = None
+    busy = True
     said: set[bool] = set()
     placed = group.ready()  # once: each call starts a task in the group
     while not ray.wait([placed], timeout=ROOM_POLL_S)[0]:
-        now, busy = time.monotonic(), runs_that_fit(world) > 0
+        if give_up_at is not None and time.time() >= give_up_at:
+            raise OutOfTime(
+                f"its time (tune's --timeout) ran out while it waited for room for {what}"
+            )
+        now = time.monotonic()
+        if now - checked < ROOM_CHECK_S:
+            continue
+        try:
+            busy = runs_that_fit(world) > 0
+        except (RayError, ConnectionError, TimeoutError):
+            pass
         short_since = None if busy else short_since or checked
         checked = now
         if short_since is not None and now - short_since >= timeout_s:
@@ -516,10 +540,10 @@ def _send_checkpoints(root: Path, actor: Any) -> None:
     ray.get(actor.receive_manifest.remote(text))
 
 
-def _gather(actors: list[Any], run_dir: Path) -> None:
+def _gather(actors: list[Any], run_dir: Path, mirrored: bool) -> None:
     """Every machine's run folder (its checkpoints apart: see `_mirrors`), with the
     summary's ``run_dir`` and checkpoint folder saying where they are now (not in the
-    machine's temporary folder, removed by then)."""
+    machine's temporary folder, removed by then); none, unless ``mirrored``."""
     import ray
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -533,9 +557,21 @@ def _gather(actors: list[Any], run_dir: Path) -> None:
             there, document["run_dir"] = document.get("run_dir"), str(folder)
             checkpoint = (document.get("optimizations") or {}).get("checkpoint")
             held = checkpoint.get("dir") if isinstance(checkpoint, dict) else None
-            if there and isinstance(held, str) and Path(held).is_relative_to(there):
+            if not mirrored and isinstance(checkpoint, dict):  # a tune trial's
+                checkpoint["dir"] = None
+                checkpoint.setdefault("notes", []).append(
+                    "its checkpoints stayed on the machines (not mirrored), removed there"
+                )
+            elif there and isinstance(held, str) and Path(held).is_relative_to(there):
                 checkpoint["dir"] = str(folder / Path(held).relative_to(there))
             summary.write_text(json.dumps(document, indent=1))
+
+
+def joined_plugins(drivers: str, machines: str | None) -> str:
+    """The plugin modules a machine's ranks import: the driver's (which checked the
+    scenario), then the machine's own that the driver does not name."""
+    names = [n.strip() for text in (drivers, machines or "") for n in text.split(",")]
+    return ",".join(dict.fromkeys(n for n in names if n))
 
 
 def machine_folder(run_dir: Path, k: int) -> Path:
@@ -563,13 +599,27 @@ def unpack(archive: bytes, folder: Path) -> None:
 
 
 # ------------------------------------------------------------ on each machine
+NODE_FOLDER = "overlapkit-node-"  # + the actor's pid: a machine's folder of a run
+
+
+def remove_orphaned_folders(temp: Path) -> None:
+    """Remove the run folders of actors that are gone without a `stop` (their driver
+    was killed, or lost its machine): each held a run's checkpoints, gigabytes on a
+    real model, left in the machine's temporary folder for good."""
+    for folder in temp.glob(f"{NODE_FOLDER}*-*"):
+        pid = folder.name.removeprefix(NODE_FOLDER).partition("-")[0]
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 class NodeRunner:
     """Lives on one machine of the run (a Ray actor): starts that machine's ranks as
     ``overlapkit run`` in a process group of its own, reports on them, stops them,
     and packs their run folder."""
 
     def __init__(self) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="overlapkit-node-"))
+        remove_orphaned_folders(Path(tempfile.gettempdir()))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{NODE_FOLDER}{os.getpid()}-"))
         self.process: subprocess.Popen[bytes] | None = None
 
     def where(self) -> dict[str, Any]:
@@ -610,7 +660,7 @@ class NodeRunner:
         env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
         env["PYTHONUNBUFFERED"] = "1"
         if plugins is not None:  # the machine's Ray was started without the driver's
-            env[PLUGINS] = plugins
+            env[PLUGINS] = joined_plugins(plugins, env.get(PLUGINS))
         # The launcher's node type (it starts each node with RAY_NODE_TYPE_NAME, which
         # Ray turns into this label), recorded in the run's hardware.
         labels = ray.get_runtime_context().get_node_labels()
@@ -666,12 +716,15 @@ class NodeRunner:
         return (self.folder / "stderr.txt").read_text(errors="replace")
 
     def stop(self) -> None:
+        """The ranks stopped and their folder removed: what the driver needs of it
+        (the mirrored checkpoints, the failing machine's stderr) it has by now."""
         if self.process is not None and self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def collect(self) -> bytes:
         """The run folder with the run's stdout and stderr, packed (not its

@@ -25,6 +25,7 @@ from .ray_nodes import (
     CHECKPOINTS,
     NODE_FOLDERS,
     RayClusterError,
+    RayOutcome,
     connect,
     machine_folder,
     placed_world,
@@ -60,35 +61,36 @@ def run_on_cluster(
             "resume; leave checkpoint.dir unset"
         )
     connect(address)
-    paths_from_here(scenario)
-    world = scenario.world = placed_world(scenario.world)  # one decision for all machines
-    scenario.check_setup(world.ranks, gpus_here=False)
-    run_dir = run_dir or new_stamped(Path("runs"), scenario.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if on_folder is not None:
-        on_folder(run_dir)
-    errors = Console(stderr=True)
-    resume = {} if fresh else _earlier_folders(run_dir, world.nodes)
-    if fresh:
-        _move_aside(run_dir, world.nodes)
-    if resume:
-        errors.print(f"resuming from the checkpoints in {run_dir} ({len(resume)} machine(s))")
-    total = scenario.train.total_steps  # warm-up and measured: the step numbers it shows
-    progress = None if quiet or as_json else _progress(total)
-    task = None if progress is None else progress.add_task("steps", total=total)
-
-    def on_lines(text: str) -> bool:
-        if progress is not None:
-            steps = [json.loads(line)["step"] for line in text.splitlines() if line.strip()]
-            if steps:
-                progress.update(task, completed=max(steps) + 1)
-        return False
-
-    if progress is not None:
-        progress.start()
+    # From here on `kill` stops the run as Ctrl-C does (ray.init set Ray's handlers).
     received: list[int] = []  # the signal that stopped it (Ray may turn it to Ctrl-C's)
-    try:
-        with _sigterm_as_interrupt(received):
+    with _sigterm_as_interrupt(received):
+        paths_from_here(scenario)
+        world = scenario.world = placed_world(scenario.world)  # one decision for all machines
+        scenario.check_setup(world.ranks, gpus_here=False)
+        run_dir = run_dir or new_stamped(Path("runs"), scenario.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if on_folder is not None:
+            on_folder(run_dir)
+        errors = Console(stderr=True)
+        resume = {} if fresh else _earlier_folders(run_dir, world.nodes)
+        if fresh:
+            _move_aside(run_dir, world.nodes)
+        if resume:
+            errors.print(f"resuming from the checkpoints in {run_dir} ({len(resume)} machine(s))")
+        total = scenario.train.total_steps  # warm-up and measured: the step numbers it shows
+        progress = None if quiet or as_json else _progress(total)
+        task = None if progress is None else progress.add_task("steps", total=total)
+
+        def on_lines(text: str) -> bool:
+            if progress is not None:
+                steps = [json.loads(line)["step"] for line in text.splitlines() if line.strip()]
+                if steps:
+                    progress.update(task, completed=max(steps) + 1)
+            return False
+
+        if progress is not None:
+            progress.start()
+        try:
             outcome = run_on_ray(
                 dump_scenario(scenario),
                 world,
@@ -97,31 +99,37 @@ def run_on_cluster(
                 on_lines=on_lines,
                 resume=resume,
             )
-    except KeyboardInterrupt:
-        signum = received[0] if received else signal.SIGINT
-        newest = _newest_checkpoint(run_dir, world.nodes)
-        raise RunInterrupted(signum, None, newest) from None
-    finally:
-        if progress is not None:
-            progress.stop()
+        except KeyboardInterrupt:
+            signum = received[0] if received else signal.SIGINT
+            newest = _newest_checkpoint(run_dir, world.nodes)
+            raise RunInterrupted(signum, None, newest) from None
+        finally:
+            if progress is not None:
+                progress.stop()
+        _raise_for(outcome, run_dir, world.nodes)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if not (quiet or as_json):
+            print_summary(summary)
+            errors.print(f"run folder: {run_dir}")
+        return summary
+
+
+def _raise_for(outcome: RayOutcome, run_dir: Path, nodes: int) -> None:
+    """The error of a run that did not end well, naming the checkpoints kept."""
     if outcome.lost:
-        raise RayRunFailed(f"{outcome.lost}; {_kept(run_dir, world.nodes)}")
+        raise RayRunFailed(f"{outcome.lost}; {_kept(run_dir, nodes)}")
     if outcome.returncode == 2:
-        said = [line.strip() for line in outcome.stderr.splitlines() if line.strip()][-3:]
+        held = _newest_checkpoint(run_dir, nodes) is not None
         raise RayRunRefused(
-            f"{outcome.failed_on}: {' '.join(said).removeprefix('error: ')} (found on that "
-            "machine: its files, data and installed packages are its own)"
+            f"{outcome.failed_on}: {_refusal(outcome.stderr)} (found on that machine: its "
+            "files, data and installed packages are its own)"
+            + (f"; {_kept(run_dir, nodes)}" if held else "")
         )
     if not outcome.ok:
         tail = "\n".join(outcome.stderr.strip().splitlines()[-15:])
         raise RayRunFailed(
-            f"exit codes per machine {outcome.returncodes}; {_kept(run_dir, world.nodes)}\n{tail}"
+            f"exit codes per machine {outcome.returncodes}; {_kept(run_dir, nodes)}\n{tail}"
         )
-    summary = json.loads((run_dir / "summary.json").read_text())
-    if not (quiet or as_json):
-        print_summary(summary)
-        errors.print(f"run folder: {run_dir}")
-    return summary
 
 
 @contextmanager
@@ -143,6 +151,16 @@ def _sigterm_as_interrupt(received: list[int]) -> Iterator[None]:
     finally:
         if not received:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _refusal(stderr: str) -> str:
+    """What a machine's ``overlapkit run`` said when it refused the run: its error,
+    from its ``error:`` line on (its last 3 lines were taken: a warning printed just
+    before joined the message, a longer one was cut), else its last lines."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    said = lines[starts[-1] :] if starts else lines[-3:]
+    return " ".join(said).removeprefix("error: ")
 
 
 def _newest_checkpoint(run_dir: Path, nodes: int) -> int | None:

@@ -64,7 +64,10 @@ class RayTrials:
         folder: Path,
         timeout_s: float,
         on_step: Any = None,
+        give_up_at: float | None = None,
     ) -> dict[str, Any]:
+        """One trial; ``give_up_at`` (tune's deadline): `OutOfTime` if it still waits
+        for room on the cluster then (it ran whole, past tune's --timeout)."""
         folder.mkdir(parents=True, exist_ok=True)
         world = self.world.model_dump(include={"device", "threads"})
         data = {**data_root_from_here(data), "world": {**(data.get("world") or {}), **world}}
@@ -79,6 +82,7 @@ class RayTrials:
             timeout_s=timeout_s,
             on_lines=watch.feed if on_step is not None else None,
             checkpoints=False,
+            give_up_at=give_up_at,
         )
         if outcome.lost:
             raise TrialFailed(NODE_LOST, outcome.lost)

@@ -3,6 +3,7 @@ printing each trial as it finishes."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import signal
 import sys
@@ -216,7 +217,8 @@ def _round(
 
     if pool.ray is not None:  # in this process, one thread per trial in flight
         in_flight = min(pool.ray.concurrency, trials)
-        worker_main(job, trials, deadline, [show], queued, runner=pool.ray.run, in_flight=in_flight)
+        runner = functools.partial(pool.ray.run, give_up_at=deadline)
+        worker_main(job, trials, deadline, [show], queued, runner=runner, in_flight=in_flight)
         return
     workers, gpus = pool.workers, pool.gpus
     if workers == 1:  # in this process: no start-up cost

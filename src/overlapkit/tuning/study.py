@@ -41,7 +41,8 @@ import optuna
 import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 
-from ..launch.ray_nodes import RayClusterError
+from ..launch.local import alive
+from ..launch.ray_nodes import OutOfTime, RayClusterError
 from ..optimizations import get_optimization
 from ..runtime.hardware import hardware_label
 from ..runtime.plain_data import first_difference
@@ -337,6 +338,8 @@ class Objective:
             trial.set_user_attr("reason", str(stop) if room else "tune was stopped while it ran")
             role = trial.user_attrs["role"]
             trial.study.enqueue_trial(params, user_attrs={"role": role})
+            if isinstance(stop, OutOfTime):  # tune's --timeout: the study ends as usual
+                raise TrialFailed("no_room", str(stop)) from None
             raise
         except TrialFailed as failure:
             trial.set_user_attr("failure", failure.kind)
@@ -444,7 +447,7 @@ def fail_orphans(study: optuna.Study) -> list[int]:
             started = trial.datetime_start or now
             if (now - started).total_seconds() < UNCLAIMED_ORPHAN_S:
                 continue
-        elif trial.user_attrs.get("host") != host or _alive(pid):
+        elif trial.user_attrs.get("host") != host or alive(pid):
             continue
         storage = study._storage
         storage.set_trial_user_attr(trial._trial_id, "failure", "interrupted")
@@ -453,16 +456,6 @@ def fail_orphans(study: optuna.Study) -> list[int]:
         study.enqueue_trial(trial.params, user_attrs={"role": trial.user_attrs.get("role")})
         orphans.append(trial.number)
     return orphans
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def waiting(study: optuna.Study) -> int:
