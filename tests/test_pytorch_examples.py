@@ -219,6 +219,30 @@ def test_a_model_keeping_its_layers_in_a_plain_list_is_told_at_prepare(tmp_path)
         forward_forward(Session(device="cpu"), **{**kwargs, "prepare_last": True})
 
 
+def test_trainable_tensors_out_of_nn_modules_sight_are_told_at_start():
+    """A plain list of nn.Parameter, or a tensor made with requires_grad=True set as an
+    attribute: as with modules in a list, checkpoints missed them, silently."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+            self.gains = [torch.nn.Parameter(torch.ones(4)) for _ in range(2)]
+            self.scale = torch.ones(1, requires_grad=True)
+            self.frozen = torch.ones(1)  # nothing to train: not told
+
+    model = Scaled()
+    session = Session(device="cpu")
+    model, _, _ = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.warns(LoopWarning) as told:
+        session.start()
+    session.finish()
+    said = " ".join(str(w.message) for w in told)
+    assert "Scaled.gains (a list of 2 tensors: use nn.ParameterList)" in said
+    assert "Scaled.scale (a tensor that requires grad: use nn.Parameter)" in said
+    assert "frozen" not in said
+
+
 def test_a_full_batch_graph_port_gives_the_scripts_epochs_and_resumes_exactly(tmp_path):
     """gcn: one forward over the whole graph an epoch (the graph the one batch of a list),
     dropout, the train and validation masks evaluated in eval mode after each update,
