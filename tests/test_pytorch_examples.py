@@ -70,6 +70,7 @@ def test_an_lbfgs_port_on_two_ranks_averages_every_evaluation_and_profiles_its_s
         assert torch.allclose(ranks[0][way]["params"], whole["params"], atol=1e-8), way
         assert len(ranks[0][way]["losses"]) == 40
     assert ranks[0]["plain"]["all_reduces"] == 40  # one per evaluation
+    assert not [n for n in ranks[0]["plain"]["notes"] if "every rank trains the same" in n]
     overlap = ranks[0]["ddp_overlap"]["ddp_overlap"]
     profile = overlap["allreduce_profile"]
     assert profile["profiled_steps"] == 2
@@ -258,6 +259,16 @@ def test_a_full_batch_graph_port_gives_the_scripts_epochs_and_resumes_exactly(tm
     resumed = gcn(Session(run, device="cpu", run_dir=tmp_path))
     assert first["log"] + resumed["log"] == plain["log"] and resumed["test"] == plain["test"]
     assert torch.equal(resumed["params"], plain["params"])
+
+
+def test_a_full_batch_list_on_two_ranks_is_told_that_every_rank_trains_it():
+    """gcn's one batch, the whole graph, on each of 2 ranks: each step trained it twice
+    (the averaged gradient one rank's) and the summary counted its samples twice, with
+    no word. Sharded lists (the LBFGS port's rows by rank) are not told."""
+    ranks = launch_local(on_two_ranks, 2, "gcn", ["plain"], {"epochs": 1})
+    for rank in (0, 1):
+        (said,) = [n for n in ranks[rank]["plain"]["notes"] if "every rank trains the same" in n]
+        assert "session.data_shard" in said
 
 
 def test_forward_forward_under_ddp_overlap_on_two_ranks_is_refused_not_left_to_part():

@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
+from ..data import SequenceLoader
 from .arbitration import ArbitrationPolicy
 from .arguments import (
     check_group_unchanged,
@@ -52,7 +53,7 @@ from .arguments import (
     check_total_steps,
     wrapped_in_ddp,
 )
-from .batch import batch_size, to_device
+from .batch import batch_size, fingerprint, to_device
 from .distributed import World, all_gather_objects, all_reduce_sum, close_world, init_world
 from .epochs import USED_UP, EpochLoop
 from .events import Event
@@ -226,6 +227,15 @@ class Session(EpochLoop, SavedState):
                 "backward, batch-norm statistics are the first rank's); a script that keeps "
                 "its ranks apart (local SGD, one model per rank) cannot run them in one session"
             )
+        if state.dp.size > 1 and self.runs_a_script and self._same_batch_on_every_rank(loader):
+            self._note(
+                f"every rank trains the same batches: the list given to prepare starts with "
+                f"the same batch on all {state.dp.size} ranks, so each step trains it "
+                f"{state.dp.size} times (once per rank, the averaged gradient that of one) and "
+                f"the summary counts its samples {state.dp.size} times; give each rank its "
+                "own part: index, count = session.data_shard; batches[index::count] (or its "
+                "rows of a full batch, rows[index::count])"
+            )
         if state.dp.size > 1 and self.runs_a_script and whole is not None:
             self._note(
                 f"every rank reads the whole data set, unless each rank's is its own part "
@@ -245,6 +255,16 @@ class Session(EpochLoop, SavedState):
             state.script_ddp = DDPView(state.model)  # `.module`, `no_sync()` keep working
             return state.script_ddp, state.optimizer, loader
         return state.model, state.optimizer, loader
+
+    def _same_batch_on_every_rank(self, loader: Any) -> bool:
+        """Whether a script's list of batches (a `SequenceLoader`) starts with the same
+        batch on every rank of the data-parallel world (a collective: every rank of a
+        script passes a list, or none does)."""
+        if not isinstance(loader, SequenceLoader) or self.state.dp.size != self.world.world_size:
+            return False
+        mine = fingerprint(loader.items[0]) if len(loader.items) else None
+        prints = all_gather_objects(mine, self.world)
+        return mine is not None and all(p == mine for p in prints)
 
     @property
     def data_shard(self) -> tuple[int, int]:
