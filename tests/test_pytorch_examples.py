@@ -1,6 +1,8 @@
-"""Two pytorch/examples scripts ported to the Session API (tests/plugins/pytorch_examples.py):
-time_sequence_prediction (LBFGS: forward and backward run inside optimizer.step(closure))
-and fast_neural_style (a transformer net trained against a frozen VGG16's features)."""
+"""pytorch/examples scripts ported to the Session API (tests/plugins/pytorch_examples.py):
+time_sequence_prediction (LBFGS: forward and backward run inside optimizer.step(closure)),
+fast_neural_style (a transformer net trained against a frozen VGG16's features),
+mnist_forward_forward, gcn, vae (noise drawn in the forward) and siamese_network (random
+pairs drawn in the dataset's __getitem__)."""
 
 import contextlib
 
@@ -11,7 +13,9 @@ from pytorch_examples import (
     forward_forward,
     gcn,
     on_two_ranks,
+    siamese_network,
     time_sequence_prediction,
+    vae,
 )
 
 from overlapkit import LoopWarning, Session, get_optimization
@@ -290,3 +294,57 @@ def test_a_loop_of_registered_optimizers_only_that_bypasses_the_session_is_told(
         optimizer.step()
     with pytest.warns(LoopWarning, match=r"no step ran through the session"):
         session.finish()
+
+
+def test_a_vae_port_draws_its_noise_as_the_script_and_resumes_mid_epoch_exactly(tmp_path):
+    """vae: the forward draws its noise (randn_like), the test pass after each epoch
+    too (in eval mode) and so does the sample: every draw is the global RNG's. The port
+    gives the script's losses, test losses, samples and parameters bit for bit, the
+    phases add up to the step, the test pass is outside the steps; a run stopped in its
+    2nd epoch and resumed from step 6 (after an epoch's end: its test and sample drawn,
+    the next shuffle too) gives the rest exactly."""
+    plain = vae(None)
+    port = vae(Session(device="cpu"))
+    for key in ("losses", "averages", "test"):
+        assert port[key] == plain[key], key
+    assert all(torch.equal(a, b) for a, b in zip(port["samples"], plain["samples"], strict=True))
+    assert torch.equal(port["params"], plain["params"])
+    summary = port["summary"]
+    assert summary["steps"] == 10 and "notes" not in summary
+    phases = summary["phases_s"]
+    assert min(phases[p] for p in ("forward", "backward", "optimizer")) > 0, phases
+    assert sum(phases.values()) == pytest.approx(summary["step_time_s"]["mean"])
+    assert summary["outside_steps_s"]["between_epochs"] > 0  # the test pass and the sample
+    run = [Checkpoint(every=3, final=False)]
+    first = vae(Session(run, device="cpu", run_dir=tmp_path), stop_after=7)
+    resumed = vae(Session(run, device="cpu", run_dir=tmp_path))
+    assert resumed["summary"]["optimizations"]["checkpoint"]["resumed_from_step"] == 6
+    assert first["losses"][:6] + resumed["losses"] == plain["losses"]
+    assert first["test"] + resumed["test"] == plain["test"]
+    assert torch.equal(resumed["samples"][-1], plain["samples"][-1])
+    assert torch.equal(resumed["params"], plain["params"])
+
+
+@pytest.mark.parametrize("accel", [False, True])
+def test_a_siamese_port_draws_the_scripts_pairs_and_resumes_mid_epoch_exactly(tmp_path, accel):
+    """siamese_network: each pair drawn with ``random`` in the dataset's __getitem__ (on
+    this process as on a CPU, or in the one worker main.py gives an accelerator, its
+    batches shuffled), Adadelta, a StepLR registered and stepped per epoch, a resnet with
+    batch norm. The port is the script bit for bit (losses, test, learning rates,
+    parameters, batch-norm statistics); a run stopped in its 2nd epoch resumes exactly."""
+    plain = siamese_network(None, accel=accel)
+    port = siamese_network(Session(device="cpu"), accel=accel)
+    for key in ("losses", "test", "lrs"):
+        assert port[key] == plain[key], key
+    assert torch.equal(port["params"], plain["params"])
+    assert torch.equal(port["buffers"], plain["buffers"])
+    summary = port["summary"]
+    assert summary["steps"] == 10 and "notes" not in summary
+    assert sum(summary["phases_s"].values()) == pytest.approx(summary["step_time_s"]["mean"])
+    run = [Checkpoint(every=1)]
+    first = siamese_network(Session(run, device="cpu", run_dir=tmp_path), accel=accel, stop_after=7)
+    resumed = siamese_network(Session(run, device="cpu", run_dir=tmp_path), accel=accel)
+    assert first["losses"] + resumed["losses"] == plain["losses"]
+    assert first["test"] + resumed["test"] == plain["test"] and resumed["lrs"] == plain["lrs"][1:]
+    assert torch.equal(resumed["params"], plain["params"])
+    assert torch.equal(resumed["buffers"], plain["buffers"])
