@@ -377,3 +377,24 @@ def test_a_dataset_drawing_on_prefetchs_feeder_thread_is_said_to_resume_inexactl
     assert "notes" not in first["summary"] and "notes" not in resumed["summary"]
     assert first["losses"] + resumed["losses"] == plain["losses"]
     assert torch.equal(resumed["params"], plain["params"])
+
+
+def test_a_vae_port_on_two_ranks_samples_through_its_models_own_method_under_ddp_overlap():
+    """The vae calls ``model.decode(sample)`` after each epoch. Under ddp_overlap the
+    model prepare returns is a DistributedDataParallel, which had no ``decode``: an
+    AttributeError on 2 ranks (on one, ddp_overlap is off and the script ran). Both
+    ways run now, and agree: the ranks (the same data, the same noise) stay one
+    replica, the one-rank script's bit for bit (on 1 thread, as each rank here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain = vae(None, epochs=1)
+    finally:
+        torch.set_num_threads(threads)
+    ranks = launch_local(on_two_ranks, 2, "vae", ["plain", "ddp_overlap"], {"epochs": 1})
+    for rank in (0, 1):
+        for way in ("plain", "ddp_overlap"):
+            assert ranks[rank][way]["losses"] == plain["losses"], (rank, way)
+            assert torch.equal(ranks[rank][way]["samples"][0], plain["samples"][0])
+            assert torch.equal(ranks[rank][way]["params"], plain["params"]), (rank, way)
+    assert ranks[0]["ddp_overlap"]["ddp_overlap"]["buckets_per_step"] > 0
