@@ -1,6 +1,8 @@
-"""Two pytorch/examples scripts ported to the Session API (tests/plugins/pytorch_examples.py):
-time_sequence_prediction (LBFGS: forward and backward run inside optimizer.step(closure))
-and fast_neural_style (a transformer net trained against a frozen VGG16's features)."""
+"""pytorch/examples scripts ported to the Session API (tests/plugins/pytorch_examples.py):
+time_sequence_prediction (LBFGS: forward and backward run inside optimizer.step(closure)),
+fast_neural_style (a transformer net trained against a frozen VGG16's features),
+mnist_forward_forward, gcn, vae (noise drawn in the forward) and siamese_network (random
+pairs drawn in the dataset's __getitem__)."""
 
 import contextlib
 
@@ -11,13 +13,16 @@ from pytorch_examples import (
     forward_forward,
     gcn,
     on_two_ranks,
+    siamese_network,
     time_sequence_prediction,
+    vae,
 )
 
 from overlapkit import LoopWarning, Session, get_optimization
 from overlapkit.launch.local import launch_local
 
 Checkpoint = get_optimization("checkpoint")
+Prefetch = get_optimization("prefetch")
 
 
 @pytest.mark.parametrize("session_calls", [False, True])
@@ -325,3 +330,106 @@ def test_a_loop_of_registered_optimizers_only_that_bypasses_the_session_is_told(
         optimizer.step()
     with pytest.warns(LoopWarning, match=r"no step ran through the session"):
         session.finish()
+
+
+def test_a_vae_port_draws_its_noise_as_the_script_and_resumes_mid_epoch_exactly(tmp_path):
+    """vae: the forward draws its noise (randn_like), the test pass after each epoch
+    too (in eval mode) and so does the sample: every draw is the global RNG's. The port
+    gives the script's losses, test losses, samples and parameters bit for bit, the
+    phases add up to the step, the test pass is outside the steps; a run stopped in its
+    2nd epoch and resumed from step 6 (after an epoch's end: its test and sample drawn,
+    the next shuffle too) gives the rest exactly."""
+    plain = vae(None)
+    port = vae(Session(device="cpu"))
+    for key in ("losses", "averages", "test"):
+        assert port[key] == plain[key], key
+    assert all(torch.equal(a, b) for a, b in zip(port["samples"], plain["samples"], strict=True))
+    assert torch.equal(port["params"], plain["params"])
+    summary = port["summary"]
+    assert summary["steps"] == 10 and "notes" not in summary
+    phases = summary["phases_s"]
+    assert min(phases[p] for p in ("forward", "backward", "optimizer")) > 0, phases
+    assert sum(phases.values()) == pytest.approx(summary["step_time_s"]["mean"])
+    assert summary["outside_steps_s"]["between_epochs"] > 0  # the test pass and the sample
+    run = [Checkpoint(every=3, final=False)]
+    first = vae(Session(run, device="cpu", run_dir=tmp_path), stop_after=7)
+    resumed = vae(Session(run, device="cpu", run_dir=tmp_path))
+    assert resumed["summary"]["optimizations"]["checkpoint"]["resumed_from_step"] == 6
+    assert first["losses"][:6] + resumed["losses"] == plain["losses"]
+    assert first["test"] + resumed["test"] == plain["test"]
+    assert torch.equal(resumed["samples"][-1], plain["samples"][-1])
+    assert torch.equal(resumed["params"], plain["params"])
+
+
+@pytest.mark.parametrize("accel", [False, True])
+def test_a_siamese_port_draws_the_scripts_pairs_and_resumes_mid_epoch_exactly(tmp_path, accel):
+    """siamese_network: each pair drawn with ``random`` in the dataset's __getitem__ (on
+    this process as on a CPU, or in the one worker main.py gives an accelerator, its
+    batches shuffled), Adadelta, a StepLR registered and stepped per epoch, a resnet with
+    batch norm. The port is the script bit for bit (losses, test, learning rates,
+    parameters, batch-norm statistics); a run stopped in its 2nd epoch resumes exactly."""
+    plain = siamese_network(None, accel=accel)
+    port = siamese_network(Session(device="cpu"), accel=accel)
+    for key in ("losses", "test", "lrs"):
+        assert port[key] == plain[key], key
+    assert torch.equal(port["params"], plain["params"])
+    assert torch.equal(port["buffers"], plain["buffers"])
+    summary = port["summary"]
+    assert summary["steps"] == 10 and "notes" not in summary
+    assert sum(summary["phases_s"].values()) == pytest.approx(summary["step_time_s"]["mean"])
+    run = [Checkpoint(every=1)]
+    first = siamese_network(Session(run, device="cpu", run_dir=tmp_path), accel=accel, stop_after=7)
+    resumed = siamese_network(Session(run, device="cpu", run_dir=tmp_path), accel=accel)
+    assert first["losses"] + resumed["losses"] == plain["losses"]
+    assert first["test"] + resumed["test"] == plain["test"] and resumed["lrs"] == plain["lrs"][1:]
+    assert torch.equal(resumed["params"], plain["params"])
+    assert torch.equal(resumed["buffers"], plain["buffers"])
+
+
+def test_a_dataset_drawing_on_prefetchs_feeder_thread_is_said_to_resume_inexactly(tmp_path):
+    """prefetch with no workers loads ahead on its feeder thread, in this process:
+    siamese_network's __getitem__ draws its pairs with ``random`` there, so a checkpoint
+    held the draws of batches loaded ahead, not yet trained, and a resume drew other
+    pairs: stopped after 2 steps of 5, the resumed run's losses and parameters parted
+    from the run never stopped (which is the plain script's), with no word. It is now
+    said. The vae's forward draws too, but its loading does not: nothing said there,
+    and its resume is exact."""
+
+    def session(folder):
+        chosen = [Prefetch(0.5, workers=0), Checkpoint(every=1)]
+        return Session(chosen, device="cpu", run_dir=tmp_path / folder)
+
+    plain = siamese_network(None, epochs=1)
+    first = siamese_network(session("s"), epochs=1, stop_after=2)
+    resumed = siamese_network(session("s"), epochs=1)
+    said = [n for n in first["summary"]["notes"] if n.startswith("cannot resume exactly")]
+    assert len(said) == 1 and "random" in said[0] and "feeder thread" in said[0], said
+    assert said[0] in resumed["summary"]["notes"]
+    assert first["losses"] + resumed["losses"] != plain["losses"]  # what it says
+    plain = vae(None, epochs=1)
+    first = vae(session("v"), epochs=1, stop_after=2)
+    resumed = vae(session("v"), epochs=1)
+    assert "notes" not in first["summary"] and "notes" not in resumed["summary"]
+    assert first["losses"] + resumed["losses"] == plain["losses"]
+    assert torch.equal(resumed["params"], plain["params"])
+
+
+def test_a_vae_port_on_two_ranks_samples_through_its_models_own_method_under_ddp_overlap():
+    """The vae calls ``model.decode(sample)`` after each epoch. Under ddp_overlap the
+    model prepare returns is a DistributedDataParallel, which had no ``decode``: an
+    AttributeError on 2 ranks (on one, ddp_overlap is off and the script ran). Both
+    ways run now, and agree: the ranks (the same data, the same noise) stay one
+    replica, the one-rank script's bit for bit (on 1 thread, as each rank here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain = vae(None, epochs=1)
+    finally:
+        torch.set_num_threads(threads)
+    ranks = launch_local(on_two_ranks, 2, "vae", ["plain", "ddp_overlap"], {"epochs": 1})
+    for rank in (0, 1):
+        for way in ("plain", "ddp_overlap"):
+            assert ranks[rank][way]["losses"] == plain["losses"], (rank, way)
+            assert torch.equal(ranks[rank][way]["samples"][0], plain["samples"][0])
+            assert torch.equal(ranks[rank][way]["params"], plain["params"]), (rank, way)
+    assert ranks[0]["ddp_overlap"]["ddp_overlap"]["buckets_per_step"] > 0

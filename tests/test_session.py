@@ -282,7 +282,7 @@ def test_a_ported_ddp_script_keeps_module_and_no_sync():
             assert torch.allclose(rank[way]["params"], rank["ddp"]["params"], atol=1e-6)
             assert rank[way]["calls"] == calls, way
         # Under ddp_overlap's own DDP, session.no_sync() is that DDP's no_sync().
-        assert rank["plain_overlap"]["session_model"] == "DistributedDataParallel"
+        assert rank["plain_overlap"]["session_model"] == "ScriptDDP"  # a DDP (subclass)
         assert rank["overlap_flags"] == [False] * 4
         overlap = rank["plain_overlap"]["params"]
         assert torch.allclose(overlap, rank["ddp"]["params"], atol=1e-6)

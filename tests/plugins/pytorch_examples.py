@@ -9,12 +9,18 @@
   turn by its own Adam on its own local loss, many updates per batch; no global backward.
 - ``gcn/main.py``: a graph convolutional network trained full-batch, one forward over
   the whole graph per epoch, train/val/test masks, no DataLoader.
+- ``vae/main.py``: a variational autoencoder whose forward draws its noise
+  (``torch.randn_like``), its loss summed over the batch, a test pass and a sample drawn
+  after each epoch.
+- ``siamese_network/main.py``: pairs of images drawn at random (``random``, unseeded)
+  in the dataset's ``__getitem__``, BCELoss, Adadelta, a StepLR stepped per epoch.
 
 Each runs as the plain script (``session=None``) or ported; the 2-rank programs run
 inside `launch_local`'s ranks (gloo on localhost)."""
 
 from __future__ import annotations
 
+import random
 from collections import namedtuple
 from types import SimpleNamespace
 from typing import Any
@@ -24,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.optim import LBFGS, Adam
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.optim import LBFGS, Adadelta, Adam
+from torch.optim.lr_scheduler import StepLR
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from overlapkit import Session, get_optimization
 from overlapkit.runtime.distributed import init_world
@@ -548,6 +555,386 @@ def gcn(session: Session | None, epochs: int = 6, stop_at: int | None = None) ->
     loss_test, acc_test = test(model, criterion, (features, adj_mat), labels, idx_test)
     summary = session.finish() if session is not None else None
     return {"log": log, "test": (loss_test, acc_test), "params": flat(model), "summary": summary}
+
+
+# ------------------------------------------------------------------------- vae
+class VAE(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+        self.fc1 = nn.Linear(784, 400)
+        self.fc21 = nn.Linear(400, 20)
+        self.fc22 = nn.Linear(400, 20)
+        self.fc3 = nn.Linear(20, 400)
+        self.fc4 = nn.Linear(400, 784)
+
+    def encode(self, x):
+        h1 = F.relu(self.fc1(x))
+        return self.fc21(h1), self.fc22(h1)
+
+    def reparameterize(self, mu, logvar):
+        std = torch.exp(0.5 * logvar)
+        eps = torch.randn_like(std)
+        return mu + eps * std
+
+    def decode(self, z):
+        h3 = F.relu(self.fc3(z))
+        return torch.sigmoid(self.fc4(h3))
+
+    def forward(self, x):
+        mu, logvar = self.encode(x.view(-1, 784))
+        z = self.reparameterize(mu, logvar)
+        return self.decode(z), mu, logvar
+
+
+# Reconstruction + KL divergence losses summed over all elements and batch
+def loss_function(recon_x, x, mu, logvar):
+    BCE = F.binary_cross_entropy(recon_x, x.view(-1, 784), reduction="sum")
+    KLD = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+    return BCE + KLD
+
+
+def synthetic_images(count: int, seed: int) -> TensorDataset:
+    """``count`` MNIST-shaped images in [0, 1] (ToTensor's), labels 0-9 in turn, drawn
+    from their own generator: the global RNG draws what the script's draws."""
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.rand(count, 1, 28, 28, generator=generator)
+    return TensorDataset(images, torch.arange(count) % 10)
+
+
+def vae(
+    session: Session | None,
+    epochs: int = 2,
+    batch_size: int = 8,
+    images: int = 40,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """main.py on ``images`` synthetic images (a quarter as many for its test set): per
+    epoch, train (shuffled batches; every 10th logged), test (its first batch's
+    reconstructions compared, no PNG written) and a sample of 64 decoded. Ported: the
+    train loader prepared; ``stop_after``: the script stops after that many steps (a
+    checkpoint resumes it). Returns each step's loss, each epoch's average loss (as
+    printed: the total over the batches this run trained / the data set's size), the
+    test losses, the samples, the parameters and the summary."""
+    args = SimpleNamespace(batch_size=batch_size, epochs=epochs, seed=1, log_interval=10)
+    torch.manual_seed(args.seed)
+    device = torch.device("cpu")
+    kwargs: dict[str, Any] = {}
+    train_loader: Any = DataLoader(
+        synthetic_images(images, 0), batch_size=args.batch_size, shuffle=True, **kwargs
+    )
+    test_loader = DataLoader(
+        synthetic_images(images // 4, 1), batch_size=args.batch_size, shuffle=False, **kwargs
+    )
+    model = VAE().to(device)
+    optimizer = Adam(model.parameters(), lr=1e-3)
+    losses: list[float] = []
+    averages: list[float] = []
+    test_losses: list[float] = []
+    samples: list[torch.Tensor] = []
+
+    def train(epoch):
+        model.train()
+        train_loss = 0
+        for batch_idx, (data, _) in enumerate(train_loader):  # noqa: B007 - logged
+            data = data.to(device)
+            optimizer.zero_grad()
+            recon_batch, mu, logvar = model(data)
+            loss = loss_function(recon_batch, data, mu, logvar)
+            loss.backward()
+            train_loss += loss.item()
+            optimizer.step()
+            losses.append(loss.item())
+            if len(losses) == stop_after:
+                return False
+        averages.append(train_loss / len(train_loader.dataset))
+        return True
+
+    def test(epoch):
+        model.eval()
+        test_loss = 0
+        with torch.no_grad():
+            for i, (data, _) in enumerate(test_loader):
+                data = data.to(device)
+                recon_batch, mu, logvar = model(data)
+                test_loss += loss_function(recon_batch, data, mu, logvar).item()
+                if i == 0:
+                    n = min(data.size(0), 8)
+                    torch.cat([data[:n], recon_batch.view(args.batch_size, 1, 28, 28)[:n]])
+        test_loss /= len(test_loader.dataset)
+        test_losses.append(test_loss)
+
+    first = 1
+    if session is not None:
+        model, optimizer, train_loader = session.prepare(model, optimizer, train_loader)
+        first = session.start().epoch + 1
+    for epoch in range(first, args.epochs + 1):
+        if not train(epoch):
+            break
+        test(epoch)
+        with torch.no_grad():
+            sample = torch.randn(64, 20).to(device)
+            samples.append(model.decode(sample).cpu())
+    summary = session.finish() if session is not None else None
+    return {
+        "losses": losses,
+        "averages": averages,
+        "test": test_losses,
+        "samples": samples,
+        "params": flat(model),
+        "summary": summary,
+    }
+
+
+# ------------------------------------------------------------- siamese_network
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock."""
+
+    def __init__(self, inplanes, planes, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)
+            )
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class TinyResNet(nn.Module):
+    """torchvision's ``resnet18(weights=None)`` in its layout (conv1, bn1, relu, maxpool,
+    layer1-4, avgpool, fc: the children the script keeps or drops), one block a stage
+    and narrow stages after the 64-wide stem: torchvision is not installed here, and a
+    resnet18's 11M parameters would take seconds a step."""
+
+    def __init__(self, widths=(16, 16, 16, 16), num_classes=1000):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        inplanes = 64
+        for i, width in enumerate(widths):
+            setattr(self, f"layer{i + 1}", BasicBlock(inplanes, width, 1 if i == 0 else 2))
+            inplanes = width
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(inplanes, num_classes)
+
+
+def resnet18(weights=None):
+    return TinyResNet()
+
+
+class SiameseNetwork(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # get resnet model
+        self.resnet = resnet18(weights=None)
+
+        # over-write the first conv layer to be able to read MNIST images
+        self.resnet.conv1 = nn.Conv2d(
+            1, 64, kernel_size=(7, 7), stride=(2, 2), padding=(3, 3), bias=False
+        )
+        self.fc_in_features = self.resnet.fc.in_features
+
+        # remove the last layer of resnet18 (linear layer which is before avgpool layer)
+        self.resnet = torch.nn.Sequential(*(list(self.resnet.children())[:-1]))
+
+        # add linear layers to compare between the features of the two images
+        self.fc = nn.Sequential(
+            nn.Linear(self.fc_in_features * 2, 256),
+            nn.ReLU(inplace=True),
+            nn.Linear(256, 1),
+        )
+
+        self.sigmoid = nn.Sigmoid()
+
+        # initialize the weights
+        self.resnet.apply(self.init_weights)
+        self.fc.apply(self.init_weights)
+
+    def init_weights(self, m):
+        if isinstance(m, nn.Linear):
+            torch.nn.init.xavier_uniform_(m.weight)
+            m.bias.data.fill_(0.01)
+
+    def forward_once(self, x):
+        output = self.resnet(x)
+        output = output.view(output.size()[0], -1)
+        return output
+
+    def forward(self, input1, input2):
+        output1 = self.forward_once(input1)
+        output2 = self.forward_once(input2)
+        output = torch.cat((output1, output2), 1)
+        output = self.fc(output)
+        output = self.sigmoid(output)
+        return output
+
+
+class APP_MATCHER(Dataset):  # noqa: N801 - the script's name
+    def __init__(self, root, train, download=False):
+        super().__init__()
+        # MNIST's images (uint8, N x 28 x 28) and targets: synthetic, every class twice at least
+        count = 40 if train else 20
+        generator = torch.Generator().manual_seed(int(train))
+        self.dataset = SimpleNamespace(
+            data=torch.randint(0, 256, (count, 28, 28), dtype=torch.uint8, generator=generator),
+            targets=torch.arange(count) % 10,
+        )
+        self.data = self.dataset.data.unsqueeze(1).clone()
+        self.group_examples()
+
+    def group_examples(self):
+        np_arr = np.array(self.dataset.targets.clone(), dtype=None, copy=None)
+        self.grouped_examples = {}
+        for i in range(0, 10):
+            self.grouped_examples[i] = np.where(np_arr == i)[0]
+
+    def __len__(self):
+        return self.data.shape[0]
+
+    def __getitem__(self, index):
+        # pick some random class for the first image
+        selected_class = random.randint(0, 9)
+        random_index_1 = random.randint(0, self.grouped_examples[selected_class].shape[0] - 1)
+        index_1 = self.grouped_examples[selected_class][random_index_1]
+        image_1 = self.data[index_1].clone().float()
+        # same class
+        if index % 2 == 0:
+            random_index_2 = random.randint(0, self.grouped_examples[selected_class].shape[0] - 1)
+            while random_index_2 == random_index_1:
+                random_index_2 = random.randint(
+                    0, self.grouped_examples[selected_class].shape[0] - 1
+                )
+            index_2 = self.grouped_examples[selected_class][random_index_2]
+            image_2 = self.data[index_2].clone().float()
+            target = torch.tensor(1, dtype=torch.float)
+        # different class
+        else:
+            other_selected_class = random.randint(0, 9)
+            while other_selected_class == selected_class:
+                other_selected_class = random.randint(0, 9)
+            random_index_2 = random.randint(
+                0, self.grouped_examples[other_selected_class].shape[0] - 1
+            )
+            index_2 = self.grouped_examples[other_selected_class][random_index_2]
+            image_2 = self.data[index_2].clone().float()
+            target = torch.tensor(0, dtype=torch.float)
+        return image_1, image_2, target
+
+
+def siamese_network(
+    session: Session | None,
+    epochs: int = 2,
+    batch_size: int = 8,
+    accel: bool = False,
+    register_scheduler: bool = True,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """main.py on `APP_MATCHER`'s synthetic MNIST (40 training images, 20 test), its
+    test batch the whole test set. ``accel``: the loaders as main.py makes them with an
+    accelerator (shuffled, one worker; pinned where there is a GPU), else as on a CPU
+    (in order, no worker: the pairs are drawn on the main process). main.py never seeds
+    ``random``: its pairs differ from run to run; here it is seeded, to compare. Ported:
+    the train loader prepared, the StepLR given to `Session.start` (``register_scheduler``);
+    ``stop_after``: the script stops after that many steps (a checkpoint resumes it).
+    Returns each step's loss, each epoch's test loss and accuracy, the learning rates,
+    the parameters, the buffers and the summary."""
+    args = SimpleNamespace(
+        batch_size=batch_size,
+        test_batch_size=20,
+        epochs=epochs,
+        lr=1.0,
+        gamma=0.7,
+        dry_run=False,
+        seed=1,
+        log_interval=10,
+    )
+    random.seed(0)
+    torch.manual_seed(args.seed)
+    device = torch.device("cpu")
+    train_kwargs: dict[str, Any] = {"batch_size": args.batch_size}
+    test_kwargs: dict[str, Any] = {"batch_size": args.test_batch_size}
+    if accel:
+        accel_kwargs = {
+            "num_workers": 1,
+            "pin_memory": torch.cuda.is_available(),
+            "shuffle": True,
+        }
+        train_kwargs.update(accel_kwargs)
+        test_kwargs.update(accel_kwargs)
+    train_dataset = APP_MATCHER("../data", train=True, download=True)
+    test_dataset = APP_MATCHER("../data", train=False)
+    train_loader: Any = DataLoader(train_dataset, **train_kwargs)
+    test_loader = DataLoader(test_dataset, **test_kwargs)
+    model = SiameseNetwork().to(device)
+    optimizer = Adadelta(model.parameters(), lr=args.lr)
+    scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
+    losses: list[float] = []
+    tests: list[tuple[float, int]] = []
+
+    def train(args, model, device, train_loader, optimizer, epoch):
+        model.train()
+        criterion = nn.BCELoss()
+        for batch_idx, (images_1, images_2, targets) in enumerate(train_loader):  # noqa: B007
+            images_1, images_2 = images_1.to(device), images_2.to(device)
+            targets = targets.to(device)
+            optimizer.zero_grad()
+            outputs = model(images_1, images_2).squeeze()
+            loss = criterion(outputs, targets)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            if len(losses) == stop_after:
+                return False
+        return True
+
+    def test(model, device, test_loader):
+        model.eval()
+        test_loss = 0
+        correct = 0
+        criterion = nn.BCELoss()
+        with torch.no_grad():
+            for images_1, images_2, targets in test_loader:
+                images_1, images_2 = images_1.to(device), images_2.to(device)
+                targets = targets.to(device)
+                outputs = model(images_1, images_2).squeeze()
+                test_loss += criterion(outputs, targets).sum().item()  # sum up batch loss
+                pred = torch.where(outputs > 0.5, 1, 0)
+                correct += pred.eq(targets.view_as(pred)).sum().item()
+        test_loss /= len(test_loader.dataset)
+        tests.append((test_loss, correct))
+
+    first = 1
+    if session is not None:
+        model, optimizer, train_loader = session.prepare(model, optimizer, train_loader)
+        first = session.start(**({"scheduler": scheduler} if register_scheduler else {})).epoch + 1
+    lrs = []
+    for epoch in range(first, args.epochs + 1):
+        if not train(args, model, device, train_loader, optimizer, epoch):
+            break
+        test(model, device, test_loader)
+        scheduler.step()
+        lrs.append(scheduler.get_last_lr()[0])
+    summary = session.finish() if session is not None else None
+    module = getattr(model, "module", model)
+    return {
+        "losses": losses,
+        "test": tests,
+        "lrs": lrs,
+        "params": flat(model),
+        "buffers": torch.cat([b.reshape(-1).double() for b in module.buffers()]),
+        "summary": summary,
+    }
 
 
 # ------------------------------------------------------------------- two ranks

@@ -51,6 +51,12 @@ def capture() -> State:
     return torch.get_rng_state().numpy().tobytes(), py_state, np_state
 
 
+def drawn_between(before: State, after: State) -> list[str]:
+    """The global generators that drew between two `capture` states of one process."""
+    names = ("torch", "random", "numpy")
+    return [name for name, a, b in zip(names, before, after, strict=True) if a != b]
+
+
 def restore(state: State) -> None:
     torch_bytes, py_state, np_state = state
     torch.set_rng_state(torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8))

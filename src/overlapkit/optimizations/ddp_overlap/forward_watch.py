@@ -11,9 +11,31 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ...runtime.gradsync import BackwardEnd
 from ...runtime.hooks import SessionHook
+
+
+class ScriptDDP(DistributedDataParallel):
+    """The DistributedDataParallel `Session.prepare` returns under ddp_overlap: it also
+    answers for its model's own attributes, as the model did on one rank, where
+    ddp_overlap is off (vae's ``model.decode(sample)`` after each epoch failed on 2
+    ranks with an AttributeError). A training forward through such a method bypasses
+    DDP: `ForwardWatch` refuses its backward."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as missing:
+            error = missing
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is None:  # (while DDP sets itself up)
+            raise error
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise error from None
 
 
 class UnsyncedBackward(RuntimeError):

@@ -31,7 +31,7 @@ from ...runtime import (
 )
 from ...runtime.gradsync import GradientSync
 from ...runtime.timing import Marks
-from .forward_watch import ForwardWatch
+from .forward_watch import ForwardWatch, ScriptDDP
 from .hooks import BucketCall, BucketTimer, SyncTiming, make_hook, wire_bytes_factor
 from .profile import AllreduceProfile
 
@@ -216,7 +216,7 @@ class DDPOverlap(Optimization):
             self._keep_powersgd_to_one_bucket(model)
         s = self.settings
         device = state.world.device
-        self.ddp = DistributedDataParallel(
+        self.ddp = ScriptDDP(
             model,
             process_group=state.dp.group,
             device_ids=[device.index] if device.type == "cuda" else None,

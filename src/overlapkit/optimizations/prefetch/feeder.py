@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...data.worker_rng import capture, drawn_between
 from ...runtime.background import start_thread
 from ...runtime.batch import tensors_in, to_device
 
@@ -40,6 +41,9 @@ class Feeder:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # The process's global RNGs that loading the first batch drew from (the
+        # dataset's __getitem__ without workers): set before that batch is handed over.
+        self.first_load_draws: list[str] = []
         self._thread = start_thread(
             self._run, source, name="overlapkit-prefetch", stop=self._stop_soon
         )
@@ -50,13 +54,19 @@ class Feeder:
                 self._join()
             # On a GPU the back end's own copies (DALI's) and ours run on the side stream.
             with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+                first = True
                 while True:
                     if self._gate is not None:
                         self._gate()
+                    # Training waits for the first batch: what draws meanwhile is loading.
+                    before = capture() if first else None
                     try:
                         batch = next(source)
                     except StopIteration:
                         break
+                    if before is not None:
+                        self.first_load_draws = drawn_between(before, capture())
+                        first = False
                     event = None
                     if self._stream is not None:
                         batch = to_device(batch, self.device)

@@ -48,13 +48,19 @@ class PrefetchLoader:
         self.join = join  # called by the feeder thread when it starts
         self.dataset, self.batch_size, self.sampler = inner.dataset, inner.batch_size, inner.sampler
         self.epoch, self.position = inner.epoch, inner.position
+        # The global RNGs loading on the feeder thread draws from (see `inexact_resume`).
+        self.feeder_draws: list[str] = []
 
     def __iter__(self) -> Iterator[Any]:
         batches = self.backend.iterate(self.epoch, self.position)
+        feeder = None
         if self.feeder_depth:
-            batches = iter(Feeder(batches, self.device, self.feeder_depth, self.gate, self.join))
+            feeder = Feeder(batches, self.device, self.feeder_depth, self.gate, self.join)
+            batches = iter(feeder)
         try:
             for batch in batches:
+                if feeder is not None and not self.feeder_draws:
+                    self.feeder_draws = feeder.first_load_draws
                 self.position += 1
                 yield batch
         finally:
@@ -68,6 +74,25 @@ class PrefetchLoader:
         left before it (a ``break`` in the script's loop), as a DataLoader's would be."""
         self.epoch += 1
         self.position = 0
+
+    @property
+    def inexact_resume(self) -> str | None:
+        """Why a resume cannot be exact (the session says it when checkpointing): the
+        feeder thread loads batches ahead in this process, and loading draws from its
+        global RNG (a dataset's random pairs or augmentation without workers), so a
+        checkpoint holds draws of batches not yet trained, which a resume makes again
+        from there: its batches part from the run never stopped."""
+        if not self.feeder_draws:
+            return None
+        return (
+            "cannot resume exactly: loading a batch draws from this process's global RNG "
+            f"({', '.join(self.feeder_draws)}: the dataset's __getitem__ or the collate "
+            "function, run here when the loader has no workers) on prefetch's feeder "
+            "thread, which loads batches ahead of training: a checkpoint holds the draws "
+            "of batches not yet trained, and a resumed run loads them with other numbers. "
+            "Give prefetch workers (workers=1 or more: each worker's RNG state is "
+            "checkpointed with its batches), or intensity 0"
+        )
 
     def __len__(self) -> int:
         return len(self.inner)
