@@ -5,6 +5,7 @@ mnist_forward_forward, gcn, vae (noise drawn in the forward) and siamese_network
 pairs drawn in the dataset's __getitem__)."""
 
 import contextlib
+import pickle
 
 import pytest
 import torch
@@ -236,6 +237,9 @@ def test_trainable_tensors_out_of_nn_modules_sight_are_told_at_start():
             self.gains = [torch.nn.Parameter(torch.ones(4)) for _ in range(2)]
             self.scale = torch.ones(1, requires_grad=True)
             self.frozen = torch.ones(1)  # nothing to train: not told
+            # weight_norm's `weight`, remade before each forward: a leaf once pickled
+            normed = torch.nn.utils.weight_norm(torch.nn.Linear(4, 4))
+            self.normed = pickle.loads(pickle.dumps(normed))
 
     model = Scaled()
     session = Session(device="cpu")
@@ -246,7 +250,7 @@ def test_trainable_tensors_out_of_nn_modules_sight_are_told_at_start():
     said = " ".join(str(w.message) for w in told)
     assert "Scaled.gains (a list of 2 tensors: use nn.ParameterList)" in said
     assert "Scaled.scale (a tensor that requires grad: use nn.Parameter)" in said
-    assert "frozen" not in said
+    assert "frozen" not in said and "normed" not in said
 
 
 def test_a_full_batch_graph_port_gives_the_scripts_epochs_and_resumes_exactly(tmp_path):

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -84,6 +85,14 @@ def trials_of(storage_url: str, name: str = "tiny"):
 
 def sqlite(folder: Path) -> str:
     return f"sqlite:///{folder / 'study.db'}"
+
+
+def start_driver(command: list[str], log: Path) -> subprocess.Popen:
+    """`overlapkit COMMAND` as a driver of its own, its output in ``log``."""
+    with log.open("wb") as sink:
+        return subprocess.Popen(
+            [sys.executable, "-m", "overlapkit", *command], cwd=ROOT, stdout=sink, stderr=sink
+        )
 
 
 def wait_for(condition, seconds: float, what: str, log: Path | None = None):
@@ -231,10 +240,7 @@ def test_a_driver_killed_and_started_again_resumes_the_study(cluster, tiny_scena
     command = ["tune", str(path), "--ray", cluster.address, "--max-concurrent", "1"]
     command += ["--out", str(out)]
     log = tmp_path / "tune.log"
-    with log.open("wb") as sink:
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "overlapkit", *command], cwd=ROOT, stdout=sink, stderr=sink
-        )
+    driver = start_driver(command, log)
     try:
 
         def one_done_one_running():
@@ -291,6 +297,9 @@ def test_a_run_on_two_machines_matches_two_local_ranks_and_resumes(
         assert list((folder / "checkpoints").glob("*")), folder
     assert summary["run_dir"] == str(on_ray)  # not the machine's temporary folder
     assert summary["optimizations"]["checkpoint"]["dir"] == str(on_ray / "checkpoints")
+    # Nothing left on the machines: this run's folders went with it, and those that
+    # earlier tests' killed drivers and lost machine left went with the next run there.
+    assert not list(cluster.scratch.glob("overlapkit-node-*"))
     first = step_losses(on_ray)
     # Three more steps: each machine gets its checkpoints back and resumes.
     more = ["--set", "train.steps=9"]
@@ -336,10 +345,7 @@ def test_a_run_whose_driver_is_killed_resumes_from_the_checkpoints_that_reached_
     out = tmp_path / "run"
     command = ["run", str(path), "--ray", cluster.address, "--out", str(out)]
     log = tmp_path / "run.log"
-    with log.open("wb") as sink:
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "overlapkit", *command], cwd=ROOT, stdout=sink, stderr=sink
-        )
+    driver = start_driver(command, log)
     mirrors = [out / "checkpoints", out / "nodes" / "node1" / "checkpoints"]
 
     def step_4_here():
@@ -433,12 +439,9 @@ def test_a_trial_waiting_for_room_past_tunes_timeout_is_queued_for_the_next_tune
     path = two_machine_scenario(tiny_scenario, optimizations, TUNE % (2, 4))
     out = tmp_path / "tune"
     command = ["tune", str(path), "--ray", cluster.address, "--max-concurrent", "2"]
-    command += ["--out", str(out), "--timeout", "3", "--set", "world.threads=2"]
+    command += ["--out", str(out), "--timeout", "6", "--set", "world.threads=2"]
     log = tmp_path / "tune.log"
-    with log.open("wb") as sink:
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "overlapkit", *command], cwd=ROOT, stdout=sink, stderr=sink
-        )
+    driver = start_driver(command, log)
     try:
 
         def given_up():
@@ -600,12 +603,16 @@ def test_a_machines_run_folder_goes_with_its_run_and_an_orphaned_one_with_the_ne
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # an actor killed with its driver, before any stop
-    orphan = tmp_path / f"overlapkit-node-{gone.pid}-x1"
-    live = tmp_path / f"overlapkit-node-{os.getpid()}-x2"  # another run's, going on
-    for folder in (orphan, live):
+    host = socket.gethostname()
+    orphan = tmp_path / f"overlapkit-node-{host}-{gone.pid}-x1"
+    live = tmp_path / f"overlapkit-node-{host}-{os.getpid()}-x2"  # another run's, going on
+    # Another machine's, in a temporary folder the machines share: its pid is not ours.
+    elsewhere = tmp_path / f"overlapkit-node-{host}x-{gone.pid}-x3"
+    for folder in (orphan, live, elsewhere):
         (folder / "run" / "checkpoints").mkdir(parents=True)
     runner = NodeRunner()
-    assert not orphan.exists() and live.exists() and runner.folder.is_dir()
+    assert not orphan.exists() and live.exists() and elsewhere.exists()
+    assert runner.folder.is_dir()
     # A run stopped (Ctrl-C, a failed peer): its ranks killed and its folder removed.
     runner.process = subprocess.Popen(["sleep", "60"], start_new_session=True)
     (runner.folder / "run" / "checkpoints").mkdir(parents=True)
@@ -619,3 +626,52 @@ def test_a_machines_refusal_is_its_whole_error_not_its_last_three_lines():
     said = "warning: something else\nerror: data.root: no such folder\n  /data/images\n"
     assert _refusal(said) == "data.root: no such folder /data/images"
     assert _refusal("a\nb\nc\nd\n") == "b c d"  # no error line: the last lines
+
+
+def test_a_cluster_that_does_not_answer_while_a_run_waits_for_room_is_waited_out(monkeypatch):
+    """The room check asked the cluster every second, and a question it did not answer
+    (its GCS restarting) failed the run with Ray's error. A stand-in for the cluster
+    here (no GCS to restart on this machine): questions fail, then say it is short."""
+    import ray
+    from ray.exceptions import RpcError
+
+    from conftest import FakeClock
+    from overlapkit.launch import ray_nodes
+    from overlapkit.launch.config import WorldConfig
+
+    clock = FakeClock()
+    monkeypatch.setattr(ray_nodes.time, "monotonic", clock)
+    monkeypatch.setattr(ray_nodes.time, "time", clock)
+    answers = iter([RpcError("GCS restarting")] * 3 + [0] * 100)
+    asked = []
+
+    def runs_that_fit(world):
+        asked.append(clock.now)
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def unplaced(refs, timeout):
+        clock.sleep(timeout)
+        return [], refs
+
+    def nodes():
+        raise RpcError("GCS restarting")
+
+    monkeypatch.setattr(ray_nodes, "runs_that_fit", runs_that_fit)
+    monkeypatch.setattr(ray, "wait", unplaced)
+    monkeypatch.setattr(ray, "nodes", nodes)
+    group = SimpleNamespace(ready=lambda: "placed")
+    world = WorldConfig(nodes=2, nprocs=1, device="cpu", threads=1)
+    with pytest.raises(ray_nodes.RayClusterError, match="no room within 5 s") as error:
+        ray_nodes._wait_for_room(group, world, "STRICT_SPREAD", 5.0, None)
+    assert "machines it did not name (it did not answer)" in str(error.value)
+    assert [t - 1000 for t in asked[:4]] == [2, 4, 6, 8]  # every ROOM_CHECK_S
+    # Short from the first answer on (at 8 s, counted from the check before it, 6 s):
+    # given up at 12 s; the questions left unanswered before do not count.
+    assert clock.now - 1000 == pytest.approx(12)
+    # Tune's deadline while no answer has come: the trial gives up then.
+    answers = iter([RpcError("GCS restarting")] * 100)
+    with pytest.raises(ray_nodes.OutOfTime):
+        ray_nodes._wait_for_room(group, world, "STRICT_SPREAD", 900.0, clock.now + 30)

@@ -248,8 +248,12 @@ def node_bundle(world: WorldConfig) -> dict[str, float]:
 
 def _live_machines() -> str:
     import ray
+    from ray.exceptions import RayError
 
-    alive = [n for n in ray.nodes() if n.get("Alive")]
+    try:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+    except (RayError, ConnectionError, TimeoutError):
+        return "machines it did not name (it did not answer)"
     held = [{k: v for k, v in n.get("Resources", {}).items() if k in ("CPU", "GPU")} for n in alive]
     return f"{len(alive)} live machine(s): {held}"
 
@@ -302,6 +306,8 @@ def run_on_ray(
 
     if placement_timeout_s is None:
         placement_timeout_s = room_timeout_s()
+    if give_up_at is not None and time.time() >= give_up_at:  # (Optuna starts one late)
+        raise OutOfTime("its time (tune's --timeout) ran out before it started")
     bundle = node_bundle(world)
     strategy = "STRICT_PACK" if world.nodes == 1 else "STRICT_SPREAD"
     group = placement_group([bundle] * world.nodes, strategy=strategy)
@@ -394,7 +400,7 @@ def _wait_for_room(
     study's own trials (``--max-concurrent`` above what the cluster holds) failed as
     "no room" and stopped the study. The cluster is asked what it holds every
     ``ROOM_CHECK_S``; a question it does not answer (the GCS restarting, say) leaves
-    the last answer standing."""
+    the last answer standing (none yet: it waits, and says nothing)."""
     import ray
     from ray.exceptions import RayError
 
@@ -402,7 +408,7 @@ def _wait_for_room(
     what = f"{world.nodes} machine(s) holding {bundle} each ({strategy})"
     started = checked = time.monotonic()
     short_since: float | None = None
-    busy = True
+    busy: bool | None = None  # whether idle machines would hold it (None: no answer yet)
     said: set[bool] = set()
     placed = group.ready()  # once: each call starts a task in the group
     while not ray.wait([placed], timeout=ROOM_POLL_S)[0]:
@@ -416,9 +422,11 @@ def _wait_for_room(
         try:
             busy = runs_that_fit(world) > 0
         except (RayError, ConnectionError, TimeoutError):
-            pass
-        short_since = None if busy else short_since or checked
-        checked = now
+            pass  # no answer: the last one stands
+        last, checked = checked, now
+        if busy is None:
+            continue
+        short_since = None if busy else short_since or last
         if short_since is not None and now - short_since >= timeout_s:
             raise RayClusterError(
                 f"the cluster found no room within {timeout_s:g} s for {what}; it has "
@@ -599,15 +607,22 @@ def unpack(archive: bytes, folder: Path) -> None:
 
 
 # ------------------------------------------------------------ on each machine
-NODE_FOLDER = "overlapkit-node-"  # + the actor's pid: a machine's folder of a run
+NODE_FOLDER = "overlapkit-node-"  # + host and the actor's pid: a machine's folder of a run
+
+
+def _own_prefix() -> str:
+    """This machine's folders' prefix: a temporary folder may be shared by machines
+    (TMPDIR on a cluster's shared scratch), whose pids mean nothing here."""
+    return f"{NODE_FOLDER}{socket.gethostname()}-"
 
 
 def remove_orphaned_folders(temp: Path) -> None:
-    """Remove the run folders of actors that are gone without a `stop` (their driver
-    was killed, or lost its machine): each held a run's checkpoints, gigabytes on a
-    real model, left in the machine's temporary folder for good."""
-    for folder in temp.glob(f"{NODE_FOLDER}*-*"):
-        pid = folder.name.removeprefix(NODE_FOLDER).partition("-")[0]
+    """Remove this machine's run folders of actors that are gone without a `stop`
+    (their driver was killed, or lost its machine): each held a run's checkpoints,
+    gigabytes on a real model, left in the machine's temporary folder for good."""
+    prefix = _own_prefix()
+    for folder in temp.glob(f"{prefix}*-*"):
+        pid = folder.name.removeprefix(prefix).partition("-")[0]
         if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -619,7 +634,7 @@ class NodeRunner:
 
     def __init__(self) -> None:
         remove_orphaned_folders(Path(tempfile.gettempdir()))
-        self.folder = Path(tempfile.mkdtemp(prefix=f"{NODE_FOLDER}{os.getpid()}-"))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{_own_prefix()}{os.getpid()}-"))
         self.process: subprocess.Popen[bytes] | None = None
 
     def where(self) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from .ray_nodes import (
 )
 from .ray_paths import paths_from_here
 
+REFUSAL_LINES = 12  # of a machine's error, in the driver's one line
+
 
 class RayRunFailed(RuntimeError):
     """The run on the cluster failed: a machine was lost, or its ranks failed."""
@@ -107,11 +109,11 @@ def run_on_cluster(
             if progress is not None:
                 progress.stop()
         _raise_for(outcome, run_dir, world.nodes)
-        summary = json.loads((run_dir / "summary.json").read_text())
-        if not (quiet or as_json):
-            print_summary(summary)
-            errors.print(f"run folder: {run_dir}")
-        return summary
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if not (quiet or as_json):  # the run is over: a `kill` now is Ray's handlers' again
+        print_summary(summary)
+        errors.print(f"run folder: {run_dir}")
+    return summary
 
 
 def _raise_for(outcome: RayOutcome, run_dir: Path, nodes: int) -> None:
@@ -155,11 +157,12 @@ def _sigterm_as_interrupt(received: list[int]) -> Iterator[None]:
 
 def _refusal(stderr: str) -> str:
     """What a machine's ``overlapkit run`` said when it refused the run: its error,
-    from its ``error:`` line on (its last 3 lines were taken: a warning printed just
-    before joined the message, a longer one was cut), else its last lines."""
+    from its ``error`` line on, ``REFUSAL_LINES`` at most (its last 3 lines were
+    taken: a warning printed just before joined the message, a longer one was cut),
+    else its last lines."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    starts = [i for i, line in enumerate(lines) if line.startswith("error: ")]
-    said = lines[starts[-1] :] if starts else lines[-3:]
+    starts = [i for i, line in enumerate(lines) if line.startswith("error")]
+    said = lines[starts[-1] :][:REFUSAL_LINES] if starts else lines[-3:]
     return " ".join(said).removeprefix("error: ")
 
 

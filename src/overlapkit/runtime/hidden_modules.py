@@ -27,11 +27,11 @@ def modules_out_of_sight(model: nn.Module, seen_elsewhere: set[int] | None = Non
         return tensor.requires_grad and tensor.is_leaf and id(tensor) not in seen
 
     found = []
-    for owner in model.modules():
+    for path, owner in model.named_modules():
         for name, value in vars(owner).items():
-            where = f"{type(owner).__name__}.{name}"
+            where = ".".join(filter(None, [type(model).__name__, path, name]))
             if isinstance(value, torch.Tensor):  # (an nn.Parameter would be registered)
-                if unseen(value):
+                if unseen(value) and not _recomputed(owner, name):
                     found.append(f"{where} (a tensor that requires grad: use nn.Parameter)")
                 continue
             if type(value) not in INSTEAD or name in OWN:
@@ -53,6 +53,15 @@ def modules_out_of_sight(model: nn.Module, seen_elsewhere: set[int] | None = Non
                 instead = INSTEAD[type(value)].replace("Module", "Parameter")
                 found.append(f"{where} (a {kind} of {len(tensors)} tensors: use nn.{instead})")
     return found
+
+
+def _recomputed(owner: nn.Module, name: str) -> bool:
+    """Whether a forward pre-hook makes the attribute ``name`` anew from registered
+    parameters before each forward (torch.nn.utils' weight_norm, spectral_norm and
+    prune: ``weight`` from ``weight_g``/``weight_v`` or ``weight_orig``); a model
+    pickled and loaded (torch.save of the whole model) holds it as a leaf."""
+    hooks = owner._forward_pre_hooks.values()
+    return any(name in (getattr(h, "name", None), getattr(h, "_tensor_name", None)) for h in hooks)
 
 
 def out_of_sight_message(found: list[str]) -> str:
