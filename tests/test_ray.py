@@ -463,6 +463,10 @@ def test_a_trial_waiting_for_room_past_tunes_timeout_is_queued_for_the_next_tune
     (again,) = [t for t in trials if t.state == TrialState.WAITING]
     assert again.system_attrs["fixed_params"] == waited.params  # runs first next time
     assert ran.number != waited.number
+    # The report tells it from a failed setting.
+    report = json.loads((out / "report.json").read_text())["trials"]
+    assert report["failed"] == 1 and report["queued_again"] == 1
+    assert "1 failed (1 of them stopped before their end" in (out / "report.md").read_text()
 
 
 def test_a_trial_the_cluster_has_no_room_for_waits_says_so_and_runs_again_later(

@@ -36,6 +36,7 @@ from .goodput import goodput, priced_efficiency
 from .space import SearchSpace
 
 UNUSED = "unused"  # the role of a trial that found the queue empty (pruned at once)
+QUEUED_AGAIN = ("interrupted", "no_room")  # failures whose setting runs again
 # Trials of the analysis phase (around the center) and their repeats.
 ANALYSIS_ROLES = ("sweep:", "pair:", "policy", "repeat:analysis")
 FLAT = 0.02  # with no noise estimate (nothing measured twice), closer than 2 % is "equal"

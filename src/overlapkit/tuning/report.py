@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.table import Table
 
-from .analysis import DISAGREE, NOISE_METHOD, Analysis, Z, stops_paying
+from .analysis import DISAGREE, NOISE_METHOD, QUEUED_AGAIN, Analysis, Z, stops_paying
 from .plots import write_plots
 from .space import apply_params, short_setting
 
@@ -63,6 +63,8 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
             "complete": len(analysis.measured),
             "pruned": analysis.pruned,
             "failed": len(analysis.failed),
+            # of them: stopped (Ctrl-C, tune's --timeout, no room), their settings queued
+            "queued_again": sum(1 for f in analysis.failed if f["failure"] in QUEUED_AGAIN),
             "search": sum(1 for m in analysis.measured if m.role == "search"),
         },
         "best": None
@@ -323,7 +325,8 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
         f"# Tuning report: {document['study']}",
         "",
         f"{trials['complete']} trials measured ({trials['search']} chosen by the sampler), "
-        f"{trials['pruned']} pruned, {trials['failed']} failed. Best by **{analysis.metric}**.",
+        f"{trials['pruned']} pruned, {trials['failed']} failed{_queued(trials)}. "
+        f"Best by **{analysis.metric}**.",
         "",
         _goodput_text(document["goodput_at"]),
         "",
@@ -450,6 +453,13 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
             reason = " ".join(str(f["reason"]).split())[:200].replace("|", "/")
             lines.append(f"| {f['trial']} | {f['role']} | {f['failure']} | {reason} |")
     return "\n".join(lines) + "\n"
+
+
+def _queued(trials: dict[str, Any]) -> str:
+    queued = trials["queued_again"]
+    if not queued:
+        return ""
+    return f" ({queued} of them stopped before their end, their settings queued for the next tune)"
 
 
 def _html(markdown: str, title: str) -> str:

@@ -47,13 +47,11 @@ from ..optimizations import get_optimization
 from ..runtime.hardware import hardware_label
 from ..runtime.plain_data import first_difference
 from . import TuneError
-from .analysis import UNUSED, Analysis, setting_key
+from .analysis import QUEUED_AGAIN, UNUSED, Analysis, setting_key
 from .config import TuneConfig
 from .goodput import checkpoint_figures, checkpoints_taken, goodput, priced_efficiency
 from .space import SearchSpace, apply_params, build_space
 from .trial import NODE_LOST, TrialFailed, TrialStopped, run_trial, trial_scenario
-
-QUEUED_AGAIN = ("interrupted", "no_room")  # failures whose setting runs again
 
 TUNE_FILE = "tune.json"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
