@@ -381,8 +381,8 @@ class Session(EpochLoop, SavedState):
     def _tell_modules_out_of_sight(self) -> None:
         """The prepared model keeps trainable modules or tensors out of nn.Module's
         sight (mnist_forward_forward's layers in a plain list), registered nowhere: a
-        script's own bug, told
-        (checkpoints miss them, ranks do not sync them), not refused."""
+        script's own bug, told (checkpoints miss them, ranks do not sync them), not
+        refused."""
         if self._raw_model is None:
             return
         registered = {
