@@ -1,8 +1,9 @@
 """pytorch/examples scripts ported to the Session API (tests/plugins/pytorch_examples.py):
 time_sequence_prediction (LBFGS: forward and backward run inside optimizer.step(closure)),
 fast_neural_style (a transformer net trained against a frozen VGG16's features),
-mnist_forward_forward, gcn, vae (noise drawn in the forward) and siamese_network (random
-pairs drawn in the dataset's __getitem__)."""
+mnist_forward_forward, gcn, vae (noise drawn in the forward), siamese_network (random
+pairs drawn in the dataset's __getitem__) and KellerJordan/cifar10-airbench's airbench94
+(its own loader class, a lookahead EMA copied back into the model)."""
 
 import contextlib
 import pickle
@@ -10,6 +11,7 @@ import pickle
 import pytest
 import torch
 from pytorch_examples import (
+    airbench94,
     fast_neural_style,
     forward_forward,
     gcn,
@@ -437,3 +439,59 @@ def test_a_vae_port_on_two_ranks_samples_through_its_models_own_method_under_ddp
             assert torch.equal(ranks[rank][way]["samples"][0], plain["samples"][0])
             assert torch.equal(ranks[rank][way]["params"], plain["params"]), (rank, way)
     assert ranks[0]["ddp_overlap"]["ddp_overlap"]["buckets_per_step"] > 0
+
+
+def test_an_airbench_port_is_the_script_bit_for_bit_and_resumes_at_an_epochs_end_exactly(
+    tmp_path,
+):
+    """airbench94: its own CifarLoader (whole data set as tensors, a flip drawn once, a
+    crop and a randperm each epoch, no state_dict), label smoothing, whitening init from
+    the data, a LambdaLR stepped per step, a lookahead EMA copied back into the model,
+    TTA. The port is the script bit for bit; checkpointing with that loader is said to
+    be inexact at prepare. With the loader's epoch count and images in a state_dict and
+    the lookahead registered, a run stopped after epoch 2 resumes exactly."""
+    plain = airbench94(None)
+    port = airbench94(Session(device="cpu"))
+    for key in ("losses", "validation", "tta"):
+        assert port[key] == plain[key], key
+    for key in ("params", "buffers"):
+        assert torch.equal(port[key], plain[key]), key
+    summary = port["summary"]
+    assert summary["steps"] == 14 and "notes" not in summary
+    assert sum(summary["phases_s"].values()) == pytest.approx(summary["step_time_s"]["mean"])
+    run = [Checkpoint(every=4, final=False)]
+    told = airbench94(Session(run, device="cpu", run_dir=tmp_path / "told"), stop_after=2)
+    (said,) = told["summary"]["notes"]
+    assert said.startswith("cannot resume exactly: the loader (CifarLoader) has no state_dict")
+    first = airbench94(
+        Session(run, device="cpu", run_dir=tmp_path), loader_state=True, stop_after=9
+    )
+    resumed = airbench94(Session(run, device="cpu", run_dir=tmp_path), loader_state=True)
+    assert resumed["summary"]["optimizations"]["checkpoint"]["resumed_from_step"] == 8
+    assert "notes" not in first["summary"] and "notes" not in resumed["summary"]
+    assert first["losses"][:8] + resumed["losses"] == plain["losses"]
+    assert first["validation"] + resumed["validation"] == plain["validation"]
+    assert resumed["tta"] == plain["tta"]
+    for key in ("params", "buffers"):
+        assert torch.equal(resumed[key], plain[key]), key
+    assert all(torch.equal(resumed["lookahead"][k], v) for k, v in plain["lookahead"].items())
+
+
+def test_a_loader_whose_state_dict_holds_no_place_in_its_epoch_is_said_to_restart_it(tmp_path):
+    """airbench's CifarLoader given a state_dict (its epoch count, not its place in the
+    epoch), as the note about a loader without one advises: a checkpoint after batch 2
+    of epoch 1 resumed at that epoch's batch 0, the 2 batches trained twice, with no
+    word (the run then stepped its LambdaLR past its schedule's end: an IndexError in
+    the script). It is now said, as the third batch since the resume comes."""
+    from overlapkit import LoopWarning
+
+    run = [Checkpoint(every=2, final=False)]
+    airbench94(Session(run, device="cpu", run_dir=tmp_path), loader_state=True, stop_after=7)
+    session = Session(run, device="cpu", run_dir=tmp_path)
+    with pytest.warns(LoopWarning, match="after batch 2 of epoch 1") as told:
+        with pytest.raises(IndexError):
+            airbench94(session, loader_state=True)
+    session.finish()
+    said = " ".join(str(w.message) for w in told)
+    assert "StatefulCifarLoader" in said and "those 2 batches are trained twice" in said
+    assert any(n.startswith("cannot resume exactly: the checkpoint was") for n in session.notes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 from collections import namedtuple
+from math import ceil
 from types import SimpleNamespace
 from typing import Any
 
@@ -956,3 +957,454 @@ def on_two_ranks(program: str, ways: list[str], kwargs: dict[str, Any]) -> dict[
         return results
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ airbench94
+# KellerJordan/cifar10-airbench's airbench94.py (the uncompiled variant), its
+# hyperparameters for a tiny run: 64 synthetic images, widths 4/16/16, batch 16,
+# 3.5 epochs, the lookahead EMA from epoch 1 every 2 steps, float32 on the CPU.
+hyp = {
+    "opt": {
+        "train_epochs": 3.5,
+        "batch_size": 16,
+        "lr": 11.5,  # learning rate per 1024 examples
+        "momentum": 0.85,
+        "weight_decay": 0.0153,  # weight decay per 1024 examples (decoupled from learning rate)
+        "bias_scaler": 64.0,  # scales up learning rate (but not weight decay) for BatchNorm biases
+        "label_smoothing": 0.2,
+        "ema": {"start_epochs": 1, "decay_base": 0.95, "decay_pow": 3.0, "every_n_steps": 2},
+        "whiten_bias_epochs": 1,  # how many epochs to train the whitening layer bias
+    },
+    "aug": {"flip": True, "translate": 2},
+    "net": {
+        "whitening": {"kernel_size": 2},
+        "batchnorm_momentum": 0.6,
+        "base_width": 4,
+        "scaling_factor": 1 / 9,
+        "tta_level": 2,  # test-time augmentation: 0=none, 1=mirror, 2=mirror+translate
+    },
+}
+
+CIFAR_MEAN = torch.tensor((0.4914, 0.4822, 0.4465))
+CIFAR_STD = torch.tensor((0.2470, 0.2435, 0.2616))
+
+
+class Normalize:
+    """torchvision's ``T.Normalize`` on a tensor (torchvision is not installed here)."""
+
+    def __init__(self, mean, std):
+        self.mean, self.std = mean, std
+
+    def __call__(self, tensor):
+        mean = self.mean.to(tensor.dtype).view(-1, 1, 1)
+        std = self.std.to(tensor.dtype).view(-1, 1, 1)
+        return tensor.sub(mean).div_(std)
+
+
+def batch_flip_lr(inputs):
+    flip_mask = (torch.rand(len(inputs), device=inputs.device) < 0.5).view(-1, 1, 1, 1)
+    return torch.where(flip_mask, inputs.flip(-1), inputs)
+
+
+def batch_crop(images, crop_size):
+    r = (images.size(-1) - crop_size) // 2
+    shifts = torch.randint(-r, r + 1, size=(len(images), 2), device=images.device)
+    images_out = torch.empty(
+        (len(images), 3, crop_size, crop_size), device=images.device, dtype=images.dtype
+    )
+    # The two cropping methods in this if-else produce equivalent results, but the second
+    # is faster for r > 2.
+    if r <= 2:
+        for sy in range(-r, r + 1):
+            for sx in range(-r, r + 1):
+                mask = (shifts[:, 0] == sy) & (shifts[:, 1] == sx)
+                images_out[mask] = images[
+                    mask, :, r + sy : r + sy + crop_size, r + sx : r + sx + crop_size
+                ]
+    else:
+        images_tmp = torch.empty(
+            (len(images), 3, crop_size, crop_size + 2 * r),
+            device=images.device,
+            dtype=images.dtype,
+        )
+        for s in range(-r, r + 1):
+            mask = shifts[:, 0] == s
+            images_tmp[mask] = images[mask, :, r + s : r + s + crop_size, :]
+        for s in range(-r, r + 1):
+            mask = shifts[:, 1] == s
+            images_out[mask] = images_tmp[mask, :, :, r + s : r + s + crop_size]
+    return images_out
+
+
+class CifarLoader:
+    def __init__(self, path, train=True, batch_size=500, aug=None, drop_last=None, shuffle=None):
+        # CIFAR-10's uint8 images (N x 32 x 32 x 3) and labels: synthetic, from their own
+        # generator (the script loads them from a file), 64 to train, 32 to test
+        generator = torch.Generator().manual_seed(int(train))
+        count = 64 if train else 32
+        data = {
+            "images": torch.randint(
+                0, 256, (count, 32, 32, 3), dtype=torch.uint8, generator=generator
+            ),
+            "labels": torch.randint(0, 10, (count,), generator=generator),
+            "classes": [str(c) for c in range(10)],
+        }
+        self.images, self.labels, self.classes = data["images"], data["labels"], data["classes"]
+        # It's faster to load+process uint8 data than to load preprocessed fp16 data
+        self.images = (
+            (self.images.float() / 255).permute(0, 3, 1, 2).to(memory_format=torch.channels_last)
+        )
+
+        self.normalize = Normalize(CIFAR_MEAN, CIFAR_STD)
+        self.proc_images = {}  # Saved results of image processing to be done on the first epoch
+        self.epoch = 0
+
+        self.aug = aug or {}
+        for k in self.aug.keys():
+            assert k in ["flip", "translate"], "Unrecognized key: %s" % k  # noqa: UP031 - as written
+
+        self.batch_size = batch_size
+        self.drop_last = train if drop_last is None else drop_last
+        self.shuffle = train if shuffle is None else shuffle
+
+    def __len__(self):
+        if self.drop_last:
+            return len(self.images) // self.batch_size
+        return ceil(len(self.images) / self.batch_size)
+
+    def __iter__(self):
+        if self.epoch == 0:
+            images = self.proc_images["norm"] = self.normalize(self.images)
+            # Pre-flip images in order to do every-other epoch flipping scheme
+            if self.aug.get("flip", False):
+                images = self.proc_images["flip"] = batch_flip_lr(images)
+            # Pre-pad images to save time when doing random translation
+            pad = self.aug.get("translate", 0)
+            if pad > 0:
+                self.proc_images["pad"] = F.pad(images, (pad,) * 4, "reflect")
+
+        if self.aug.get("translate", 0) > 0:
+            images = batch_crop(self.proc_images["pad"], self.images.shape[-2])
+        elif self.aug.get("flip", False):
+            images = self.proc_images["flip"]
+        else:
+            images = self.proc_images["norm"]
+        # Flip all images together every other epoch. This increases diversity relative to
+        # random flipping
+        if self.aug.get("flip", False):
+            if self.epoch % 2 == 1:
+                images = images.flip(-1)
+
+        self.epoch += 1
+
+        indices = (torch.randperm if self.shuffle else torch.arange)(
+            len(images), device=images.device
+        )
+        for i in range(len(self)):
+            idxs = indices[i * self.batch_size : (i + 1) * self.batch_size]
+            yield (images[idxs], self.labels[idxs])
+
+
+class StatefulCifarLoader(CifarLoader):
+    """A port's CifarLoader with what it keeps from epoch to epoch checkpointed (its
+    epoch count: every other epoch flipped; the images flipped and padded once)."""
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "proc_images": dict(self.proc_images)}
+
+    def load_state_dict(self, state):
+        self.epoch, self.proc_images = state["epoch"], dict(state["proc_images"])
+
+
+class Flatten(nn.Module):
+    def forward(self, x):
+        return x.view(x.size(0), -1)
+
+
+class Mul(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class BatchNorm(nn.BatchNorm2d):
+    def __init__(
+        self,
+        num_features,
+        eps=1e-12,
+        momentum=hyp["net"]["batchnorm_momentum"],
+        weight=False,
+        bias=True,
+    ):
+        super().__init__(num_features, eps=eps, momentum=1 - momentum)
+        self.weight.requires_grad = weight
+        self.bias.requires_grad = bias
+        # Note that PyTorch already initializes the weights to one and bias to zero
+
+
+class Conv(nn.Conv2d):
+    def __init__(self, in_channels, out_channels, kernel_size=3, padding="same", bias=False):
+        super().__init__(
+            in_channels, out_channels, kernel_size=kernel_size, padding=padding, bias=bias
+        )
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        if self.bias is not None:
+            self.bias.data.zero_()
+        # Create an implicit residual via identity initialization
+        w = self.weight.data
+        torch.nn.init.dirac_(w[: w.size(1)])
+
+
+class ConvGroup(nn.Module):
+    def __init__(self, channels_in, channels_out):
+        super().__init__()
+        self.conv1 = Conv(channels_in, channels_out)
+        self.pool = nn.MaxPool2d(2)
+        self.norm1 = BatchNorm(channels_out)
+        self.conv2 = Conv(channels_out, channels_out)
+        self.norm2 = BatchNorm(channels_out)
+        self.activ = nn.GELU()
+
+    def forward(self, x):
+        x = self.conv1(x)
+        x = self.pool(x)
+        x = self.norm1(x)
+        x = self.activ(x)
+        x = self.conv2(x)
+        x = self.norm2(x)
+        x = self.activ(x)
+        return x
+
+
+def make_net():
+    widths = {
+        "block1": (1 * hyp["net"]["base_width"]),
+        "block2": (4 * hyp["net"]["base_width"]),
+        "block3": (4 * hyp["net"]["base_width"]),
+    }
+    whiten_conv_width = 2 * 3 * hyp["net"]["whitening"]["kernel_size"] ** 2
+    net = nn.Sequential(
+        Conv(
+            3,
+            whiten_conv_width,
+            kernel_size=hyp["net"]["whitening"]["kernel_size"],
+            padding=0,
+            bias=True,
+        ),
+        nn.GELU(),
+        ConvGroup(whiten_conv_width, widths["block1"]),
+        ConvGroup(widths["block1"], widths["block2"]),
+        ConvGroup(widths["block2"], widths["block3"]),
+        nn.MaxPool2d(3),
+        Flatten(),
+        nn.Linear(widths["block3"], 10, bias=False),
+        Mul(hyp["net"]["scaling_factor"]),
+    )
+    net[0].weight.requires_grad = False
+    net = net.to(memory_format=torch.channels_last)  # float32 on the CPU: no .half().cuda()
+    for mod in net.modules():
+        if isinstance(mod, BatchNorm):
+            mod.float()
+    return net
+
+
+def get_patches(x, patch_shape):
+    c, (h, w) = x.shape[1], patch_shape
+    return x.unfold(2, h, 1).unfold(3, w, 1).transpose(1, 3).reshape(-1, c, h, w).float()
+
+
+def get_whitening_parameters(patches):
+    n, c, h, w = patches.shape
+    patches_flat = patches.view(n, -1)
+    est_patch_covariance = (patches_flat.T @ patches_flat) / n
+    eigenvalues, eigenvectors = torch.linalg.eigh(est_patch_covariance, UPLO="U")
+    return eigenvalues.flip(0).view(-1, 1, 1, 1), eigenvectors.T.reshape(c * h * w, c, h, w).flip(0)
+
+
+def init_whitening_conv(layer, train_set, eps=5e-4):
+    patches = get_patches(train_set, patch_shape=layer.weight.data.shape[2:])
+    eigenvalues, eigenvectors = get_whitening_parameters(patches)
+    eigenvectors_scaled = eigenvectors / torch.sqrt(eigenvalues + eps)
+    layer.weight.data[:] = torch.cat((eigenvectors_scaled, -eigenvectors_scaled))
+
+
+class LookaheadState:
+    def __init__(self, net):
+        self.net_ema = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def update(self, net, decay):
+        for ema_param, net_param in zip(
+            self.net_ema.values(), net.state_dict().values(), strict=True
+        ):
+            if net_param.dtype in (torch.half, torch.float):
+                ema_param.lerp_(net_param, 1 - decay)
+                # Copy the ema parameters back to the network, similarly to the Lookahead
+                # optimizer
+                net_param.copy_(ema_param)
+
+
+def airbench94(
+    session: Session | None,
+    register_lookahead: bool = True,
+    loader_state: bool = False,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """airbench94.py's main() (one run, its printing left out) on `CifarLoader`'s
+    synthetic images, seeded (the script is not). Ported: the train loader (a
+    CifarLoader) prepared, the LambdaLR and ``current_steps`` given to
+    `Session.start`, the lookahead's EMA too (``register_lookahead``: as a function
+    returning its tensors, None until the lookahead starts); ``stop_after``: the script
+    stops after that many steps (a checkpoint resumes it). Returns each step's loss,
+    each epoch's validation loss and accuracy, the TTA accuracy, the parameters, the
+    buffers, the lookahead's tensors and the summary."""
+    torch.manual_seed(0)
+    batch_size = hyp["opt"]["batch_size"]
+    epochs = hyp["opt"]["train_epochs"]
+    momentum = hyp["opt"]["momentum"]
+    kilostep_scale = 1024 * (1 + 1 / (1 - momentum))
+    lr = hyp["opt"]["lr"] / kilostep_scale  # un-decoupled learning rate for PyTorch SGD
+    wd = hyp["opt"]["weight_decay"] * batch_size / kilostep_scale
+    lr_biases = lr * hyp["opt"]["bias_scaler"]
+
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=hyp["opt"]["label_smoothing"], reduction="none")
+
+    train_augs = dict(flip=hyp["aug"]["flip"], translate=hyp["aug"]["translate"])
+    Loader = StatefulCifarLoader if loader_state else CifarLoader  # noqa: N806
+    train_loader: Any = Loader("cifar10", train=True, batch_size=batch_size, aug=train_augs)
+    test_loader = CifarLoader("cifar10", train=False, batch_size=2000)
+
+    def triangle(steps, start=0, end=0, peak=0.5):
+        xp = torch.tensor([0, int(peak * steps), steps])
+        fp = torch.tensor([start, 1, end])
+        x = torch.arange(1 + steps)
+        m = (fp[1:] - fp[:-1]) / (xp[1:] - xp[:-1])
+        b = fp[:-1] - (m * xp[:-1])
+        indices = torch.sum(torch.ge(x[:, None], xp[None, :]), 1) - 1
+        indices = torch.clamp(indices, 0, len(m) - 1)
+        return m[indices] * x + b[indices]
+
+    total_train_steps = ceil(len(train_loader) * epochs)
+    lr_schedule = triangle(total_train_steps, start=0.2, end=0.07, peak=0.23)
+
+    model = make_net()
+    lookahead_state = None
+    current_steps = 0
+
+    norm_biases = [p for k, p in model.named_parameters() if "norm" in k and p.requires_grad]
+    other_params = [p for k, p in model.named_parameters() if "norm" not in k and p.requires_grad]
+    param_configs = [
+        dict(params=norm_biases, lr=lr_biases, weight_decay=wd / lr_biases),
+        dict(params=other_params, lr=lr, weight_decay=wd / lr),
+    ]
+    optimizer = torch.optim.SGD(param_configs, momentum=momentum, nesterov=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_schedule[i])
+
+    # Initialize the whitening layer using training images
+    train_images = train_loader.normalize(train_loader.images[:5000])
+    init_whitening_conv(model[0], train_images)
+
+    first = 0
+    if session is not None:
+        model, optimizer, train_loader = session.prepare(model, optimizer, train_loader)
+        registered: dict[str, Any] = {"current_steps": lambda: current_steps}
+        if register_lookahead:
+            registered["lookahead"] = lambda: lookahead_state and lookahead_state.net_ema
+        start = session.start(scheduler=scheduler, **registered)
+        first, current_steps = start.epoch, start.values["current_steps"]
+        if start.values.get("lookahead") is not None:
+            lookahead_state = LookaheadState.__new__(LookaheadState)
+            lookahead_state.net_ema = start.values["lookahead"]
+
+    losses: list[float] = []
+    validation: list[tuple[float, float]] = []
+    for epoch in range(first, ceil(epochs)):
+        model[0].bias.requires_grad = epoch < hyp["opt"]["whiten_bias_epochs"]
+
+        model.train()
+        for inputs, labels in train_loader:
+            outputs = model(inputs)
+            loss = loss_fn(outputs, labels).sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+
+            current_steps += 1
+            losses.append(loss.item())
+
+            ema = hyp["opt"]["ema"]
+            if epoch >= ema["start_epochs"] and current_steps % ema["every_n_steps"] == 0:
+                if lookahead_state is None:
+                    lookahead_state = LookaheadState(model)
+                else:
+                    # We warm up our ema's decay/momentum value over training
+                    base_rho = ema["decay_base"] ** ema["every_n_steps"]
+                    rho = base_rho * (current_steps / total_train_steps) ** ema["decay_pow"]
+                    lookahead_state.update(model, decay=rho)
+
+            if current_steps >= total_train_steps or current_steps == stop_after:
+                break
+        if current_steps == stop_after:
+            break
+
+        if lookahead_state is not None:
+            # Copy back parameters a final time after each epoch
+            lookahead_state.update(model, decay=1.0)
+
+        model.eval()
+        with torch.no_grad():
+            loss_list, acc_list = [], []
+            for inputs, labels in test_loader:
+                outputs = model(inputs)
+                loss_list.append(loss_fn(outputs, labels).float().mean())
+                acc_list.append((outputs.argmax(1) == labels).float().mean())
+            val_acc = torch.stack(acc_list).mean().item()
+            val_loss = torch.stack(loss_list).mean().item()
+        validation.append((val_loss, val_acc))
+
+    tta_val_acc = None
+    if current_steps != stop_after:
+        with torch.no_grad():
+            test_images = test_loader.normalize(test_loader.images)
+            test_labels = test_loader.labels
+
+            def infer_mirror(inputs, net):
+                return 0.5 * net(inputs) + 0.5 * net(inputs.flip(-1))
+
+            def infer_mirror_translate(inputs, net):
+                logits = infer_mirror(inputs, net)
+                pad = 1
+                padded_inputs = F.pad(inputs, (pad,) * 4, "reflect")
+                inputs_translate_list = [
+                    padded_inputs[:, :, 0:32, 0:32],
+                    padded_inputs[:, :, 2:34, 2:34],
+                ]
+                logits_translate_list = [
+                    infer_mirror(inputs_translate, net)
+                    for inputs_translate in inputs_translate_list
+                ]
+                logits_translate = torch.stack(logits_translate_list).mean(0)
+                return 0.5 * logits + 0.5 * logits_translate
+
+            model.eval()
+            logits_tta = torch.cat(
+                [infer_mirror_translate(inputs, model) for inputs in test_images.split(2000)]
+            )
+            tta_val_acc = (logits_tta.argmax(1) == test_labels).float().mean().item()
+
+    summary = session.finish() if session is not None else None
+    module = getattr(model, "module", model)
+    return {
+        "losses": losses,
+        "validation": validation,
+        "tta": tta_val_acc,
+        "params": flat(model),
+        "buffers": torch.cat([b.reshape(-1).double() for b in module.buffers()]),
+        "lookahead": None if lookahead_state is None else dict(lookahead_state.net_ema),
+        "summary": summary,
+    }

@@ -170,8 +170,10 @@ class EpochLoop:
                         raise RuntimeError(f"the loader yielded no batch this epoch{USED_UP}")
                     self._epoch += 1  # (a loader with a position moved on by itself)
                     self._epoch_batches = 0
+                    self._batches_before_resume = 0
                     return
                 self._epoch_batches += 1
+                self._check_restarted_epoch(loader)
                 updates = self._updates_so_far
                 yield self._arrived(batch)
                 if self._resumed_mid_epoch is not None:
@@ -248,12 +250,39 @@ class EpochLoop:
         self.notes.append(f"cannot resume exactly: {message}")
         warn(message)
 
+    def _check_restarted_epoch(self, loader: Any) -> None:
+        """After a resume mid-epoch, a loader with no position of its own (a state_dict
+        the session saves, but not its place in the epoch) that hands out more batches
+        than the epoch had left started its epoch again: the batches trained before the
+        checkpoint are trained twice (airbench's CifarLoader given a state_dict)."""
+        before = self._batches_before_resume
+        if not before or getattr(loader, "position", None) is not None:
+            return
+        try:
+            size = len(loader)
+        except Exception:  # noqa: BLE001 - an iterable of unknown length
+            return
+        if before + self._epoch_batches <= size:
+            return
+        self._batches_before_resume = 0
+        message = (
+            f"the checkpoint was taken after batch {before} of epoch {self._epoch}, and the "
+            f"loader ({type(loader).__name__}) has handed out {self._epoch_batches} batches "
+            f"of it since the resume, more than the {size - before} left: it started the "
+            "epoch again (its state_dict does not hold its place in the epoch), so those "
+            f"{before} batches are trained twice. Save the loader's position in its "
+            "state_dict, or pass a map-style torch DataLoader"
+        )
+        self.notes.append(f"cannot resume exactly: {message}")
+        warn(message)
+
     def _next_epoch(self, loader: Any) -> None:
         """A pass the script left (a ``break``) is over: the loader moves on to the
         next epoch, freshly drawn."""
         self._left_pass = False
         self._epoch += 1
         self._epoch_batches = 0
+        self._batches_before_resume = 0
         if hasattr(loader, "next_epoch"):
             loader.next_epoch()
         self._say_inexact(loader)
@@ -277,11 +306,15 @@ class EpochLoop:
         except Exception:  # noqa: BLE001 - an iterable of unknown length
             size = None
         whole = size is not None and 0 < size <= self._epoch_batches
-        return {"step": self.state.step, "epoch": self._epoch + 1 if whole else self._epoch}
+        if whole:
+            return {"step": self.state.step, "epoch": self._epoch + 1, "batch": 0}
+        batch = self._batches_before_resume + self._epoch_batches
+        return {"step": self.state.step, "epoch": self._epoch, "batch": batch}
 
     def resume_progress(self, progress: dict[str, Any]) -> None:
         self.state.step = progress["step"]
         self._epoch = progress["epoch"]
+        self._batches_before_resume = int(progress.get("batch", 0))
 
     def _end_of_epoch(self) -> None:
         """The step begun for a batch the epoch did not have: nothing ran in it. What

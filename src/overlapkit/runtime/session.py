@@ -156,6 +156,7 @@ class Session(EpochLoop, SavedState):
         self._registered_sync_hooks: list[Any] = []
         self._epoch = 0
         self._epoch_batches = 0  # batches of the current epoch the script was handed
+        self._batches_before_resume = 0  # of the resumed epoch, trained before its checkpoint
         self._left_pass = False  # the script left the epoch's pass (a break)
         # False under overlapkit's own loop (`run`): notes about a script's ways stay out.
         self.runs_a_script = True
