@@ -258,6 +258,8 @@ class EpochLoop:
         before = self._batches_before_resume
         if not before or getattr(loader, "position", None) is not None:
             return
+        if not hasattr(loader, "state_dict"):
+            return  # told at prepare: it restarts its epoch after a resume
         try:
             size = len(loader)
         except Exception:  # noqa: BLE001 - an iterable of unknown length
