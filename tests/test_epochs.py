@@ -1126,6 +1126,9 @@ def test_prefetch_with_other_workers_than_the_scripts_loader_says_its_draws_diff
     same, notes = run(get_optimization("prefetch")(1.0, workers=2))
     assert all(torch.equal(a, b) for a, b in zip(plain, same, strict=True))
     assert not any("workers" in note and "draws" in note for note in notes), notes
+    # Another count given by hand: the same difference, said as well (it was not).
+    _, notes = run(get_optimization("prefetch")(1.0, workers=3))
+    assert any("has 2 workers, prefetch loads with 3" in note for note in notes), notes
 
 
 def test_prefetch_over_a_loader_without_workers_advises_what_keeps_its_draws():

@@ -174,9 +174,10 @@ class Prefetch(Optimization):
             # base seed once a run, not once an epoch, and the global RNG stream (dropout,
             # the next epoch's shuffle) would part from the plain script's after epoch 1.
             s["persistent_workers"] = bool(loader.original.persistent_workers)
-        if isinstance(loader, ScriptLoader) and "workers" not in self.explicit:
+        if isinstance(loader, ScriptLoader):
             # Each worker draws from its own RNG stream, and batch i comes from worker
-            # i % workers: another count gives other random augmentations.
+            # i % workers: another count gives other random augmentations (a count
+            # chosen by the intensity or given: either way the run is not the script's).
             if loader.original.num_workers != s["workers"]:
                 self.script_workers = loader.original.num_workers
         backend = _build_backend(s, loader, device, pin)
