@@ -438,6 +438,8 @@ def test_a_vae_port_on_two_ranks_samples_through_its_models_own_method_under_ddp
             assert ranks[rank][way]["losses"] == plain["losses"], (rank, way)
             assert torch.equal(ranks[rank][way]["samples"][0], plain["samples"][0])
             assert torch.equal(ranks[rank][way]["params"], plain["params"]), (rank, way)
+            # The model's keys, as on one rank (they had "module." before each).
+            assert ranks[rank][way]["keys"] == plain["keys"], (rank, way)
     assert ranks[0]["ddp_overlap"]["ddp_overlap"]["buckets_per_step"] > 0
 
 

@@ -683,6 +683,7 @@ def vae(
         "test": test_losses,
         "samples": samples,
         "params": flat(model),
+        "keys": list(model.state_dict()),  # what a torch.save(model.state_dict()) holds
         "summary": summary,
     }
 

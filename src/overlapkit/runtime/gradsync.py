@@ -251,7 +251,23 @@ class GradientSync:
         self.flat.remove_hooks()
 
 
-class DDPView(nn.Module):
+class ModuleKeys:
+    """For a wrapper of ``self.module``: its state dict is the module's, unprefixed,
+    and one saved from a real DDP (``module.`` before each key) loads too."""
+
+    module: nn.Module
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        keys = list(state_dict)
+        if keys and all(k.startswith("module.") for k in keys):  # saved from a real DDP
+            state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
+        return self.module.load_state_dict(state_dict, strict, assign)
+
+
+class DDPView(ModuleKeys, nn.Module):
     """What a script that wrapped its model in DistributedDataParallel (or DataParallel)
     keeps using after `Session.prepare` unwrapped it for the flat all-reduce: ``.module``,
     ``no_sync()`` and ``require_backward_grad_sync`` (read at the forward, as DDP
@@ -269,15 +285,6 @@ class DDPView(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.sync_on_backward = self.require_backward_grad_sync
         return self.module(*args, **kwargs)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        keys = list(state_dict)
-        if keys and all(k.startswith("module.") for k in keys):  # saved from a real DDP
-            state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
-        return self.module.load_state_dict(state_dict, strict, assign)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -13,16 +13,18 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ...runtime.gradsync import BackwardEnd
+from ...runtime.gradsync import BackwardEnd, ModuleKeys
 from ...runtime.hooks import SessionHook
 
 
-class ScriptDDP(DistributedDataParallel):
+class ScriptDDP(ModuleKeys, DistributedDataParallel):
     """The DistributedDataParallel `Session.prepare` returns under ddp_overlap: it also
     answers for its model's own attributes, as the model did on one rank, where
     ddp_overlap is off (vae's ``model.decode(sample)`` after each epoch failed on 2
     ranks with an AttributeError). A training forward through such a method bypasses
-    DDP: `ForwardWatch` refuses its backward."""
+    DDP: `ForwardWatch` refuses its backward. Its ``state_dict`` is the model's, keys
+    as on one rank (``module.`` before each, a script's ``torch.save(model.state_dict())``
+    on 2 ranks did not load into its model on one)."""
 
     def __getattr__(self, name: str) -> Any:
         try:
