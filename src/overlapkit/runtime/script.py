@@ -474,17 +474,9 @@ def _first_tensor_with_grad(output: Any) -> torch.Tensor | None:
 
 
 def _tensors_with_grad(output: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``output`` (a tensor, or dicts, lists and tuples of them, named
-    tuples too) that gradients will reach."""
-    if isinstance(output, torch.Tensor):
-        if output.requires_grad:
-            yield output
-        return
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        for value in output:
-            yield from _tensors_with_grad(value)
+    """The tensors in ``output`` (a tensor, or mappings, lists and tuples of them,
+    named tuples too) that gradients will reach."""
+    return (tensor for tensor in tensors_in(output) if tensor.requires_grad)
 
 
 def note(message: str) -> None:
