@@ -428,6 +428,36 @@ def test_a_run_stopped_with_sigterm_says_where_as_ctrl_c_does(cluster, tiny_scen
     assert "SIGTERM received" not in err, err[-3000:]
 
 
+def test_checkpoints_this_machine_cannot_take_are_kept_on_the_machines_and_resume(
+    cluster, tiny_scenario, tmp_path
+):
+    """This machine's disk full (here: a file where the machines' checkpoints are
+    mirrored): each machine removed its folder, the checkpoints that had not reached
+    this machine with it, and the run ended in the bare OSError. Now each machine keeps
+    its folder, the error says where, and the run resumes from what it holds."""
+    text = TINY_SCENARIO.replace("world: {nprocs: 1}", "world: {nprocs: 1, device: cpu}")
+    path = tiny_scenario(text + "optimizations: {checkpoint: {every: 2}}\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("in the way")
+    command = ["run", path, "--ray", cluster.address, "--out", out]
+    result = run_cli(*command, "--quiet")
+    assert result.returncode == 1, result.stderr[-3000:]
+    (kept,) = cluster.scratch.glob("overlapkit-kept-*")
+    assert "run failed on the cluster: this machine could not take" in result.stderr
+    assert "machine 0 (" in result.stderr and f"at {kept};" in result.stderr, result.stderr
+    listed = json.loads((kept / "run" / "checkpoints" / "manifest.json").read_text())
+    newest = max(c["step"] for c in listed["checkpoints"])
+    # As the error says: its run/ copied into the run folder, the same command resumes.
+    (out / "checkpoints").unlink()
+    shutil.copytree(kept / "run", out, dirs_exist_ok=True)
+    shutil.rmtree(kept)
+    result = run_cli(*command, "--json", "--set", "train.steps=9")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["optimizations"]["checkpoint"]["resumed_from_step"] == newest
+
+
 def test_a_trial_waiting_for_room_past_tunes_timeout_is_queued_for_the_next_tune(
     cluster, tiny_scenario, tmp_path
 ):

@@ -67,6 +67,11 @@ class RayClusterError(RuntimeError):
     """No cluster to run on, or one that cannot hold the run."""
 
 
+class RayRunFailed(RuntimeError):
+    """The run on the cluster failed: a machine was lost, its ranks failed, or this
+    machine could not take what the machines sent."""
+
+
 class OutOfTime(RayClusterError):
     """The time given (tune's ``--timeout``: only tune gives one) ran out while the run
     waited for room."""
@@ -312,8 +317,10 @@ def run_on_ray(
     strategy = "STRICT_PACK" if world.nodes == 1 else "STRICT_SPREAD"
     group = placement_group([bundle] * world.nodes, strategy=strategy)
     actors: list[Any] = []
+    places: list[dict[str, Any]] = []
     lost: int | None = None  # the machine that was lost: nothing to stop there
     mirrors: Mirrors | None = None
+    keep = False  # the machines' folders: kept when their checkpoints did not all come here
     try:
         _wait_for_room(group, world, strategy, placement_timeout_s, give_up_at)
         runner = ray.remote(NodeRunner)
@@ -360,6 +367,7 @@ def run_on_ray(
             )
         except (RayActorError, ActorUnavailableError) as error:  # lost while starting
             return RayOutcome(lost=f"a machine was lost while the run started: {error}"[:600])
+        keep = checkpoints  # until all they hold is here: this machine's disk may fill
         mirrors = _mirrors(actors, run_dir) if checkpoints else None
         outcome = _watch(actors, places, timeout_s, on_lines, mirrors)
         lost = outcome.lost_machine
@@ -373,21 +381,54 @@ def run_on_ray(
             mirrors.finish(lost=lost)
         if outcome.lost is None and not outcome.stopped:
             _gather(actors, run_dir, mirrored=checkpoints)
+        keep = False
         return outcome
+    except KeyboardInterrupt:
+        keep = False  # stopped: the checkpoints that reached this machine are the run's
+        raise
+    except Exception as error:
+        if not keep:
+            raise
+        if mirrors is not None:
+            mirrors.stop()  # before the folders move
+        kept = _stop(actors, lost, keep=True)
+        held = ", ".join(
+            f"machine {k} ({places[k]['ip']}) at {folder}" for k, folder in kept.items() if folder
+        )
+        raise RayRunFailed(
+            f"this machine could not take the run's files from the machines ({error}); "
+            + (
+                f"each machine keeps its run folder until you remove it: {held}; copy each "
+                f"one's run/ into {run_dir} (machine 0) or {run_dir / NODE_FOLDERS}/node<k>, "
+                "then the same command resumes from their checkpoints"
+                if held
+                else "no machine's run folder was left to keep"
+            )
+        ) from error
     finally:
         if mirrors is not None:
             mirrors.stop()  # an error or Ctrl-C: a copy under way is given up
-        # The ranks of every machine still there stopped at once; not the lost one's:
-        # gone with it, and Ray takes seconds to say that its actor does not answer.
-        stops = [a.stop.remote() for k, a in enumerate(actors) if k != lost]
-        for stop in stops:
-            try:
-                ray.get(stop, timeout=30)
-            except Exception:  # noqa: BLE001 - a machine lost since: nothing left to stop there
-                pass
+        if not keep:
+            _stop(actors, lost, keep=False)
         for actor in actors:
             ray.kill(actor)
         remove_placement_group(group)
+
+
+def _stop(actors: list[Any], lost: int | None, keep: bool) -> dict[int, str | None]:
+    """Stop the ranks of every machine still there at once (not the lost one's: gone
+    with it, and Ray takes seconds to say that its actor does not answer); their
+    folders removed, or with ``keep`` kept where `NodeRunner.stop` says."""
+    import ray
+
+    stops = {k: a.stop.remote(keep) for k, a in enumerate(actors) if k != lost}
+    kept: dict[int, str | None] = {}
+    for k, stop in stops.items():
+        try:
+            kept[k] = ray.get(stop, timeout=30)
+        except Exception:  # noqa: BLE001 - a machine lost since: nothing left to stop there
+            kept[k] = None
+    return kept
 
 
 def _wait_for_room(
@@ -608,6 +649,7 @@ def unpack(archive: bytes, folder: Path) -> None:
 
 # ------------------------------------------------------------ on each machine
 NODE_FOLDER = "overlapkit-node-"  # + host and the actor's pid: a machine's folder of a run
+KEPT_FOLDER = "overlapkit-kept-"  # such a folder the driver could not take: the user's now
 
 
 def _own_prefix() -> str:
@@ -730,24 +772,32 @@ class NodeRunner:
     def stderr(self) -> str:
         return (self.folder / "stderr.txt").read_text(errors="replace")
 
-    def stop(self) -> None:
+    def stop(self, keep: bool = False) -> str | None:
         """The ranks stopped and their folder removed: what the driver needs of it
-        (the mirrored checkpoints, the failing machine's stderr) it has by now."""
+        (the mirrored checkpoints, the failing machine's stderr) it has by now. With
+        ``keep`` (the driver could not take it all: its disk full, say) the folder is
+        renamed out of `remove_orphaned_folders`' way instead; its path is returned."""
         if self.process is not None and self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             self.process.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return None
+        kept = self.folder.with_name(self.folder.name.replace(NODE_FOLDER, KEPT_FOLDER, 1))
+        for name in ("stdout.txt", "stderr.txt"):  # beside the run's own files
+            if (self.folder / name).is_file() and (self.folder / "run").is_dir():
+                shutil.copy(self.folder / name, self.folder / "run" / name)
+        return str(self.folder.rename(kept))
 
     def collect(self) -> bytes:
         """The run folder with the run's stdout and stderr, packed (not its
-        checkpoints: the driver mirrors those); then removed here."""
+        checkpoints: the driver mirrors those); removed by `stop`, once the driver
+        has it all."""
         run = self.folder / "run"
         run.mkdir(exist_ok=True)
         for name in ("stdout.txt", "stderr.txt"):
             shutil.copy(self.folder / name, run / name)
-        archive = pack(run, skip=(CHECKPOINTS, LOCK))  # the driver holds its own
-        shutil.rmtree(self.folder, ignore_errors=True)
-        return archive
+        return pack(run, skip=(CHECKPOINTS, LOCK))  # the driver holds its own

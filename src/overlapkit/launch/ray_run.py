@@ -26,6 +26,7 @@ from .ray_nodes import (
     NODE_FOLDERS,
     RayClusterError,
     RayOutcome,
+    RayRunFailed,
     connect,
     machine_folder,
     placed_world,
@@ -34,10 +35,6 @@ from .ray_nodes import (
 from .ray_paths import paths_from_here
 
 REFUSAL_LINES = 12  # of a machine's error, in the driver's one line
-
-
-class RayRunFailed(RuntimeError):
-    """The run on the cluster failed: a machine was lost, or its ranks failed."""
 
 
 class RayRunRefused(RuntimeError):
