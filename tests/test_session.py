@@ -33,6 +33,48 @@ def train(session, model, optimizer, loader, total, prepare=True):
     return losses
 
 
+class EpochCounted:
+    """A loader whose state_dict holds its epoch count, not its place in the epoch
+    (airbench's CifarLoader given one)."""
+
+    def __init__(self, batches):
+        self.batches, self.epoch = batches, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        self.epoch += 1
+        yield from self.batches
+
+    def state_dict(self):
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+
+
+def test_a_loader_restarting_its_epoch_after_a_resume_is_told_under_steps_too(tmp_path):
+    """session.steps(n) over a loader whose state_dict holds no place in its epoch: a
+    resume after batch 2 of 5 trained those 2 batches twice with no word (an epoch
+    loop over the same loader says so)."""
+    from overlapkit import LoopWarning
+
+    model, optimizer, loader = make_parts()
+    batches = list(loader)  # 5 a pass
+    first = Session()
+    model, optimizer, counted = first.prepare(model, optimizer, EpochCounted(batches))
+    train(first, model, optimizer, counted, total=7, prepare=False)
+    first.save(tmp_path / "ckpt")
+    second = Session()
+    model, optimizer, _ = make_parts()
+    model, optimizer, counted = second.prepare(model, optimizer, EpochCounted(batches))
+    second.load(tmp_path / "ckpt")
+    with pytest.warns(LoopWarning, match="after batch 2 of epoch 1, and the loader"):
+        train(second, model, optimizer, counted, total=12, prepare=False)
+    assert any(n.startswith("cannot resume exactly: the checkpoint was") for n in second.notes)
+
+
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     # 5 batches per epoch: stopping after 7 steps is mid-epoch; dropout uses the RNG.
     straight_model, *rest = make_parts()

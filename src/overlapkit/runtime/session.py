@@ -323,9 +323,14 @@ class Session(EpochLoop, SavedState):
             except StopIteration:
                 iterator = None
                 self._epoch += 1
+                self._epoch_batches = self._batches_before_resume = 0
         else:
             used_up = USED_UP if iter(loader) is loader else ""  # one pass only
             raise RuntimeError(f"the loader yielded no batch in a whole epoch{used_up}")
+        # Counted as in an epoch loop: a checkpoint's place in the epoch, and a loader
+        # that restarted its epoch after a resume (trained those batches twice, unsaid).
+        self._epoch_batches += 1
+        self._check_restarted_epoch(loader)
         return batch, iterator
 
     def _arrived(self, batch: Any) -> Any:
