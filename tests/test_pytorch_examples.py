@@ -3,7 +3,8 @@ time_sequence_prediction (LBFGS: forward and backward run inside optimizer.step(
 fast_neural_style (a transformer net trained against a frozen VGG16's features),
 mnist_forward_forward, gcn, vae (noise drawn in the forward), siamese_network (random
 pairs drawn in the dataset's __getitem__) and KellerJordan/cifar10-airbench's airbench94
-(its own loader class, a lookahead EMA copied back into the model)."""
+(its own loader class, a lookahead EMA copied back into the model), and pytorch/tutorials'
+DQN (reinforcement_q_learning: no DataLoader, a replay memory, a target network)."""
 
 import contextlib
 import pickle
@@ -12,6 +13,7 @@ import pytest
 import torch
 from pytorch_examples import (
     airbench94,
+    dqn,
     fast_neural_style,
     forward_forward,
     gcn,
@@ -497,3 +499,55 @@ def test_a_loader_whose_state_dict_holds_no_place_in_its_epoch_is_said_to_restar
     said = " ".join(str(w.message) for w in told)
     assert "StatefulCifarLoader" in said and "those 2 batches are trained twice" in said
     assert any(n.startswith("cannot resume exactly: the checkpoint was") for n in session.notes)
+
+
+def test_a_dqn_port_is_the_tutorial_bit_for_bit_and_resumes_mid_episode_exactly(tmp_path):
+    """reinforcement_q_learning: no DataLoader (an episode an epoch of range(50), an env
+    step a step), batches random.sample'd from a replay memory (a deque of Transition
+    namedtuples), epsilon from a global steps_done, a target net soft-updated every
+    step, AdamW(amsgrad), clip_grad_value_, optimize_model() returning early for the
+    first 15 steps (told: 187 steps, 172 updates). The port is the tutorial bit for
+    bit. With the target net, the memory, steps_done and the env registered, a run
+    stopped mid-episode resumes exactly, from the middle of an episode and from its
+    first step; the memory's namedtuples made every checkpoint fail with a TypeError
+    from Transition.__new__ in the snapshot."""
+    plain = dqn(None)
+    port = dqn(Session(device="cpu"))
+    for key in ("losses", "durations", "steps_done"):
+        assert port[key] == plain[key], key
+    for key in ("params", "target"):
+        assert torch.equal(port[key], plain[key]), key
+    assert plain["durations"] == [24, 12, 50, 24, 20, 23, 21, 13]  # the third truncated
+    (said,) = port["summary"]["notes"]
+    assert said.startswith("187 steps and 172 optimizer steps")
+    for stop, every, resumed_at in ((70, 30, 60), (30, 24, 24)):  # batch 24 of episode 2; 0 of 1
+        run = [Checkpoint(every=every, final=False)]
+        first = dqn(Session(run, device="cpu", run_dir=tmp_path / str(stop)), stop_after=stop)
+        resumed = dqn(Session(run, device="cpu", run_dir=tmp_path / str(stop)))
+        assert resumed["summary"]["optimizations"]["checkpoint"]["resumed_from_step"] == resumed_at
+        updates = resumed_at - 15  # before the checkpoint
+        assert first["losses"][:updates] + resumed["losses"] == plain["losses"], stop
+        assert resumed["durations"] == plain["durations"], stop
+        for key in ("params", "target"):
+            assert torch.equal(resumed[key], plain[key]), (stop, key)
+        notes = first["summary"]["notes"] + resumed["summary"].get("notes", [])
+        assert not [n for n in notes if n.startswith("cannot resume")], notes
+
+
+def test_a_dqn_target_network_left_unregistered_is_told(tmp_path):
+    """DQN's target net is a second copy of the model that the loop soft-updates from
+    it every step. Left out of session.start(), a resume started it again as the
+    script made it (the first policy net's copy): resumed after 60 of 187 steps, the
+    policy net ended 3.9e-05 off the run never stopped, with no word. It is now said
+    at the start, as for an AveragedModel."""
+    run = [Checkpoint(every=30, final=False)]
+    kwargs = {"register": ("memory", "steps_done", "env")}
+    plain = dqn(None)
+    with pytest.warns(LoopWarning, match=r"target_net \(a DQN, a second copy of the model"):
+        first = dqn(Session(run, device="cpu", run_dir=tmp_path), stop_after=70, **kwargs)
+    with pytest.warns(LoopWarning, match="session.start\\(target_net=target_net\\)"):
+        resumed = dqn(Session(run, device="cpu", run_dir=tmp_path), **kwargs)
+    said = [n for n in first["summary"]["notes"] if n.startswith("cannot resume exactly")]
+    assert len(said) == 1 and "target_net" in said[0], said
+    assert said[0] in resumed["summary"]["notes"]
+    assert not torch.equal(resumed["params"], plain["params"])  # what it says

@@ -14,14 +14,19 @@
   after each epoch.
 - ``siamese_network/main.py``: pairs of images drawn at random (``random``, unseeded)
   in the dataset's ``__getitem__``, BCELoss, Adadelta, a StepLR stepped per epoch.
+- pytorch/tutorials' ``intermediate_source/reinforcement_q_learning.py``: DQN on a
+  CartPole of its own (gymnasium is not installed), no DataLoader: batches sampled
+  from a replay memory, a target network soft-updated every step.
 
 Each runs as the plain script (``session=None``) or ported; the 2-rank programs run
 inside `launch_local`'s ranks (gloo on localhost)."""
 
 from __future__ import annotations
 
+import math
 import random
-from collections import namedtuple
+from collections import deque, namedtuple
+from itertools import count
 from math import ceil
 from types import SimpleNamespace
 from typing import Any
@@ -1407,5 +1412,316 @@ def airbench94(
         "params": flat(model),
         "buffers": torch.cat([b.reshape(-1).double() for b in module.buffers()]),
         "lookahead": None if lookahead_state is None else dict(lookahead_state.net_ema),
+        "summary": summary,
+    }
+
+
+# ------------------------------------------------------------------------- dqn
+# pytorch/tutorials' intermediate_source/reinforcement_q_learning.py (DQN on
+# CartPole-v1): gymnasium is not installed, so `CartPole` is its CartPoleEnv (the
+# physics, the TimeLimit of 500 steps, seeded generators of its own) in a few lines.
+class Discrete:
+    """gymnasium's ``spaces.Discrete(n)``: ``sample()`` draws from its own generator."""
+
+    def __init__(self, n):
+        self.n = n
+        self.np_random = np.random.default_rng()
+
+    def seed(self, seed):
+        self.np_random = np.random.default_rng(seed)
+
+    def sample(self):
+        return int(self.np_random.integers(self.n))
+
+
+class CartPole:
+    """gymnasium's ``CartPole-v1`` (CartPoleEnv under a TimeLimit): euler steps, reward
+    1 a step, terminated past 2.4 units or 12 degrees, truncated after
+    ``max_episode_steps``; ``reset()`` draws the start from the env's own generator."""
+
+    gravity, masscart, masspole, length, force_mag, tau = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
+    theta_threshold_radians, x_threshold = 12 * 2 * math.pi / 360, 2.4
+
+    def __init__(self, max_episode_steps=500):
+        self.total_mass = self.masspole + self.masscart
+        self.polemass_length = self.masspole * self.length
+        self.action_space = Discrete(2)
+        self.observation_space = SimpleNamespace(seed=lambda seed: None)
+        self.np_random = np.random.default_rng()
+        self.max_episode_steps = max_episode_steps
+        self.state, self.elapsed_steps = None, 0
+
+    def reset(self, seed=None):
+        if seed is not None:
+            self.np_random = np.random.default_rng(seed)
+        self.state = self.np_random.uniform(low=-0.05, high=0.05, size=(4,))
+        self.elapsed_steps = 0
+        return np.array(self.state, dtype=np.float32), {}
+
+    def step(self, action):
+        x, x_dot, theta, theta_dot = self.state
+        force = self.force_mag if action == 1 else -self.force_mag
+        costheta, sintheta = math.cos(theta), math.sin(theta)
+        temp = (force + self.polemass_length * theta_dot**2 * sintheta) / self.total_mass
+        thetaacc = (self.gravity * sintheta - costheta * temp) / (
+            self.length * (4.0 / 3.0 - self.masspole * costheta**2 / self.total_mass)
+        )
+        xacc = temp - self.polemass_length * thetaacc * costheta / self.total_mass
+        x, x_dot = x + self.tau * x_dot, x_dot + self.tau * xacc
+        theta, theta_dot = theta + self.tau * theta_dot, theta_dot + self.tau * thetaacc
+        self.state = (x, x_dot, theta, theta_dot)
+        terminated = bool(
+            x < -self.x_threshold
+            or x > self.x_threshold
+            or theta < -self.theta_threshold_radians
+            or theta > self.theta_threshold_radians
+        )
+        self.elapsed_steps += 1
+        truncated = self.elapsed_steps >= self.max_episode_steps
+        return np.array(self.state, dtype=np.float32), 1.0, terminated, truncated, {}
+
+
+Transition = namedtuple("Transition", ("state", "action", "next_state", "reward"))
+
+
+class ReplayMemory:
+    def __init__(self, capacity):
+        self.memory = deque([], maxlen=capacity)
+
+    def push(self, *args):
+        """Save a transition"""
+        self.memory.append(Transition(*args))
+
+    def sample(self, batch_size):
+        return random.sample(self.memory, batch_size)
+
+    def __len__(self):
+        return len(self.memory)
+
+
+class DQN(nn.Module):
+    def __init__(self, n_observations, n_actions, hidden=128):
+        super().__init__()
+        self.layer1 = nn.Linear(n_observations, hidden)
+        self.layer2 = nn.Linear(hidden, hidden)
+        self.layer3 = nn.Linear(hidden, n_actions)
+
+    # Called with either one element to determine next action, or a batch
+    # during optimization. Returns tensor([[left0exp,right0exp]...]).
+    def forward(self, x):
+        x = F.relu(self.layer1(x))
+        x = F.relu(self.layer2(x))
+        return self.layer3(x)
+
+
+def env_state(env: CartPole) -> dict[str, Any]:
+    """What the env carries from step to step (gymnasium's has no state_dict): its
+    physics, its step count and both generators' states."""
+    return {
+        "state": None if env.state is None else tuple(float(v) for v in env.state),
+        "elapsed_steps": env.elapsed_steps,
+        "np_random": env.np_random.bit_generator.state,
+        "action_space": env.action_space.np_random.bit_generator.state,
+    }
+
+
+def load_env_state(env: CartPole, saved: dict[str, Any]) -> None:
+    env.state, env.elapsed_steps = saved["state"], saved["elapsed_steps"]
+    env.np_random.bit_generator.state = saved["np_random"]
+    env.action_space.np_random.bit_generator.state = saved["action_space"]
+
+
+def dqn(
+    session: Session | None,
+    num_episodes: int = 8,
+    batch_size: int = 16,
+    hidden: int = 16,
+    capacity: int = 100,
+    max_episode_steps: int = 50,
+    register: tuple[str, ...] = ("target_net", "memory", "steps_done", "env"),
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """The tutorial's training loop, its hyperparameters but for the sizes (BATCH_SIZE
+    ``batch_size`` for 128, ``hidden`` units for 128, a memory of ``capacity`` for
+    10000, episodes truncated at ``max_episode_steps`` for 500): each env step an
+    epsilon-greedy action (``steps_done``, global), a transition pushed to the replay
+    memory (a deque), ``optimize_model()`` (a batch ``random.sample``d from it: it
+    returns early while the memory holds fewer than BATCH_SIZE), a soft update of the
+    target net. Seeded as the tutorial seeds (random, torch, the env's reset and its
+    action space). Ported: the prepared loader is ``range(max_episode_steps)``, for
+    ``count()``: an episode is an epoch, an env step a step; ``register`` names what
+    is given to `Session.start` (the script's state outside the model: ``env`` is its
+    physics and generators, ``memory`` its transitions, as plain values taken back
+    from ``start.values``); a resume mid-episode goes on with the env's state, not a
+    reset. ``stop_after``: the script stops after that many env steps. Returns each
+    update's loss, each episode's duration, the policy and target parameters and the
+    summary."""
+    BATCH_SIZE = batch_size  # noqa: N806 - the tutorial's names
+    GAMMA = 0.99  # noqa: N806
+    EPS_START = 0.9  # noqa: N806
+    EPS_END = 0.05  # noqa: N806
+    EPS_DECAY = 1000  # noqa: N806
+    TAU = 0.005  # noqa: N806
+    LR = 1e-4  # noqa: N806
+    device = torch.device("cpu")
+    env = CartPole(max_episode_steps)
+    seed = 42
+    random.seed(seed)
+    torch.manual_seed(seed)
+    env.reset(seed=seed)
+    env.action_space.seed(seed)
+    env.observation_space.seed(seed)
+
+    # Get number of actions from gym action space
+    n_actions = env.action_space.n
+    # Get the number of state observations
+    state, info = env.reset()
+    n_observations = len(state)
+
+    policy_net = DQN(n_observations, n_actions, hidden).to(device)
+    target_net = DQN(n_observations, n_actions, hidden).to(device)
+    target_net.load_state_dict(policy_net.state_dict())
+
+    optimizer = torch.optim.AdamW(policy_net.parameters(), lr=LR, amsgrad=True)
+    memory = ReplayMemory(capacity)
+
+    steps_done = 0
+
+    def select_action(state):
+        nonlocal steps_done
+        sample = random.random()
+        eps_threshold = EPS_END + (EPS_START - EPS_END) * math.exp(-1.0 * steps_done / EPS_DECAY)
+        steps_done += 1
+        if sample > eps_threshold:
+            with torch.no_grad():
+                # t.max(1) will return the largest column value of each row.
+                # second column on max result is index of where max element was
+                # found, so we pick action with the larger expected reward.
+                return policy_net(state).max(1).indices.view(1, 1)
+        else:
+            return torch.tensor([[env.action_space.sample()]], device=device, dtype=torch.long)
+
+    episode_durations: list[int] = []
+    losses: list[float] = []
+
+    def optimize_model():
+        if len(memory) < BATCH_SIZE:
+            return
+        transitions = memory.sample(BATCH_SIZE)
+        # Transpose the batch: a Transition of batch-arrays.
+        batch = Transition(*zip(*transitions, strict=True))
+
+        # Compute a mask of non-final states and concatenate the batch elements
+        non_final_mask = torch.tensor(
+            tuple(map(lambda s: s is not None, batch.next_state)),
+            device=device,
+            dtype=torch.bool,
+        )
+        non_final_next_states = torch.cat([s for s in batch.next_state if s is not None])
+        state_batch = torch.cat(batch.state)
+        action_batch = torch.cat(batch.action)
+        reward_batch = torch.cat(batch.reward)
+
+        # Q(s_t, a): the columns of the actions taken
+        state_action_values = policy_net(state_batch).gather(1, action_batch)
+
+        # V(s_{t+1}) for all next states, by the "older" target_net; 0 for final states
+        next_state_values = torch.zeros(BATCH_SIZE, device=device)
+        with torch.no_grad():
+            next_state_values[non_final_mask] = target_net(non_final_next_states).max(1).values
+        # Compute the expected Q values
+        expected_state_action_values = (next_state_values * GAMMA) + reward_batch
+
+        # Compute Huber loss
+        criterion = nn.SmoothL1Loss()
+        loss = criterion(state_action_values, expected_state_action_values.unsqueeze(1))
+
+        # Optimize the model
+        optimizer.zero_grad()
+        loss.backward()
+        # In-place gradient clipping
+        torch.nn.utils.clip_grad_value_(policy_net.parameters(), 100)
+        optimizer.step()
+        losses.append(loss.item())
+
+    steps: Any = None  # count(): the env steps of an episode
+    first, resumed = 0, False
+    if session is not None:
+        policy_net, optimizer, steps = session.prepare(
+            policy_net, optimizer, range(max_episode_steps)
+        )
+        getters: dict[str, Any] = {
+            "target_net": target_net,
+            "memory": lambda: list(memory.memory),
+            "steps_done": lambda: steps_done,
+            "env": lambda: {**env_state(env), "observation": state},
+            "episode_durations": lambda: episode_durations,
+        }
+        start = session.start(**{name: getters[name] for name in (*register, "episode_durations")})
+        first, resumed = start.epoch, start.resumed_from is not None
+        values = start.values
+        if resumed:
+            episode_durations = list(values["episode_durations"])
+            if "memory" in register:
+                memory.memory.extend(values["memory"])
+            if "steps_done" in register:
+                steps_done = values["steps_done"]
+            if "env" in register:
+                load_env_state(env, values["env"])
+                state = values["env"]["observation"]
+    env_steps = 0
+    for i_episode in range(first, num_episodes):  # noqa: B007 - the tutorial's loop
+        if resumed and "env" in register:  # the episode the checkpoint was taken in
+            resumed = False
+        else:
+            # Initialize the environment and get its state
+            state, info = env.reset()
+            state = torch.tensor(state, dtype=torch.float32, device=device).unsqueeze(0)
+        for t in steps if steps is not None else count():
+            action = select_action(state)
+            observation, reward, terminated, truncated, _ = env.step(action.item())
+            reward = torch.tensor([reward], device=device)
+            done = terminated or truncated
+
+            if terminated:
+                next_state = None
+            else:
+                next_state = torch.tensor(
+                    observation, dtype=torch.float32, device=device
+                ).unsqueeze(0)
+
+            # Store the transition in memory
+            memory.push(state, action, next_state, reward)
+
+            # Move to the next state
+            state = next_state
+
+            # Perform one step of the optimization (on the policy network)
+            optimize_model()
+
+            # Soft update of the target network's weights
+            # θ′ ← τ θ + (1 −τ )θ′
+            target_net_state_dict = target_net.state_dict()
+            policy_net_state_dict = policy_net.state_dict()
+            for key in policy_net_state_dict:
+                target_net_state_dict[key] = policy_net_state_dict[key] * TAU + (
+                    target_net_state_dict[key] * (1 - TAU)
+                )
+            target_net.load_state_dict(target_net_state_dict)
+
+            env_steps += 1
+            if done or env_steps == stop_after:
+                if done:
+                    episode_durations.append(t + 1)
+                break
+        if env_steps == stop_after:
+            break
+    summary = session.finish() if session is not None else None
+    return {
+        "losses": losses,
+        "durations": episode_durations,
+        "steps_done": steps_done,
+        "params": flat(policy_net),
+        "target": flat(target_net),
         "summary": summary,
     }

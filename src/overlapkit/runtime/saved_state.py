@@ -126,9 +126,27 @@ class SavedState:
                     f"{name} (an AveragedModel) is not checkpointed: a resumed run would "
                     f"start its average again. Register it: session.start({name}={name})"
                 )
+            elif self._copy_of_model(value) and not self.holds(value):
+                unsaved.append(
+                    f"{name} (a {type(value).__name__}, a second copy of the model: a target "
+                    "network, an EMA kept by hand) is not checkpointed: a resumed run would "
+                    "start it again as the script made it, whatever the run did to it "
+                    f"since. Register it: session.start({name}={name})"
+                )
         for message in unsaved:
             self.notes.append(f"cannot resume exactly: {message}")
             warn(message)
+
+    def _copy_of_model(self, value: Any) -> bool:
+        """``value`` is a module of the prepared model's shapes, apart from it (DQN's
+        target network, soft-updated from the model every step)."""
+        model = self._raw_model
+        if not isinstance(value, torch.nn.Module) or model is None:
+            return False
+        if {id(p) for p in value.parameters()} & {id(p) for p in model.parameters()}:
+            return False  # the model itself, or a wrapper around it
+        shapes = {k: v.shape for k, v in value.state_dict().items()}
+        return bool(shapes) and shapes == {k: v.shape for k, v in model.state_dict().items()}
 
     def check_saves_left_behind(self) -> None:
         """As a run without the checkpoint optimization starts afresh: `save` wrote

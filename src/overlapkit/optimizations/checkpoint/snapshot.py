@@ -39,6 +39,8 @@ def map_tree(tree: Tree, fn: Callable[[str, torch.Tensor], Any], path: str = "")
         return {k: map_tree(v, fn, f"{path}/{k}") for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         items = [map_tree(v, fn, f"{path}/{i}") for i, v in enumerate(tree)]
+        if hasattr(tree, "_fields"):  # a namedtuple (a replay memory's transitions)
+            return type(tree)(*items)
         return type(tree)(items) if isinstance(tree, tuple) else items
     return copy.deepcopy(tree)
 
