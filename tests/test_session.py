@@ -75,6 +75,44 @@ def test_a_loader_restarting_its_epoch_after_a_resume_is_told_under_steps_too(tm
     assert any(n.startswith("cannot resume exactly: the checkpoint was") for n in second.notes)
 
 
+def test_a_copy_of_the_model_is_told_once_the_run_changes_it_and_a_frozen_one_never(tmp_path):
+    """Unregistered copies of the model: an EMA kept by hand, first updated after the
+    checkpoint at step 2, is told at the checkpoint at step 4 (a resume would start it
+    again as the script made it); a frozen teacher, never changed, is never told (it
+    was told at the start as DQN's target network is: a resume makes it again as it
+    was)."""
+    import copy
+    import warnings
+
+    from overlapkit import LoopWarning, get_optimization
+
+    model, optimizer, loader = make_parts()
+    teacher = copy.deepcopy(model).requires_grad_(False)
+    ema = copy.deepcopy(model)
+    session = Session([get_optimization("checkpoint")(every=2)], run_dir=tmp_path)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LoopWarning)
+        session.start()
+        told_before = len(said)
+        for inputs, targets in session.steps(4):
+            with session.forward():
+                outputs = model(inputs)
+                loss = nn.functional.cross_entropy(outputs, targets)
+                loss = loss + nn.functional.mse_loss(outputs, teacher(inputs))
+            session.backward(loss)
+            session.optimizer_step()
+            if session.state.step >= 2:  # the step after the checkpoint at 2
+                with torch.no_grad():
+                    for average, now in zip(ema.parameters(), model.parameters(), strict=True):
+                        average.lerp_(now, 0.1)
+        notes = session.finish().get("notes", [])  # the checkpoint at step 4
+    told = [str(w.message) for w in said if "not checkpointed" in str(w.message)]
+    assert told_before == 0 and len(told) == 1, told
+    assert told[0].startswith("ema (a Sequential, a second copy of the model, changed since")
+    assert f"cannot resume exactly: {told[0]}" in notes
+
+
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     # 5 batches per epoch: stopping after 7 steps is mid-epoch; dropout uses the RNG.
     straight_model, *rest = make_parts()

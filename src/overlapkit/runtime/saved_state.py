@@ -127,12 +127,7 @@ class SavedState:
                     f"start its average again. Register it: session.start({name}={name})"
                 )
             elif self._copy_of_model(value) and not self.holds(value):
-                unsaved.append(
-                    f"{name} (a {type(value).__name__}, a second copy of the model: a target "
-                    "network, an EMA kept by hand) is not checkpointed: a resumed run would "
-                    "start it again as the script made it, whatever the run did to it "
-                    f"since. Register it: session.start({name}={name})"
-                )
+                self._copies[name] = (value, _versions(value))  # told once it changes
         for message in unsaved:
             self.notes.append(f"cannot resume exactly: {message}")
             warn(message)
@@ -147,6 +142,24 @@ class SavedState:
             return False  # the model itself, or a wrapper around it
         shapes = {k: v.shape for k, v in value.state_dict().items()}
         return bool(shapes) and shapes == {k: v.shape for k, v in model.state_dict().items()}
+
+    def _check_copies_changed(self) -> None:
+        """As a checkpoint is taken: an unregistered copy of the model that the run
+        changed since its start (a target network soft-updated from the model, an EMA
+        kept by hand) would start again as the script made it in a resume, silently.
+        One left as it was (a frozen reference model, a teacher) is no matter."""
+        for name, (copy, versions) in list(self._copies.items()):
+            if _versions(copy) == versions:
+                continue
+            del self._copies[name]
+            message = (
+                f"{name} (a {type(copy).__name__}, a second copy of the model, changed since "
+                "the start: a target network, an EMA kept by hand) is not checkpointed: a "
+                "resumed run would start it again as the script made it, whatever the run "
+                f"did to it since. Register it: session.start({name}={name})"
+            )
+            self.notes.append(f"cannot resume exactly: {message}")
+            warn(message)
 
     def check_saves_left_behind(self) -> None:
         """As a run without the checkpoint optimization starts afresh: `save` wrote
@@ -173,6 +186,7 @@ class SavedState:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly, under one key per component."""
+        self._check_copies_changed()
         state = self.state
         out: dict[str, Any] = {
             "progress": self.progress(),
@@ -388,3 +402,9 @@ class _DictState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.values.clear()
         self.values.update(state)
+
+
+def _versions(module: torch.nn.Module) -> list[tuple[int, int]]:
+    """Each of the module's tensors and its version, which each in-place change
+    (``copy_``, ``load_state_dict``, ``mul_``) moves on; nothing read off the device."""
+    return [(id(t), t._version) for t in (*module.parameters(), *module.buffers())]

@@ -174,6 +174,8 @@ class Session(EpochLoop, SavedState):
         self._forwards_in_step = 0  # training forwards of the step now open
         self._end_failed = False  # a STEP_END hook raised: the step is not ended again
         self._save_warned: set[str] = set()  # kinds of session.save() told inexact
+        # Unregistered copies of the model, and their tensors' versions at the start.
+        self._copies: dict[str, tuple[nn.Module, list[tuple[int, int]]]] = {}
         self._saves = 0  # session.save() calls on this rank (the ranks meet at each)
         self._save_meetings: str | None = None  # their names' prefix (`meet_for_saves_from`)
         self._rng_at_save: tuple[Path, dict[str, Any]] | None = None  # the last save's
