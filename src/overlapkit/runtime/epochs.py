@@ -221,7 +221,9 @@ class EpochLoop:
             "went by with no training forward: the loader already goes on at that batch, so "
             "a script skipping the batches trained before the checkpoint (`if step < "
             "resume_step: continue`, accelerate's skip_first_batches) skips them twice. Drop "
-            "the skip; count batches from start.batch: enumerate(loader, start.batch)"
+            "the skip; count batches from start.batch: enumerate(loader, start.batch). Or "
+            "the script trains only once state of its own fills up again (a replay memory "
+            "left out of session.start(), started empty): register it"
         )
         self.notes.append(message)
         warn(message)
