@@ -292,6 +292,15 @@ def test_run_out_naming_a_file_is_exit_2_and_the_file_is_untouched(tiny_scenario
     assert code == 2 and "--out" in err and file.read_text() == "mine"
 
 
+def test_the_help_line_names_every_command():
+    from overlapkit.cli import _parser
+
+    code, out, _ = cli("--help")
+    line = next(line for line in out.splitlines() if line.startswith("overlapkit run |"))
+    commands = _parser()._subparsers._group_actions[0].choices  # export was left out
+    assert code == 0 and all(f" {name} " in f"{line[:-1]} " for name in commands), line
+
+
 def test_check_refuses_what_would_fail_inside_a_rank(tiny_scenario):
     scenario = tiny_scenario()
     code, _, err = cli(
