@@ -27,6 +27,9 @@ POP = {
 }
 
 
+TUNE_FILE = "tune.json"  # a tune folder's (tuning.study's; not imported: optuna with it)
+
+
 class RunFolderError(ValueError):
     """A folder that holds no finished run."""
 
@@ -37,14 +40,22 @@ def load_run(folder: Path) -> dict[str, Any]:
         raise RunFolderError(f"{folder}: a file; name a run folder (one holding summary.json)")
     if not Path(folder).is_dir():
         raise RunFolderError(f"{folder}: no such folder")
+    if not path.is_file() and (Path(folder) / TUNE_FILE).is_file():
+        raise RunFolderError(
+            f"{folder}: a tune folder, not a run's; compare its trials' runs "
+            f"({Path(folder) / 'trials' / 'NUMBER' / 'run'}), or studies with "
+            "overlapkit report --compare"
+        )
     if not path.is_file():
         raise RunFolderError(
             f"{folder}: no summary.json (not a run folder, or a run that did not finish)"
         )
     try:
         summary = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RunFolderError(f"{path}: not valid JSON ({error})") from None
+    except OSError as error:
+        raise RunFolderError(f"{path}: cannot be read ({error.strerror or error})") from None
     missing = [key for key in NEEDED if not isinstance(summary, dict) or key not in summary]
     if missing:
         raise RunFolderError(
