@@ -152,12 +152,18 @@ def key_figures(name: str, section: dict[str, Any]) -> dict[str, Any]:
 
 
 def _labels(folders: list[Path]) -> list[str]:
-    """Each run's folder name; its parent's too where two share a name."""
+    """Each run's folder name; its parent's too where two share a name, and its whole
+    path where two share both."""
     names = [Path(f).resolve().name for f in folders]
     taken = Counter(names)
-    return [
+    labels = [
         name if taken[name] == 1 else f"{Path(f).resolve().parent.name}/{name}"
         for name, f in zip(names, folders, strict=True)
+    ]
+    taken = Counter(labels)
+    return [
+        label if taken[label] == 1 else str(Path(f).resolve())
+        for label, f in zip(labels, folders, strict=True)
     ]
 
 
@@ -217,14 +223,15 @@ def _ms(value: float | None) -> str:
 def phases_plot(document: dict[str, Any], path: Path) -> Path:
     runs, phases = document["runs"], document["phases"]
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(runs), 4.2))
-    labels = [r["label"] for r in runs]
+    # At positions, not by label: bars of one label (a run named twice) were drawn as one.
+    labels, places = [r["label"] for r in runs], list(range(len(runs)))
     bottom = [0.0] * len(runs)
     colors = plt.get_cmap("tab10")
     for i, phase in enumerate(phases):
         values = [r["phases_ms"][phase] or 0.0 for r in runs]
         if not any(values):
             continue
-        ax.bar(labels, values, bottom=bottom, label=phase, color=colors(i % 10))
+        ax.bar(places, values, bottom=bottom, label=phase, color=colors(i % 10))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     for x, (total, run) in enumerate(zip(bottom, runs, strict=True)):
         ax.text(x, total, f"{run['samples_per_s']:.0f}/s", ha="center", va="bottom", fontsize=8)
@@ -233,6 +240,7 @@ def phases_plot(document: dict[str, Any], path: Path) -> Path:
     handles, names = ax.get_legend_handles_labels()  # top of the stack first
     ax.legend(handles[::-1], names[::-1], fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
     ax.set_ylim(0, max(bottom) * 1.12 if max(bottom) > 0 else 1)
+    ax.set_xticks(places, labels)
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
     return save_figure(fig, path)
 
