@@ -292,6 +292,33 @@ def test_run_out_naming_a_file_is_exit_2_and_the_file_is_untouched(tiny_scenario
     assert code == 2 and "--out" in err and file.read_text() == "mine"
 
 
+def test_the_help_line_names_every_command():
+    from overlapkit.cli import _parser
+
+    code, out, _ = cli("--help")
+    line = next(line for line in out.splitlines() if line.startswith("overlapkit run |"))
+    commands = _parser()._subparsers._group_actions[0].choices  # export was left out
+    assert code == 0 and all(f" {name} " in f"{line[:-1]} " for name in commands), line
+
+
+def test_files_export_and_compare_cannot_read_are_one_line(tmp_path):
+    """A manifest or a summary that is not UTF-8 was an internal error; a tune folder
+    was 'not a run folder', not what to compare instead."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "manifest.json").write_bytes(b"\xff\xfe{")
+    code, _, err = cli("export", tmp_path / "checkpoints", "--to", tmp_path / "m.pt")
+    assert code == 2 and "manifest.json is damaged (UnicodeDecodeError" in err, err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_bytes(b"\xff{")
+    code, _, err = cli("compare", tmp_path / "run", "--out", tmp_path / "cmp")
+    assert code == 2 and "summary.json: not valid JSON" in err, err
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "tune.json").write_text("{}")
+    code, _, err = cli("compare", tmp_path / "tune", "--out", tmp_path / "cmp")
+    assert code == 2 and "a tune folder, not a run's" in err and "report --compare" in err
+    assert not (tmp_path / "m.pt").exists() and not (tmp_path / "cmp").exists()
+
+
 def test_check_refuses_what_would_fail_inside_a_rank(tiny_scenario):
     scenario = tiny_scenario()
     code, _, err = cli(

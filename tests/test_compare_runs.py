@@ -124,3 +124,21 @@ def test_at_80_columns_the_row_names_stay_whole_and_the_run_names_fold(two_runs,
     lines = console.export_text().splitlines()
     for name in ("communication efficiency", "checkpoint: checkpoints", "comm_exposed ms"):
         assert any(name in line for line in lines), name
+
+
+def test_runs_of_one_name_are_two_columns_and_two_bars(tmp_path, monkeypatch):
+    """x/r/a and y/r/a were both labelled r/a, and phases.png drew their bars as one."""
+    from overlapkit import compare_runs
+
+    folders = [tmp_path / "x" / "r" / "a", tmp_path / "y" / "r" / "a"]
+    for rate, folder in zip((100, 50), folders, strict=True):
+        folder.mkdir(parents=True)
+        summary = {"samples_per_s": rate, "step_time_s": {"p50": 0.01}, "phases_s": {"f": 0.01}}
+        (folder / "summary.json").write_text(json.dumps(summary))
+    document = compare_runs.compare_document(folders)
+    assert [r["label"] for r in document["runs"]] == [str(f) for f in folders]
+    drawn = []
+    monkeypatch.setattr(compare_runs, "save_figure", lambda fig, path: drawn.append(fig))
+    compare_runs.phases_plot(document, tmp_path / "phases.png")
+    bars = drawn[0].axes[0].patches
+    assert len({bar.get_x() for bar in bars}) == 2

@@ -5,6 +5,7 @@ and one line for what cannot be exported."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,14 +77,26 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_said(run_folder, tmp_path):
         (["{run}", "--to", "{tmp}"], "a folder; name the file to write"),
         (["{run}", "--to", "{tmp}/no/such/model.pt"], "does not exist"),
         (["{run}", "--to", "{tmp}/model.npz"], "a torch run exports a torch state_dict; name"),
+        # The run's summary was overwritten by the model; a step's folder was "no
+        # checkpoint: the run needs the checkpoint optimization"; a failed write named
+        # the temporary file beside the one asked for.
+        (["{run}", "--to", "{run}/summary.json"], "a file that no export wrote"),
+        (["{run}/checkpoints/step-00000008"], "overlapkit export {run}/checkpoints --step 8"),
+        pytest.param(
+            ["{run}", "--to", "/proc/model.pt"],
+            "/proc/model.pt: cannot be written",
+            marks=pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc"),
+        ),
     ],
 )
 def test_what_cannot_be_exported_is_one_line(run_folder, tmp_path, args, said):
     words = [a.format(tmp=tmp_path, run=run_folder) for a in args]
+    summary = (run_folder / "summary.json").read_bytes()
     result = run_cli("export", *words)
     assert result.returncode == 2, result.stderr
-    assert said in result.stderr and "Traceback" not in result.stderr
+    assert said.format(run=run_folder) in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+    assert (run_folder / "summary.json").read_bytes() == summary
 
 
 def test_a_pipeline_stages_names_are_the_unsplit_models():

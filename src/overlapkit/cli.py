@@ -1,4 +1,4 @@
-"""overlapkit run | tune | report | compare | check | list | cluster.
+"""overlapkit run | tune | report | compare | export | check | list | cluster.
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (scenario, data, usage).
 """

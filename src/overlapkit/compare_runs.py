@@ -27,6 +27,9 @@ POP = {
 }
 
 
+TUNE_FILE = "tune.json"  # a tune folder's (tuning.study's; not imported: optuna with it)
+
+
 class RunFolderError(ValueError):
     """A folder that holds no finished run."""
 
@@ -37,14 +40,22 @@ def load_run(folder: Path) -> dict[str, Any]:
         raise RunFolderError(f"{folder}: a file; name a run folder (one holding summary.json)")
     if not Path(folder).is_dir():
         raise RunFolderError(f"{folder}: no such folder")
+    if not path.is_file() and (Path(folder) / TUNE_FILE).is_file():
+        raise RunFolderError(
+            f"{folder}: a tune folder, not a run's; compare its trials' runs "
+            f"({Path(folder) / 'trials' / 'NUMBER' / 'run'}), or studies with "
+            "overlapkit report --compare"
+        )
     if not path.is_file():
         raise RunFolderError(
             f"{folder}: no summary.json (not a run folder, or a run that did not finish)"
         )
     try:
         summary = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RunFolderError(f"{path}: not valid JSON ({error})") from None
+    except OSError as error:
+        raise RunFolderError(f"{path}: cannot be read ({error.strerror or error})") from None
     missing = [key for key in NEEDED if not isinstance(summary, dict) or key not in summary]
     if missing:
         raise RunFolderError(
@@ -141,12 +152,18 @@ def key_figures(name: str, section: dict[str, Any]) -> dict[str, Any]:
 
 
 def _labels(folders: list[Path]) -> list[str]:
-    """Each run's folder name; its parent's too where two share a name."""
+    """Each run's folder name; its parent's too where two share a name, and its whole
+    path where two share both."""
     names = [Path(f).resolve().name for f in folders]
     taken = Counter(names)
-    return [
+    labels = [
         name if taken[name] == 1 else f"{Path(f).resolve().parent.name}/{name}"
         for name, f in zip(names, folders, strict=True)
+    ]
+    taken = Counter(labels)
+    return [
+        label if taken[label] == 1 else str(Path(f).resolve())
+        for label, f in zip(labels, folders, strict=True)
     ]
 
 
@@ -206,14 +223,15 @@ def _ms(value: float | None) -> str:
 def phases_plot(document: dict[str, Any], path: Path) -> Path:
     runs, phases = document["runs"], document["phases"]
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(runs), 4.2))
-    labels = [r["label"] for r in runs]
+    # At positions, not by label: bars of one label (a run named twice) were drawn as one.
+    labels, places = [r["label"] for r in runs], list(range(len(runs)))
     bottom = [0.0] * len(runs)
     colors = plt.get_cmap("tab10")
     for i, phase in enumerate(phases):
         values = [r["phases_ms"][phase] or 0.0 for r in runs]
         if not any(values):
             continue
-        ax.bar(labels, values, bottom=bottom, label=phase, color=colors(i % 10))
+        ax.bar(places, values, bottom=bottom, label=phase, color=colors(i % 10))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     for x, (total, run) in enumerate(zip(bottom, runs, strict=True)):
         ax.text(x, total, f"{run['samples_per_s']:.0f}/s", ha="center", va="bottom", fontsize=8)
@@ -222,6 +240,7 @@ def phases_plot(document: dict[str, Any], path: Path) -> Path:
     handles, names = ax.get_legend_handles_labels()  # top of the stack first
     ax.legend(handles[::-1], names[::-1], fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
     ax.set_ylim(0, max(bottom) * 1.12 if max(bottom) > 0 else 1)
+    ax.set_xticks(places, labels)
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
     return save_figure(fig, path)
 

@@ -15,6 +15,7 @@ export takes the newest intact checkpoint (or the step asked for) and writes:
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,12 @@ def checkpoint_root(folder: Path) -> Path:
         raise ExportError(f"{folder}: a file; name a run folder (or a checkpoint folder)")
     if not folder.is_dir():
         raise ExportError(f"{folder}: no such run folder")
+    step = folder.name.removeprefix("step-")
+    if step.isdigit() and (folder.parent / MANIFEST).is_file():  # one step's folder
+        raise ExportError(
+            f"{folder}: one checkpoint's folder; name the checkpoint folder that holds it: "
+            f"overlapkit export {folder.parent} --step {int(step)}"
+        )
     directory = "checkpoints"
     try:
         scenario = yaml.safe_load((folder / "scenario.yaml").read_text()) or {}
@@ -282,16 +289,19 @@ def _write(state: Any, framework: str, target: Path, step: int, skipped: list[st
         )
     tensors = list(state.values())
     size = sum(t.numel() * t.element_size() for t in tensors)
-    if framework == "tensorflow":
-        import io
+    try:
+        if framework == "tensorflow":
+            import io
 
-        import numpy as np
+            import numpy as np
 
-        buffer = io.BytesIO()
-        np.savez(buffer, **{key: t.numpy() for key, t in state.items()})
-        atomic_write(target, lambda fd: _write_all(fd, buffer.getvalue()))
-    else:
-        atomic_torch_save(state, target)
+            buffer = io.BytesIO()
+            np.savez(buffer, **{key: t.numpy() for key, t in state.items()})
+            atomic_write(target, lambda fd: _write_all(fd, buffer.getvalue()))
+        else:
+            atomic_torch_save(state, target)
+    except OSError as error:  # its message named the temporary file beside the target
+        raise ExportError(f"{target}: cannot be written ({error.strerror or error})") from None
     by_position = framework == "tensorflow" and "0000" in state
     return Exported(target, step, len(tensors), size, framework, skipped, by_position)
 
@@ -300,6 +310,11 @@ def _check_target(target: Path) -> None:
     """Raise unless ``target`` can be written as a file: a folder holds it."""
     if target.is_dir():
         raise ExportError(f"--to {target}: a folder; name the file to write")
+    if target.is_file() and target.stat().st_size and not zipfile.is_zipfile(target):
+        raise ExportError(  # both torch.save and NumPy's .npz write zip archives
+            f"--to {target}: a file that no export wrote (a run's summary.json, a "
+            "checkpoint...): it would be lost; name a new file, or remove it first"
+        )
     if not target.parent.is_dir():
         place = nearest_existing(target.parent)
         if place is not None and not place.is_dir():

@@ -96,15 +96,15 @@ class Manifest:
     def _document(self) -> dict[str, Any]:
         """The manifest as written, its checkpoints checked ({} when there is none)."""
         try:
-            text = self.path.read_text()
+            raw = self.path.read_bytes()  # decoded below: bytes not UTF-8 are damage too
         except (FileNotFoundError, NotADirectoryError):
             return {}
         try:
-            document = json.loads(text)
+            document = json.loads(raw.decode())
             entries = document["checkpoints"]
             if not isinstance(entries, list) or not all(map(_well_formed, entries)):
                 raise TypeError("no list of checkpoints, each with a step number and files")
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
             raise CheckpointError(
                 f"{self.path} is damaged ({type(error).__name__}: {error}): the checkpoints "
                 "beside it cannot be verified, so none is resumed and none is deleted. "
