@@ -76,11 +76,13 @@ def test_a_loader_restarting_its_epoch_after_a_resume_is_told_under_steps_too(tm
 
 
 def test_a_copy_of_the_model_is_told_once_the_run_changes_it_and_a_frozen_one_never(tmp_path):
-    """Unregistered copies of the model: an EMA kept by hand, first updated after the
-    checkpoint at step 2, is told at the checkpoint at step 4 (a resume would start it
-    again as the script made it); a frozen teacher, never changed, is never told (it
-    was told at the start as DQN's target network is: a resume makes it again as it
-    was)."""
+    """Unregistered copies of the model: an EMA kept by hand through ``.data`` (which
+    moves no tensor version), first updated after the checkpoint at step 2, is told
+    at the checkpoint at step 4 (a resume would start it again as the script made
+    it). Never told: a frozen teacher (it was told at the start, as DQN's target
+    network is: a resume makes it again as it was), one made under inference mode
+    (its tensors have no version: the start failed), and a target network updated
+    every step but registered inside a ModuleDict (checkpointed: it was told)."""
     import copy
     import warnings
 
@@ -88,29 +90,52 @@ def test_a_copy_of_the_model_is_told_once_the_run_changes_it_and_a_frozen_one_ne
 
     model, optimizer, loader = make_parts()
     teacher = copy.deepcopy(model).requires_grad_(False)
-    ema = copy.deepcopy(model)
+    with torch.inference_mode():
+        reference = copy.deepcopy(model)
+    ema, target = copy.deepcopy(model), copy.deepcopy(model)
     session = Session([get_optimization("checkpoint")(every=2)], run_dir=tmp_path)
     model, optimizer, loader = session.prepare(model, optimizer, loader)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always", LoopWarning)
-        session.start()
+        session.start(agent=nn.ModuleDict({"target": target}))
         told_before = len(said)
         for inputs, targets in session.steps(4):
             with session.forward():
                 outputs = model(inputs)
+                with torch.no_grad():
+                    guide = teacher(inputs) + reference(inputs)
                 loss = nn.functional.cross_entropy(outputs, targets)
-                loss = loss + nn.functional.mse_loss(outputs, teacher(inputs))
+                loss = loss + nn.functional.mse_loss(outputs, guide)
             session.backward(loss)
             session.optimizer_step()
+            with torch.no_grad():
+                target.load_state_dict(model.state_dict())
             if session.state.step >= 2:  # the step after the checkpoint at 2
-                with torch.no_grad():
-                    for average, now in zip(ema.parameters(), model.parameters(), strict=True):
-                        average.lerp_(now, 0.1)
+                for average, now in zip(ema.parameters(), model.parameters(), strict=True):
+                    average.data.mul_(0.9).add_(now.data, alpha=0.1)
         notes = session.finish().get("notes", [])  # the checkpoint at step 4
     told = [str(w.message) for w in said if "not checkpointed" in str(w.message)]
     assert told_before == 0 and len(told) == 1, told
     assert told[0].startswith("ema (a Sequential, a second copy of the model, changed since")
     assert f"cannot resume exactly: {told[0]}" in notes
+
+
+def test_a_loader_with_a_place_of_its_own_saved_at_an_epochs_end_counts_its_epochs_once(
+    tmp_path,
+):
+    """session.steps(n), a checkpoint after an epoch's last batch, a loader that keeps
+    its own place: the resumed run's epoch was one ahead of the run never stopped."""
+    straight = Session()
+    train(straight, *make_parts(), total=7)
+    first = Session()
+    train(first, *make_parts(), total=5)
+    first.save(tmp_path / "ckpt")
+    second = Session()
+    model, optimizer, loader = second.prepare(*make_parts())
+    second.load(tmp_path / "ckpt")
+    train(second, model, optimizer, loader, total=7, prepare=False)
+    assert second.progress() == straight.progress()
+    assert straight.progress()["epoch"] == 1  # (its place in the epoch is the loader's)
 
 
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):

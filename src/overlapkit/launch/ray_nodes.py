@@ -320,7 +320,8 @@ def run_on_ray(
     places: list[dict[str, Any]] = []
     lost: int | None = None  # the machine that was lost: nothing to stop there
     mirrors: Mirrors | None = None
-    keep = False  # the machines' folders: kept when their checkpoints did not all come here
+    mirroring = False  # the machines' checkpoints on their way here
+    kept = False  # the machines' folders kept (this machine could not take them)
     try:
         _wait_for_room(group, world, strategy, placement_timeout_s, give_up_at)
         runner = ray.remote(NodeRunner)
@@ -367,7 +368,7 @@ def run_on_ray(
             )
         except (RayActorError, ActorUnavailableError) as error:  # lost while starting
             return RayOutcome(lost=f"a machine was lost while the run started: {error}"[:600])
-        keep = checkpoints  # until all they hold is here: this machine's disk may fill
+        mirroring = checkpoints  # until all they hold is here: this machine's disk may fill
         mirrors = _mirrors(actors, run_dir) if checkpoints else None
         outcome = _watch(actors, places, timeout_s, on_lines, mirrors)
         lost = outcome.lost_machine
@@ -381,26 +382,24 @@ def run_on_ray(
             mirrors.finish(lost=lost)
         if outcome.lost is None and not outcome.stopped:
             _gather(actors, run_dir, mirrored=checkpoints)
-        keep = False
         return outcome
-    except KeyboardInterrupt:
-        keep = False  # stopped: the checkpoints that reached this machine are the run's
-        raise
-    except Exception as error:
-        if not keep:
+    except OSError as error:
+        from ray.exceptions import RayError
+
+        # This machine's own file error (its disk full), not a machine's (a RayError).
+        if not mirroring or isinstance(error, RayError):
             raise
         if mirrors is not None:
             mirrors.stop()  # before the folders move
-        kept = _stop(actors, lost, keep=True)
-        held = ", ".join(
-            f"machine {k} ({places[k]['ip']}) at {folder}" for k, folder in kept.items() if folder
-        )
+        folders = _stop(actors, lost, keep=True)
+        kept = True
+        held = ", ".join(f"machine {k} ({places[k]['ip']}) at {f}" for k, f in folders.items() if f)
         raise RayRunFailed(
             f"this machine could not take the run's files from the machines ({error}); "
             + (
                 f"each machine keeps its run folder until you remove it: {held}; copy each "
                 f"one's run/ into {run_dir} (machine 0) or {run_dir / NODE_FOLDERS}/node<k>, "
-                "then the same command resumes from their checkpoints"
+                "then the same command (without --fresh) resumes from their checkpoints"
                 if held
                 else "no machine's run folder was left to keep"
             )
@@ -408,7 +407,7 @@ def run_on_ray(
     finally:
         if mirrors is not None:
             mirrors.stop()  # an error or Ctrl-C: a copy under way is given up
-        if not keep:
+        if not kept:
             _stop(actors, lost, keep=False)
         for actor in actors:
             ray.kill(actor)

@@ -16,6 +16,7 @@ from torch.optim.swa_utils import AveragedModel
 from ..data import SequenceLoader
 from .arguments import check_not_sharded
 from .batch import tensors_in
+from .model_copies import ModelCopy
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng, same_rng
 from .script import Start, note, script_locals, warn
@@ -70,6 +71,8 @@ class SavedState:
         NativeScaler holds the scaler), or the LR schedule given to `prepare`."""
         held = [*self._stateful.values(), self.state.lr_scheduler]
         held += [value for owner in held for value in getattr(owner, "__dict__", {}).values()]
+        # A registered module's own modules (a target net in a registered ModuleDict).
+        held += [m for owner in held if isinstance(owner, torch.nn.Module) for m in owner.modules()]
         return any(owner is obj for owner in held)
 
     def holds_storage_of(self, tensors: list[torch.Tensor]) -> bool:
@@ -127,7 +130,7 @@ class SavedState:
                     f"start its average again. Register it: session.start({name}={name})"
                 )
             elif self._copy_of_model(value) and not self.holds(value):
-                self._copies[name] = (value, _versions(value))  # told once it changes
+                self._copies[name] = ModelCopy(value)  # told once the run changes it
         for message in unsaved:
             self.notes.append(f"cannot resume exactly: {message}")
             warn(message)
@@ -148,12 +151,12 @@ class SavedState:
         changed since its start (a target network soft-updated from the model, an EMA
         kept by hand) would start again as the script made it in a resume, silently.
         One left as it was (a frozen reference model, a teacher) is no matter."""
-        for name, (copy, versions) in list(self._copies.items()):
-            if _versions(copy) == versions:
+        for name, copy in list(self._copies.items()):
+            if not copy.changed():
                 continue
             del self._copies[name]
             message = (
-                f"{name} (a {type(copy).__name__}, a second copy of the model, changed since "
+                f"{name} (a {type(copy.module).__name__}, a second copy of the model, changed since "
                 "the start: a target network, an EMA kept by hand) is not checkpointed: a "
                 "resumed run would start it again as the script made it, whatever the run "
                 f"did to it since. Register it: session.start({name}={name})"
@@ -402,9 +405,3 @@ class _DictState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.values.clear()
         self.values.update(state)
-
-
-def _versions(module: torch.nn.Module) -> list[tuple[int, int]]:
-    """Each of the module's tensors and its version, which each in-place change
-    (``copy_``, ``load_state_dict``, ``mul_``) moves on; nothing read off the device."""
-    return [(id(t), t._version) for t in (*module.parameters(), *module.buffers())]

@@ -62,6 +62,7 @@ from .hardware import describe_node, nodes_of
 from .hidden_modules import modules_out_of_sight, out_of_sight_message
 from .hooks import SessionHook
 from .metrics import PhaseClock, summarize
+from .model_copies import ModelCopy
 from .optimization import Optimization, needed_environment
 from .precision import Precision, PrecisionName, scaler_wait_note
 from .progress import ProgressBar
@@ -174,8 +175,8 @@ class Session(EpochLoop, SavedState):
         self._forwards_in_step = 0  # training forwards of the step now open
         self._end_failed = False  # a STEP_END hook raised: the step is not ended again
         self._save_warned: set[str] = set()  # kinds of session.save() told inexact
-        # Unregistered copies of the model, and their tensors' versions at the start.
-        self._copies: dict[str, tuple[nn.Module, list[tuple[int, int]]]] = {}
+        # Unregistered copies of the model, watched until the run changes them.
+        self._copies: dict[str, ModelCopy] = {}
         self._saves = 0  # session.save() calls on this rank (the ranks meet at each)
         self._save_meetings: str | None = None  # their names' prefix (`meet_for_saves_from`)
         self._rng_at_save: tuple[Path, dict[str, Any]] | None = None  # the last save's
@@ -329,10 +330,13 @@ class Session(EpochLoop, SavedState):
         else:
             used_up = USED_UP if iter(loader) is loader else ""  # one pass only
             raise RuntimeError(f"the loader yielded no batch in a whole epoch{used_up}")
-        # Counted as in an epoch loop: a checkpoint's place in the epoch, and a loader
-        # that restarted its epoch after a resume (trained those batches twice, unsaid).
-        self._epoch_batches += 1
-        self._check_restarted_epoch(loader)
+        if getattr(loader, "position", None) is None:
+            # Counted as in an epoch loop: a checkpoint's place in the epoch, and a loader
+            # that restarted its epoch after a resume (trained those batches twice,
+            # unsaid). One with a place of its own says where it is itself (counted, its
+            # epoch's end was saved as the next epoch's start, and its epoch moved twice).
+            self._epoch_batches += 1
+            self._check_restarted_epoch(loader)
         return batch, iterator
 
     def _arrived(self, batch: Any) -> Any:

@@ -9,8 +9,8 @@ during the next forward and is small: it is copied at once.
 Host buffers are allocated once, in the background after the first step, and
 reused (pinned memory on a GPU, where the copy runs on a side CUDA stream and
 the optimizer step's stream, not the host, waits for it), so host memory stays
-flat across checkpoints. Each starts on a 4 KiB boundary, so the persist can
-write it with O_DIRECT.
+flat across checkpoints. Each of 4 KiB or more starts on a 4 KiB boundary (the
+smaller ones packed, as in the file), so the persist can write it with O_DIRECT.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class HostBuffers:
         slab = aligned_empty(torch.Size([total]), torch.uint8, pin=self.pin, align=BLOCK)
         for (path, shape, dtype), offset, nbytes in zip(layout, offsets, sizes, strict=True):
             self.tensors[path] = slab[offset : offset + nbytes].view(dtype).view(shape)
-        self._hold(total)
+        self._hold(total, slack=BLOCK)
 
     def get(self, path: str, like: torch.Tensor) -> torch.Tensor:
         buffer = self.tensors.get(path)
@@ -109,8 +109,10 @@ class HostBuffers:
             self._hold(buffer.numel() * buffer.element_size())
         return buffer
 
-    def _hold(self, nbytes: int) -> None:
-        nbytes += BLOCK if nbytes >= BLOCK else SMALL  # the alignment slack
+    def _hold(self, nbytes: int, slack: int | None = None) -> None:
+        """Count an allocation of ``nbytes`` and its alignment ``slack`` (None: as
+        `aligned_empty` takes it for that size)."""
+        nbytes += slack if slack is not None else BLOCK if nbytes >= BLOCK else SMALL
         self.held_bytes += pinned_bytes(nbytes) if self.pin else nbytes
 
     @property
