@@ -17,6 +17,10 @@
 - pytorch/tutorials' ``intermediate_source/reinforcement_q_learning.py``: DQN on a
   CartPole of its own (gymnasium is not installed), no DataLoader: batches sampled
   from a replay memory, a target network soft-updated every step.
+- karpathy/makemore's ``makemore.py``: a character-level Transformer (or Bigram) on a
+  list of names, an ``InfiniteDataLoader`` (a DataLoader over a ``RandomSampler`` with
+  replacement, 1e10 samples, read with ``next()``), AdamW, a ``while True`` loop with a
+  max-steps break, an evaluation every few steps saving the best model.
 
 Each runs as the plain script (``session=None``) or ported; the 2-rank programs run
 inside `launch_local`'s ranks (gloo on localhost)."""
@@ -24,8 +28,11 @@ inside `launch_local`'s ranks (gloo on localhost)."""
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections import deque, namedtuple
+from contextlib import nullcontext
+from dataclasses import dataclass
 from itertools import count
 from math import ceil
 from types import SimpleNamespace
@@ -1723,5 +1730,341 @@ def dqn(
         "steps_done": steps_done,
         "params": flat(policy_net),
         "target": flat(target_net),
+        "summary": summary,
+    }
+
+
+# -------------------------------------------------------------------- makemore
+# karpathy/makemore's makemore.py: its Transformer (and Bigram), CharDataset,
+# InfiniteDataLoader and training loop, on a synthetic list of names.
+@dataclass
+class ModelConfig:
+    block_size: int = None  # length of the input sequences of integers
+    vocab_size: int = None  # the input integers are in range [0 .. vocab_size -1]
+    # parameters below control the sizes of each model slightly differently
+    n_layer: int = 4
+    n_embd: int = 64
+    n_embd2: int = 64
+    n_head: int = 4
+
+
+class NewGELU(nn.Module):
+    def forward(self, x):
+        return (
+            0.5
+            * x
+            * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+        )
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        # key, query, value projections for all heads, but in a batch
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        # output projection
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        # causal mask to ensure that attention is only applied to the left in the input sequence
+        self.register_buffer(
+            "bias",
+            torch.tril(torch.ones(config.block_size, config.block_size)).view(
+                1, 1, config.block_size, config.block_size
+            ),
+        )
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()  # noqa: N806 - the script's names
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = att @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs
+        y = self.c_proj(y)
+        return y
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = nn.ModuleDict(
+            dict(
+                c_fc=nn.Linear(config.n_embd, 4 * config.n_embd),
+                c_proj=nn.Linear(4 * config.n_embd, config.n_embd),
+                act=NewGELU(),
+            )
+        )
+        m = self.mlp
+        self.mlpf = lambda x: m.c_proj(m.act(m.c_fc(x)))  # MLP forward
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlpf(self.ln_2(x))
+        return x
+
+
+class Transformer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.block_size = config.block_size
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def get_block_size(self):
+        return self.block_size
+
+    def forward(self, idx, targets=None):
+        device = idx.device
+        b, t = idx.size()
+        assert t <= self.block_size, f"Cannot forward sequence of length {t}"
+        pos = torch.arange(0, t, dtype=torch.long, device=device).unsqueeze(0)  # shape (1, t)
+        tok_emb = self.transformer.wte(idx)  # token embeddings of shape (b, t, n_embd)
+        pos_emb = self.transformer.wpe(pos)  # position embeddings of shape (1, t, n_embd)
+        x = tok_emb + pos_emb
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+            )
+        return logits, loss
+
+
+class Bigram(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        n = config.vocab_size
+        self.logits = nn.Parameter(torch.zeros((n, n)))
+
+    def get_block_size(self):
+        return 1  # this model only needs one previous character to predict the next
+
+    def forward(self, idx, targets=None):
+        logits = self.logits[idx]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+            )
+        return logits, loss
+
+
+@torch.inference_mode()
+def evaluate(model, dataset, batch_size=50, max_batches=None):
+    model.eval()
+    loader = DataLoader(dataset, shuffle=True, batch_size=batch_size, num_workers=0)
+    losses = []
+    for i, batch in enumerate(loader):
+        X, Y = batch  # noqa: N806
+        logits, loss = model(X, Y)
+        losses.append(loss.item())
+        if max_batches is not None and i >= max_batches:
+            break
+    mean_loss = torch.tensor(losses).mean().item()
+    model.train()  # reset model back to training mode
+    return mean_loss
+
+
+class CharDataset(Dataset):
+    def __init__(self, words, chars, max_word_length):
+        self.words = words
+        self.chars = chars
+        self.max_word_length = max_word_length
+        self.stoi = {ch: i + 1 for i, ch in enumerate(chars)}
+        self.itos = {i: s for s, i in self.stoi.items()}  # inverse mapping
+
+    def __len__(self):
+        return len(self.words)
+
+    def get_vocab_size(self):
+        return len(self.chars) + 1  # all the possible characters and special 0 token
+
+    def get_output_length(self):
+        return self.max_word_length + 1  # <START> token followed by words
+
+    def encode(self, word):
+        return torch.tensor([self.stoi[w] for w in word], dtype=torch.long)
+
+    def __getitem__(self, idx):
+        word = self.words[idx]
+        ix = self.encode(word)
+        x = torch.zeros(self.max_word_length + 1, dtype=torch.long)
+        y = torch.zeros(self.max_word_length + 1, dtype=torch.long)
+        x[1 : 1 + len(ix)] = ix
+        y[: len(ix)] = ix
+        y[len(ix) + 1 :] = -1  # index -1 will mask the loss at the inactive locations
+        return x, y
+
+
+def synthetic_names(count: int = 120, seed: int = 0) -> str:
+    """names.txt's shape: ``count`` lowercase names of 2-4 syllables, one per line."""
+    rng = random.Random(seed)
+    syllables = ["an", "el", "mi", "ra", "jo", "li", "sa", "ke", "ny", "o", "bel", "ta"]
+    return "\n".join(
+        "".join(rng.choice(syllables) for _ in range(rng.randint(2, 4))) for _ in range(count)
+    )
+
+
+def create_datasets(data):
+    words = data.splitlines()
+    words = [w.strip() for w in words]  # get rid of any leading or trailing white space
+    words = [w for w in words if w]  # get rid of any empty strings
+    chars = sorted(list(set("".join(words))))  # all the possible characters
+    max_word_length = max(len(w) for w in words)
+    # partition the input data into a training and the test set
+    test_set_size = min(1000, int(len(words) * 0.1))  # 10% of the training set, or up to 1000
+    rp = torch.randperm(len(words)).tolist()
+    train_words = [words[i] for i in rp[:-test_set_size]]
+    test_words = [words[i] for i in rp[-test_set_size:]]
+    train_dataset = CharDataset(train_words, chars, max_word_length)
+    test_dataset = CharDataset(test_words, chars, max_word_length)
+    return train_dataset, test_dataset
+
+
+class InfiniteDataLoader:
+    def __init__(self, dataset, prepare=None, **kwargs):
+        train_sampler = torch.utils.data.RandomSampler(
+            dataset, replacement=True, num_samples=int(1e10)
+        )
+        self.train_loader = DataLoader(dataset, sampler=train_sampler, **kwargs)
+        if prepare is not None:  # ported: the session's loader, before iter() draws its seed
+            self.train_loader = prepare(self.train_loader)
+        self.data_iter = iter(self.train_loader)
+
+    def next(self):
+        try:
+            batch = next(self.data_iter)
+        except StopIteration:  # this will technically only happen after 1e10 samples
+            self.data_iter = iter(self.train_loader)
+            batch = next(self.data_iter)
+        return batch
+
+
+def makemore(
+    session: Session | None,
+    type: str = "transformer",  # the script's --type
+    max_steps: int = 16,
+    eval_every: int = 6,
+    num_workers: int = 0,
+    port: str = "inner",
+    stop_after: int | None = None,
+    work_dir: Any = None,
+) -> dict[str, Any]:
+    """makemore.py's training on `synthetic_names` (no samples printed), a tiny model,
+    batch 8, an evaluation (up to 10 batches of 20) every ``eval_every`` steps instead
+    of 500, the best model saved with torch.save(model.state_dict()) in ``work_dir``.
+    Ported (``port``): ``inner``: InfiniteDataLoader's DataLoader prepared before its
+    ``iter()``, so ``batch_loader.next()`` takes the session's steps; ``after``: prepared
+    after it (the script's iterator made, then replaced); ``whole``: the
+    InfiniteDataLoader itself given to prepare. ``stop_after``: the script stops after
+    that many steps (a checkpoint resumes it). Returns each step's loss, the
+    evaluations, the best loss, the parameters and the summary."""
+    args = SimpleNamespace(
+        type=type,
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        n_embd2=16,
+        batch_size=8,
+        learning_rate=5e-4,
+        weight_decay=0.01,
+        num_workers=num_workers,
+        max_steps=max_steps,
+        seed=3407,
+    )
+    torch.manual_seed(args.seed)
+    train_dataset, test_dataset = create_datasets(synthetic_names())
+    vocab_size = train_dataset.get_vocab_size()
+    block_size = train_dataset.get_output_length()
+    config = ModelConfig(
+        vocab_size=vocab_size,
+        block_size=block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        n_embd2=args.n_embd2,
+    )
+    model = Transformer(config) if args.type == "transformer" else Bigram(config)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        betas=(0.9, 0.99),
+        eps=1e-8,
+    )
+
+    def prepare(loader):
+        nonlocal model, optimizer
+        model, optimizer, loader = session.prepare(model, optimizer, loader)
+        return loader
+
+    batch_loader = InfiniteDataLoader(
+        train_dataset,
+        prepare=prepare if session is not None and port == "inner" else None,
+        batch_size=args.batch_size,
+        pin_memory=True,
+        num_workers=args.num_workers,
+    )
+    best_loss = None
+    step = 0
+    if session is not None:
+        if port == "after":  # its DataLoader prepared after InfiniteDataLoader iterated it
+            model, optimizer, loader = session.prepare(model, optimizer, batch_loader.train_loader)
+            batch_loader.train_loader, batch_loader.data_iter = loader, iter(loader)
+        elif port == "whole":  # the InfiniteDataLoader given to prepare
+            model, optimizer, batch_loader = session.prepare(model, optimizer, batch_loader)
+        start = session.start(best_loss=lambda: best_loss)
+        best_loss, step = start.values["best_loss"], start.step
+    losses: list[float] = []
+    evaluations: list[tuple[int, float, float]] = []
+    while True:
+        batch = batch_loader.next()
+        X, Y = batch  # noqa: N806
+        logits, loss = model(X, Y)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+
+        if step > 0 and step % eval_every == 0:
+            with session.paused("evaluation") if session is not None else nullcontext():
+                train_loss = evaluate(model, train_dataset, batch_size=20, max_batches=10)
+                test_loss = evaluate(model, test_dataset, batch_size=20, max_batches=10)
+                evaluations.append((step, train_loss, test_loss))
+                if best_loss is None or test_loss < best_loss:
+                    if work_dir is not None:
+                        torch.save(model.state_dict(), os.path.join(work_dir, "model.pt"))
+                    best_loss = test_loss
+
+        step += 1
+        if args.max_steps >= 0 and step >= args.max_steps:
+            break
+        if step == stop_after:
+            break
+    summary = session.finish() if session is not None else None
+    return {
+        "losses": losses,
+        "evaluations": evaluations,
+        "best_loss": best_loss,
+        "params": flat(model),
         "summary": summary,
     }

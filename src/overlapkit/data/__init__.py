@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from ..config import Config
 from .local import Cifar10, DataError, DataNotFoundError, ImageFolder, Imdb, hash_tokenize
 from .sampler import ResumableLoader, ShardedSampler
-from .script_loader import ScriptLoader, resume_problem, sampler_note
+from .script_loader import ScriptLoader, iterated_note, resume_problem, sampler_note
 from .sequence_loader import SEQUENCES, SequenceLoader
 from .synthetic import SyntheticImages, SyntheticTokens, spend
 
@@ -192,6 +192,7 @@ __all__ = [
     "SyntheticTokens",
     "build_loaders",
     "hash_tokenize",
+    "iterated_note",
     "resume_problem",
     "sampler_note",
     "spend",

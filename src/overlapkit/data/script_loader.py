@@ -14,7 +14,9 @@ script's loader draws, at the same moments: a port stays bit-identical.
 
 from __future__ import annotations
 
+import gc
 import itertools
+import sys
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -32,6 +34,7 @@ from torch.utils.data import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .sampler import ShardedSampler, _shut_down_workers
 from .worker_rng import Stamped, Stamping, WorkerStart, from_saved, to_saved
@@ -65,6 +68,14 @@ STAMPS_KEPT = 512
 
 def resume_problem(loader: Any) -> str | None:
     """Why ``loader`` cannot resume exactly mid-epoch (None: it can)."""
+    if not hasattr(loader, "__iter__") and not hasattr(loader, "__getitem__"):
+        name = type(loader).__name__
+        return (
+            f"the loader ({name}) is not iterable: a step is a batch the script takes by "
+            f"iterating the loader prepare returns, and {name}'s own calls (a next()) "
+            "hand theirs out past the session, so no step is taken, nor any checkpoint. "
+            "Prepare the DataLoader it reads, before it makes an iterator of it"
+        )
     if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
         return None
     if not isinstance(loader, DataLoader):
@@ -94,6 +105,38 @@ def sampler_note(loader: DataLoader) -> str | None:
     return (
         f"the loader's sampler {kind} is not one of torch's: resume replays its draws and is "
         "exact only if it draws from torch's RNG or its own generator (or is deterministic)"
+    )
+
+
+def iterated_note(loader: DataLoader) -> str | None:
+    """A note when an iterator of ``loader``, made before `prepare` and no batch taken
+    from it yet, is held (makemore's InfiniteDataLoader keeps ``iter(self.train_loader)``
+    to train from; a port hands it the loader prepare returns): making it drew the
+    workers' base seed, which the prepared loader draws again at its first batch, so
+    its shuffle was another than the script's, silently. A DataLoader keeps no count of
+    its iterators, so they are looked for among the live objects (0.08 s among 300,000
+    here), when something besides the loader holds its sampler. One that handed out a batch (a look at the data, kept) is no matter: the
+    script then iterates the loader again, as the port does."""
+    index_sampler = loader._index_sampler
+    # Held by the loader, here and in the call: by nothing else, no iterator holds it,
+    # and the look among every live object is spared (300,000 in a test process).
+    if sys.getrefcount(index_sampler) <= 3:
+        return None
+    if not any(
+        issubclass(type(obj), _BaseDataLoaderIter)
+        and getattr(obj, "_index_sampler", None) is index_sampler
+        and getattr(obj, "_num_yielded", 0) == 0
+        for obj in gc.get_objects()
+    ):
+        return None
+    return (
+        "the DataLoader given to prepare was iterated before it, no batch taken yet (an "
+        "iterator of it is held: InfiniteDataLoader's self.data_iter = "
+        "iter(self.train_loader)?): making that iterator drew its workers' base seed from "
+        "the global RNG, and the loader prepare returns draws its own at its first batch, "
+        "so its shuffle and every draw after it differ from the script's (and batches "
+        "taken from that iterator bypass the session). Prepare the DataLoader before "
+        "anything iterates it"
     )
 
 

@@ -13,7 +13,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from ..data import SEQUENCES, ScriptLoader, SequenceLoader, resume_problem, sampler_note
+from ..data import (
+    SEQUENCES,
+    ScriptLoader,
+    SequenceLoader,
+    iterated_note,
+    resume_problem,
+    sampler_note,
+)
 from .optimization import Optimization
 from .script import Start, StepLoader, note, warn
 
@@ -109,6 +116,9 @@ class EpochLoop:
         if problem is None and isinstance(loader, DataLoader):
             if self.checkpointing and (hint := sampler_note(loader)):
                 self._note(hint)
+            if self.runs_a_script and (iterated := iterated_note(loader)):
+                self.notes.append(iterated)
+                warn(iterated)
             return ScriptLoader(loader)
         if problem is not None and self.checkpointing:
             self._note(f"cannot resume exactly: {problem}")
