@@ -434,8 +434,9 @@ def measure(
     warmup_run: tuple[int, int] = (1, 2),
 ) -> dict[str, list[dict[str, Any]]]:
     """One discarded warm-up run of each (``warmup_run``: its warm-up steps and
-    steps), then ``rounds`` rounds in rotating order."""
-    for name, runner in runners.items():
+    steps; none with --quick, a smoke test: the rounds run the same code), then
+    ``rounds`` rounds in rotating order."""
+    for name, runner in runners.items() if not ctx.quick else ():
         ctx.log.print(f"  {what}: warm-up {name}")
         runner(*warmup_run)
         gc.collect()

@@ -63,8 +63,10 @@ def _versions(tensors: list[torch.Tensor]) -> list[int]:
 
 
 def _sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's sum, in float64 (summed as such: no copy of the tensor made)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
     device = tensors[0].device
     with torch.no_grad():
-        return torch.stack([t.detach().to(device, torch.float64).sum() for t in tensors])
+        real = [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+        return torch.stack([t.detach().sum(dtype=torch.float64).to(device) for t in real])
