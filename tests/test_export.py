@@ -51,6 +51,28 @@ def test_the_newest_checkpoint_is_exported_as_a_state_dict_the_model_loads(run_f
     assert all(torch.equal(state[k], saved["model"][k]) for k in state)
 
 
+def test_a_run_that_trained_past_its_newest_checkpoint_is_said_so(run_folder, tmp_path):
+    """A run with no final checkpoint (checkpoint.final: false, or stopped between two):
+    export wrote the newest checkpoint's model with no word that the run's own model,
+    8 steps trained, is not that one."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_folder, copy)
+    manifest = copy / "checkpoints" / "manifest.json"
+    document = json.loads(manifest.read_text())
+    document["checkpoints"] = document["checkpoints"][:-1]  # as if no final one
+    manifest.write_text(json.dumps(document))
+    newest = steps_of(copy / "checkpoints")[-1]
+    result = run_cli("export", copy)
+    assert result.returncode == 0, result.stderr
+    assert f"the model at step {newest}" in result.stdout
+    assert "note: the run trained on to step 8, past this checkpoint" in result.stdout
+    said = run_cli("export", copy, "--json", "--to", tmp_path / "m.pt")
+    assert json.loads(said.stdout)["trained_to"] == 8
+    assert "note:" not in run_cli("export", run_folder, "--to", tmp_path / "n.pt").stdout
+
+
 def test_a_damaged_newest_checkpoint_is_skipped_and_said(run_folder, tmp_path):
     import shutil
 

@@ -272,6 +272,15 @@ def _export(args: argparse.Namespace, console: Console) -> int:
         markup=False,
         soft_wrap=True,
     )
+    if done.trained_to is not None:
+        console.print(
+            f"note: the run trained on to step {done.trained_to}, past this checkpoint: its "
+            "model after that is in no checkpoint (checkpoint.final: false, or the run "
+            "stopped between checkpoints)",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
     return 0
 
 

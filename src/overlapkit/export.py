@@ -15,6 +15,7 @@ export takes the newest intact checkpoint (or the step asked for) and writes:
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,7 @@ class Exported:
     framework: str
     skipped: list[str]  # newer checkpoints that were not intact, and why
     by_position: bool = False  # TensorFlow arrays named 0000... in model.variables order
+    trained_to: int | None = None  # the steps the run trained, when past this checkpoint
 
     def how_to_load(self) -> str:
         if self.framework == "tensorflow":  # by order: Keras's names depend on what the
@@ -120,7 +122,10 @@ def export_model(folder: Path, step: int | None = None, to: Path | None = None) 
                 problems.append(f"step {entry['step']}: {missing}{damaged}")
                 continue
             target = to or _default_path(folder, root, entry["step"], framework)
-            return _write(state, framework, target, entry["step"], problems)
+            done = _write(state, framework, target, entry["step"], problems)
+            if step is None:  # the newest was asked for: the run's own last model?
+                done.trained_to = _trained_past(folder, entry["step"])
+            return done
         problems.append(f"step {entry['step']}: {problem or 'it holds no model'}")
     raise ExportError(
         f"no intact checkpoint in {root}: {'; '.join(problems) or 'none listed'}"
@@ -268,6 +273,19 @@ def unsplit_name(key: str, names: dict[str, str]) -> str:
     if escaped not in names:
         raise ExportError(f"a pipeline stage's parameter {key!r} names no recorded layer")
     return f"{names[escaped]}.{inner}" if inner else names[escaped]
+
+
+def _trained_past(folder: Path, step: int) -> int | None:
+    """The steps the run in ``folder`` trained (its steps.jsonl's last record), when
+    more than ``step``; None otherwise, or when its folder does not say."""
+    try:
+        with open(folder / "steps.jsonl", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - (1 << 16)))
+            done = int(json.loads(f.read().splitlines()[-1])["step"]) + 1
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return done if done > step else None
 
 
 def _default_path(folder: Path, root: Path, step: int, framework: str) -> Path:
