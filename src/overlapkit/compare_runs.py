@@ -114,6 +114,7 @@ def compare_document(folders: list[Path]) -> dict[str, Any]:
                 "framework": summary.get("framework", "torch"),
                 "world_size": summary.get("world_size"),
                 "steps": summary.get("steps"),
+                "resumed_from_step": _resumed_from(summary),
                 "samples_per_s": summary["samples_per_s"],
                 "vs_first": summary["samples_per_s"] / first if first else None,
                 "step_ms_p50": summary["step_time_s"]["p50"] * 1e3,
@@ -178,6 +179,8 @@ def comparison_table(document: dict[str, Any], width: int = 80) -> Table:
 
     row("scenario", [str(r["name"]) for r in runs])
     row("framework, ranks", [f"{r['framework']}, {r['world_size']}" for r in runs])
+    # A run resumed near its end measured a few steps: its figures are few steps'.
+    row("steps measured", [_steps(r) for r in runs])
     row("samples/s", [f"{r['samples_per_s']:.1f}" for r in runs])
     row("vs the first", [f"{r['vs_first']:.2f}x" if r["vs_first"] else "-" for r in runs])
     row("step ms (p50)", [f"{r['step_ms_p50']:.1f}" for r in runs])
@@ -210,6 +213,17 @@ def comparison_table(document: dict[str, Any], width: int = 80) -> Table:
             + ", ".join(sampled)
         )
     return table
+
+
+def _resumed_from(summary: dict[str, Any]) -> int | None:
+    section = (summary.get("optimizations") or {}).get("checkpoint")
+    return section.get("resumed_from_step") if isinstance(section, dict) else None
+
+
+def _steps(run: dict[str, Any]) -> str:
+    steps = "?" if run["steps"] is None else str(run["steps"])
+    resumed = run["resumed_from_step"]
+    return steps if resumed is None else f"{steps} (resumed at {resumed})"
 
 
 def _times_1000(value: float | None) -> float | None:
