@@ -116,7 +116,7 @@ def test_a_copy_of_the_model_is_told_once_the_run_changes_it_and_a_frozen_one_ne
         notes = session.finish().get("notes", [])  # the checkpoint at step 4
     told = [str(w.message) for w in said if "not checkpointed" in str(w.message)]
     assert told_before == 0 and len(told) == 1, told
-    assert told[0].startswith("ema (a Sequential, a second copy of the model, changed since")
+    assert told[0].startswith("ema (a Sequential: a copy of the model's weights kept apart")
     assert f"cannot resume exactly: {told[0]}" in notes
 
 

@@ -16,7 +16,7 @@ from torch.optim.swa_utils import AveragedModel
 from ..data import SequenceLoader
 from .arguments import check_not_sharded
 from .batch import tensors_in
-from .model_copies import ModelCopy
+from .model_copies import CopyFinder, ModelCopy
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng, same_rng
 from .script import Start, note, script_locals, warn
@@ -129,40 +129,53 @@ class SavedState:
                     f"{name} (an AveragedModel) is not checkpointed: a resumed run would "
                     f"start its average again. Register it: session.start({name}={name})"
                 )
-            elif self._copy_of_model(value) and not self.holds(value):
-                self._copies[name] = ModelCopy(value)  # told once the run changes it
+        self._watch_copies(script_locals())  # told once the run changes them
         for message in unsaved:
             self.notes.append(f"cannot resume exactly: {message}")
             warn(message)
 
-    def _copy_of_model(self, value: Any) -> bool:
-        """``value`` is a module of the prepared model's shapes, apart from it (DQN's
-        target network, soft-updated from the model every step)."""
-        model = self._raw_model
-        if not isinstance(value, torch.nn.Module) or model is None:
-            return False
-        if {id(p) for p in value.parameters()} & {id(p) for p in model.parameters()}:
-            return False  # the model itself, or a wrapper around it
-        shapes = {k: v.shape for k, v in value.state_dict().items()}
-        return bool(shapes) and shapes == {k: v.shape for k, v in model.state_dict().items()}
+    def _watch_copies(self, variables: dict[str, Any]) -> None:
+        """Watch the copies of the model's weights among ``variables`` (the script's,
+        at the start and at each checkpoint: airbench makes its lookahead EMA epochs
+        in) that nothing registered holds."""
+        if self._raw_model is None:
+            return
+        self._copy_finder = finder = CopyFinder(self._raw_model)
+        for name, value in variables.items():
+            if name in self._copies or name in self._copies_told:
+                continue
+            found = finder.copy_of(value)
+            if found is not None and not (self.holds(value) or self.holds_storage_of(found[0])):
+                self._copies[name] = ModelCopy(value, *found)
 
     def _check_copies_changed(self) -> None:
-        """As a checkpoint is taken: an unregistered copy of the model that the run
-        changed since its start (a target network soft-updated from the model, an EMA
-        kept by hand) would start again as the script made it in a resume, silently.
-        One left as it was (a frozen reference model, a teacher) is no matter."""
+        """As a checkpoint is taken: an unregistered copy of the model's weights that
+        the run changed since it was first seen (a target network soft-updated from
+        the model, an EMA kept by hand) would start again as
+        the script made it in a resume, silently. One left as it was (a frozen
+        reference model, a teacher) is no matter."""
+        if self._copy_finder is None:  # not watching: no checkpoints, or no script's
+            return
+        variables = script_locals()
         for name, copy in list(self._copies.items()):
-            if not copy.changed():
+            value = variables.get(name, copy.value)
+            found = self._copy_finder.copy_of(value)
+            if not copy.changed(value, None if found is None else found[0]):
                 continue
             del self._copies[name]
+            self._copies_told.add(name)
+            register = copy.register.format(name=name)
             message = (
-                f"{name} (a {type(copy.module).__name__}, a second copy of the model, changed since "
-                "the start: a target network, an EMA kept by hand) is not checkpointed: a "
-                "resumed run would start it again as the script made it, whatever the run "
-                f"did to it since. Register it: session.start({name}={name})"
+                f"{name} (a {type(copy.value).__name__}: a copy of the model's weights kept "
+                "apart from it, changed by the run: a target network, an EMA kept by hand) "
+                "is not checkpointed: a resumed run would start "
+                "it again as the script made it, whatever the run did to it since. "
+                f"Register it: session.start({register}), and take it back from "
+                "start.values if it is no module"
             )
             self.notes.append(f"cannot resume exactly: {message}")
             warn(message)
+        self._watch_copies(variables)  # those made since (airbench's lookahead)
 
     def check_saves_left_behind(self) -> None:
         """As a run without the checkpoint optimization starts afresh: `save` wrote

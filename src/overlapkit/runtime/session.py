@@ -62,7 +62,7 @@ from .hardware import describe_node, nodes_of
 from .hidden_modules import modules_out_of_sight, out_of_sight_message
 from .hooks import SessionHook
 from .metrics import PhaseClock, summarize
-from .model_copies import ModelCopy
+from .model_copies import CopyFinder, ModelCopy
 from .optimization import Optimization, needed_environment
 from .precision import Precision, PrecisionName, scaler_wait_note
 from .progress import ProgressBar
@@ -177,6 +177,8 @@ class Session(EpochLoop, SavedState):
         self._save_warned: set[str] = set()  # kinds of session.save() told inexact
         # Unregistered copies of the model, watched until the run changes them.
         self._copies: dict[str, ModelCopy] = {}
+        self._copies_told: set[str] = set()
+        self._copy_finder: CopyFinder | None = None  # set while copies are watched
         self._saves = 0  # session.save() calls on this rank (the ranks meet at each)
         self._save_meetings: str | None = None  # their names' prefix (`meet_for_saves_from`)
         self._rng_at_save: tuple[Path, dict[str, Any]] | None = None  # the last save's
