@@ -6,7 +6,8 @@ pairs drawn in the dataset's __getitem__) and KellerJordan/cifar10-airbench's ai
 (its own loader class, a lookahead EMA copied back into the model), pytorch/tutorials'
 DQN (reinforcement_q_learning: no DataLoader, a replay memory, a target network) and
 karpathy/makemore (an endless DataLoader read with next(), a while loop with a
-max-steps break)."""
+max-steps break) and karpathy/llm.c's train_gpt2.py (its own loader over .bin shards,
+accumulation with require_backward_grad_sync, ZeroRedundancyOptimizer)."""
 
 import contextlib
 import pickle
@@ -19,9 +20,11 @@ from pytorch_examples import (
     fast_neural_style,
     forward_forward,
     gcn,
+    llmc_on_two_ranks,
     makemore,
     on_two_ranks,
     siamese_network,
+    synthetic_llmc_shards,
     time_sequence_prediction,
     vae,
 )
@@ -645,3 +648,44 @@ def test_a_makemore_port_preparing_its_loader_after_iter_or_not_at_all_is_told(t
     (said,) = whole["summary"]["notes"]
     assert said.startswith("cannot resume exactly: the loader (InfiniteDataLoader) is not")
     assert not list((tmp_path / "checkpoints").glob("step-*"))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_an_llmc_port_on_two_ranks_is_the_ddp_script_bit_for_bit(tmp_path, zero_stage):
+    """llm.c's train_gpt2.py on 2 ranks (its DDP, 2 micro-steps a step with
+    require_backward_grad_sync off but for the last, clip_grad_norm_, a cosine lr set
+    by hand; ``--zero_stage 1``: ZeroRedundancyOptimizer, each rank stepping its shard
+    of AdamW's state): the port, its DistributedDataLoader read through `LoaderSteps`,
+    gives the script's losses, norms, val losses and parameters on each rank."""
+    synthetic_llmc_shards(tmp_path)
+    ranks = launch_local(
+        llmc_on_two_ranks, 2, str(tmp_path), ["script", "plain"], {"zero_stage": zero_stage}
+    )
+    for rank in (0, 1):
+        script, port = ranks[rank]["script"], ranks[rank]["plain"]
+        for key in ("losses", "norms", "lrs", "val"):
+            assert port[key] == script[key], (rank, key)
+        assert len(port["losses"]) == 6 and len(port["val"]) == 4
+        assert torch.equal(port["params"], script["params"]), rank
+        assert torch.equal(port["params"], ranks[0]["script"]["params"])
+        assert [n for n in port["notes"] if "cannot" in n] == []
+
+
+def test_an_llmc_port_with_zero_resumes_each_ranks_optimizer_shard_exactly(tmp_path):
+    """ZeroRedundancyOptimizer's state_dict() raises on a rank its state was not
+    consolidated onto: every checkpoint of the ``--zero_stage 1`` port failed with
+    torch's RuntimeError (calling consolidate_state_dict(to=1) as it says, on every
+    rank, left rank 0's failing). Each rank now saves its own shard: stopped after 3
+    steps (checkpointed at 2) and resumed, the run gives the rest of the script's
+    losses, val losses and parameters, the loader's place (a shard boundary passed)
+    and AdamW's moments restored."""
+    synthetic_llmc_shards(tmp_path)
+    ranks = launch_local(
+        llmc_on_two_ranks, 2, str(tmp_path), ["script", "first", "resumed"], {"zero_stage": 1}
+    )
+    for rank in (0, 1):
+        script, first, resumed = (ranks[rank][w] for w in ("script", "first", "resumed"))
+        assert resumed["resumed_from_step"] == 2
+        assert first["losses"][:2] + resumed["losses"] == script["losses"], rank
+        assert first["val"] + resumed["val"][1:] == script["val"], rank  # step 2's again
+        assert torch.equal(resumed["params"], script["params"]), rank

@@ -21,12 +21,17 @@
   list of names, an ``InfiniteDataLoader`` (a DataLoader over a ``RandomSampler`` with
   replacement, 1e10 samples, read with ``next()``), AdamW, a ``while True`` loop with a
   max-steps break, an evaluation every few steps saving the best model.
+- karpathy/llm.c's ``train_gpt2.py``: GPT-2 on .bin token shards read by its own
+  ``DistributedDataLoader`` (``next_batch()``), gradient accumulation with
+  ``model.require_backward_grad_sync``, AdamW or ZeroRedundancyOptimizer
+  (``--zero_stage 1``), a cosine lr set by hand, clip_grad_norm_, a periodic val loss.
 
 Each runs as the plain script (``session=None``) or ported; the 2-rank programs run
 inside `launch_local`'s ranks (gloo on localhost)."""
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import random
@@ -42,7 +47,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817 - the script's
 from torch.optim import LBFGS, Adadelta, Adam
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
@@ -2068,3 +2075,431 @@ def makemore(
         "params": flat(model),
         "summary": summary,
     }
+
+
+# ---------------------------------------------------------------------- llm.c
+# karpathy/llm.c's train_gpt2.py: its GPT-2 (tied embeddings, init from its own
+# generator), its DistributedDataLoader over .bin shards, gradient accumulation with
+# ``model.require_backward_grad_sync``, AdamW or ``--zero_stage 1``'s
+# ZeroRedundancyOptimizer, a cosine lr set by hand each step, clip_grad_norm_ and a
+# val loss every few steps; a tiny GPT, float32 on the CPU.
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50257
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+
+class GPTSelfAttention(nn.Module):  # llm.c's CausalSelfAttention (FLASH = 0)
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.LLMC_RESIDUAL_SCALE_FLAG = 1
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.register_buffer(
+            "bias",
+            torch.tril(torch.ones(config.block_size, config.block_size)).view(
+                1, 1, config.block_size, config.block_size
+            ),
+        )
+
+    def forward(self, x):
+        B, T, C = x.size()  # noqa: N806 - the script's names
+        qkv = self.c_attn(x)
+        q, k, v = qkv.split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = NewGELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj.LLMC_RESIDUAL_SCALE_FLAG = 1
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = GPTSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = GPTMLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                h=nn.ModuleList([GPTBlock(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.LLMC_SKIP_INIT = 1  # don't init this one, we will tie weights
+        self.transformer.wte.weight = self.lm_head.weight
+        self.init_rng = torch.Generator()
+        self.init_rng.manual_seed(42)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            std = (
+                0.02
+                if not hasattr(module, "LLMC_RESIDUAL_SCALE_FLAG")
+                else 0.02 / math.sqrt(2 * self.config.n_layer)
+            )
+            if not hasattr(module, "LLMC_SKIP_INIT"):
+                torch.nn.init.normal_(module.weight, mean=0.0, std=std, generator=self.init_rng)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02, generator=self.init_rng)
+
+    def forward(self, idx, targets=None, return_logits=True):
+        device = idx.device
+        b, t = idx.size()
+        assert t <= self.config.block_size
+        pos = torch.arange(0, t, dtype=torch.long, device=device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+            )
+        else:
+            logits = self.lm_head(x[:, [-1], :])
+            loss = None
+        if not return_logits:
+            logits = None
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, zero_stage):
+        param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
+        decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
+        nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
+        optim_groups = [
+            {"params": decay_params, "weight_decay": weight_decay},
+            {"params": nodecay_params, "weight_decay": 0.0},
+        ]
+        use_fused = device_type == "cuda"
+        if zero_stage == 1:
+            optimizer = ZeroRedundancyOptimizer(
+                **optim_groups[0],
+                optimizer_class=torch.optim.AdamW,
+                lr=learning_rate,
+                betas=betas,
+                fused=use_fused,
+            )
+            optimizer.add_param_group(optim_groups[1])
+        else:
+            optimizer = torch.optim.AdamW(
+                optim_groups, lr=learning_rate, betas=betas, fused=use_fused
+            )
+        return optimizer
+
+
+def write_llmc_shard(filename, tokens) -> None:
+    """A .bin shard as llm.c's data scripts write it: a header of 256 int32 (magic
+    20240520, version 1, the token count), then the tokens as uint16."""
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = 20240520, 1, len(tokens)
+    with open(filename, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
+
+
+def synthetic_llmc_shards(folder, vocab_size: int = 64, train: int = 2, tokens: int = 100) -> None:
+    """``train`` training shards and one validation shard of ``tokens`` random tokens
+    each, drawn from their own generator, in ``folder``."""
+    rng = np.random.default_rng(0)
+    for i in range(train):
+        write_llmc_shard(
+            os.path.join(folder, f"train_{i:06d}.bin"), rng.integers(0, vocab_size, tokens)
+        )
+    write_llmc_shard(os.path.join(folder, "val_000000.bin"), rng.integers(0, vocab_size, tokens))
+
+
+def _peek_data_shard(filename):
+    with open(filename, "rb") as f:
+        header = np.frombuffer(f.read(256 * 4), dtype=np.int32)
+    assert header[0] == 20240520, "magic number mismatch in the data .bin file"
+    assert header[1] == 1, "unsupported version"
+    return header[2]
+
+
+def _load_data_shard(filename):
+    with open(filename, "rb") as f:
+        header = np.frombuffer(f.read(256 * 4), dtype=np.int32)
+        assert header[0] == 20240520, "magic number mismatch in the data .bin file"
+        assert header[1] == 1, "unsupported version"
+        ntok = header[2]
+        tokens = np.frombuffer(f.read(), dtype=np.uint16)
+    assert len(tokens) == ntok, "number of tokens read does not match header?"
+    return tokens
+
+
+class DistributedDataLoader:
+    def __init__(self, filename_pattern, B, T, process_rank, num_processes):  # noqa: N803
+        self.process_rank = process_rank
+        self.num_processes = num_processes
+        self.B = B
+        self.T = T
+        self.files = sorted(glob.glob(filename_pattern))
+        assert len(self.files) > 0
+        ntok_total = 0
+        for fname in self.files:
+            shard_ntok = _peek_data_shard(fname)
+            assert shard_ntok >= num_processes * B * T + 1
+            ntok_total += shard_ntok
+        self.ntok_total = ntok_total
+        self.current_shard = None
+        self.reset()
+
+    def reset(self):
+        if self.current_shard != 0:
+            self.current_shard = 0
+            self.tokens = _load_data_shard(self.files[self.current_shard])
+        self.current_position = self.process_rank * self.B * self.T
+
+    def advance(self):  # advance to next data shard
+        self.current_shard = (self.current_shard + 1) % len(self.files)
+        self.current_position = self.process_rank * self.B * self.T
+        self.tokens = _load_data_shard(self.files[self.current_shard])
+
+    def next_batch(self):
+        B = self.B  # noqa: N806
+        T = self.T  # noqa: N806
+        buf = self.tokens[self.current_position : self.current_position + B * T + 1]
+        buf = torch.tensor(buf.astype(np.int32), dtype=torch.long)
+        x = (buf[:-1]).view(B, T)
+        y = (buf[1:]).view(B, T)
+        self.current_position += B * T * self.num_processes
+        if self.current_position + (B * T * self.num_processes + 1) > len(self.tokens):
+            self.advance()
+        return x, y
+
+
+class LoaderSteps:
+    """Ported: ``next_batch()`` is all DistributedDataLoader has (prepare says it is not
+    iterable). Each item is one optimizer step's micro-batches, taken from it in the
+    script's order; its state_dict is the loader's place (shard, position)."""
+
+    def __init__(self, loader: DistributedDataLoader, grad_accum_steps: int) -> None:
+        self.loader, self.grad_accum_steps = loader, grad_accum_steps
+
+    def __iter__(self):
+        while True:
+            yield [self.loader.next_batch() for _ in range(self.grad_accum_steps)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shard": self.loader.current_shard, "position": self.loader.current_position}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        loader = self.loader
+        if saved["shard"] != loader.current_shard:
+            loader.current_shard = saved["shard"]
+            loader.tokens = _load_data_shard(loader.files[loader.current_shard])
+        loader.current_position = saved["position"]
+
+
+def llmc(
+    session: Session | None,
+    data_dir: str,
+    zero_stage: int = 0,
+    num_iterations: int = 6,
+    val_loss_every: int = 2,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """train_gpt2.py's training (``--model d12`` shrunk to 2 layers of 16, vocabulary
+    64, block 16; no tokenizer, tensors written nor samples), batch 2 x 8 tokens,
+    total batch 64 tokens (2 micro-steps on 2 ranks), lr 1e-3 with 1 warmup step and a
+    cosine decay to a tenth, weight decay 0.1, val loss over 2 batches every
+    ``val_loss_every`` steps, on the shards in ``data_dir`` (`synthetic_llmc_shards`).
+    On CPU ranks: DDP without device_ids, and the mean loss all-reduced as a sum
+    divided by the ranks (gloo has no ReduceOp.AVG). Ported: the model (in DDP), the
+    optimizer and `LoaderSteps` prepared, each step's micro-batches taken from it.
+    ``stop_after``: the script stops after that many steps. Returns the steps' mean
+    losses, norms, lrs, val losses, the parameters and the summary."""
+    args = SimpleNamespace(
+        batch_size=2,
+        sequence_length=8,
+        total_batch_size=64,
+        num_iterations=num_iterations,
+        learning_rate=1e-3,
+        warmup_iters=1,
+        learning_rate_decay_frac=0.1,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        val_loss_every=val_loss_every,
+        val_max_steps=2,
+        overfit_single_batch=0,
+        zero_stage=zero_stage,
+    )
+    B, T = args.batch_size, args.sequence_length  # noqa: N806
+    ddp = dist.is_initialized()
+    if ddp:
+        ddp_rank, ddp_world_size = dist.get_rank(), dist.get_world_size()
+        zero_stage = args.zero_stage
+    else:
+        ddp_rank, ddp_world_size, zero_stage = 0, 1, 0
+    device = "cpu"
+    tokens_per_fwdbwd = B * T * ddp_world_size
+    assert args.total_batch_size % tokens_per_fwdbwd == 0
+    grad_accum_steps = args.total_batch_size // tokens_per_fwdbwd
+    torch.manual_seed(42)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    model.train()
+    model.to(device)
+    train_loader = DistributedDataLoader(
+        os.path.join(data_dir, "train_*.bin"), B, T, ddp_rank, ddp_world_size
+    )
+    val_loader = DistributedDataLoader(
+        os.path.join(data_dir, "val_*.bin"), B, T, ddp_rank, ddp_world_size
+    )
+    if ddp:
+        model = DDP(model)  # the script's device_ids=[ddp_local_rank] is a GPU's
+    raw_model = model.module if ddp else model
+    optimizer = raw_model.configure_optimizers(
+        weight_decay=args.weight_decay,
+        learning_rate=args.learning_rate,
+        betas=(0.9, 0.95),
+        device_type=device,
+        zero_stage=zero_stage,
+    )
+
+    def get_lr(it):
+        min_lr = args.learning_rate * args.learning_rate_decay_frac
+        if it < args.warmup_iters:
+            return args.learning_rate * (it + 1) / args.warmup_iters
+        if it > args.num_iterations:
+            return min_lr
+        decay_ratio = (it - args.warmup_iters) / (args.num_iterations - args.warmup_iters)
+        assert 0 <= decay_ratio <= 1
+        coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+        return min_lr + coeff * (args.learning_rate - min_lr)
+
+    first = 0
+    train_steps: Any = None
+    if session is not None:
+        model, optimizer, train_steps = session.prepare(
+            model, optimizer, LoaderSteps(train_loader, grad_accum_steps)
+        )
+        first = session.start().step
+        train_steps = iter(train_steps)
+    losses: list[float] = []
+    norms: list[float] = []
+    lrs: list[float] = []
+    val_losses: list[tuple[int, float]] = []
+    for step in range(first, args.num_iterations + 1):
+        last_step = step == args.num_iterations
+        if args.val_loss_every > 0 and (step % args.val_loss_every == 0 or last_step):
+            with session.paused("evaluation") if session is not None else nullcontext():
+                model.eval()
+                val_loader.reset()
+                with torch.no_grad():
+                    val_loss = 0.0
+                    for _ in range(args.val_max_steps):
+                        x, y = val_loader.next_batch()
+                        x, y = x.to(device), y.to(device)
+                        _, loss = model(x, y, return_logits=False)
+                        val_loss += loss.item()
+                    val_loss /= args.val_max_steps
+                val_losses.append((step, val_loss))
+        if last_step:
+            break
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        if args.overfit_single_batch:
+            train_loader.reset()
+        micro_batches = next(train_steps) if session is not None else None
+        lossf = 0.0
+        for micro_step in range(grad_accum_steps):
+            if session is not None:
+                x, y = micro_batches[micro_step]
+            else:
+                x, y = train_loader.next_batch()
+            x, y = x.to(device), y.to(device)
+            if ddp:
+                model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+            _, loss = model(x, y, return_logits=False)
+            loss = loss / grad_accum_steps
+            lossf += loss.detach()
+            loss.backward()
+        if ddp:
+            dist.all_reduce(lossf, op=dist.ReduceOp.SUM)  # gloo: no ReduceOp.AVG
+            lossf = lossf / ddp_world_size
+        lossf = lossf.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        lr = get_lr(step)
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr
+        optimizer.step()
+        losses.append(lossf)
+        norms.append(norm.item())
+        lrs.append(lr)
+        if step + 1 == stop_after:
+            break
+    summary = session.finish() if session is not None else None
+    return {
+        "losses": losses,
+        "norms": norms,
+        "lrs": lrs,
+        "val": val_losses,
+        "params": flat(raw_model),
+        "summary": summary,
+    }
+
+
+def llmc_on_two_ranks(data_dir: str, ways: list[str], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """In one 2-rank group, train_gpt2.py each way: ``script`` (as it is, in DDP),
+    ``plain`` (ported), or ``first`` then ``resumed`` (ported with a checkpoint every
+    2 steps in ``data_dir``'s run folder; ``first`` stops after 3 steps). Returns each
+    way's results and notes."""
+    init_world("cpu", "gloo")
+    results = {}
+    try:
+        for way in ways:
+            session = None
+            if way == "plain":
+                session = Session(device="cpu")
+            elif way in ("first", "resumed"):
+                run = [get_optimization("checkpoint")(every=2, final=False)]
+                session = Session(run, device="cpu", run_dir=os.path.join(data_dir, "run"))
+            stop = {"stop_after": 3} if way == "first" else {}
+            results[way] = llmc(session, data_dir, **kwargs, **stop)
+            summary = results[way].pop("summary") or {}
+            results[way]["notes"] = summary.get("notes", [])
+            checkpoint = summary.get("optimizations", {}).get("checkpoint") or {}
+            results[way]["resumed_from_step"] = checkpoint.get("resumed_from_step")
+        return results
+    finally:
+        dist.destroy_process_group()

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
 
@@ -216,7 +217,11 @@ class SavedState:
             out["model"] = self._raw_model.state_dict()
         for key in ("optimizer", "lr_scheduler", "loader"):
             component = getattr(state, key)
-            if component is not None and hasattr(component, "state_dict"):
+            if isinstance(component, ZeroRedundancyOptimizer):
+                # Each rank holds its shard of the state only: its state_dict() raised
+                # unless consolidated onto one rank first. Each rank saves its own.
+                out["optimizer_shard"] = component.optim.state_dict()
+            elif component is not None and hasattr(component, "state_dict"):
                 out[key] = component.state_dict()
         return out
 
@@ -228,6 +233,12 @@ class SavedState:
             component = getattr(state, key)
             if key in saved and component is not None:
                 component.load_state_dict(saved[key])
+        if "optimizer_shard" in saved and isinstance(state.optimizer, ZeroRedundancyOptimizer):
+            state.optimizer.optim.load_state_dict(saved["optimizer_shard"])
+            for group, shard in zip(
+                state.optimizer.param_groups, state.optimizer.optim.param_groups, strict=True
+            ):  # the hyperparameters (lr...) as saved, outside the shard too
+                group.update({k: v for k, v in shard.items() if k != "params"})
         self.precision.load_state_dict(saved.get("precision", {}))
         self.scheduler.load_state_dict(saved.get("optimizations", {}))
         self._loaded_user = dict(saved.get("user", {}))
