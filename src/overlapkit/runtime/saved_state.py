@@ -4,13 +4,13 @@ checkpoint optimization's format. (A part of `Session`; see `session`.)"""
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
 
@@ -217,7 +217,7 @@ class SavedState:
             out["model"] = self._raw_model.state_dict()
         for key in ("optimizer", "lr_scheduler", "loader"):
             component = getattr(state, key)
-            if isinstance(component, ZeroRedundancyOptimizer):
+            if _sharded_optimizer(component):
                 # Each rank holds its shard of the state only: its state_dict() raised
                 # unless consolidated onto one rank first. Each rank saves its own.
                 out["optimizer_shard"] = component.optim.state_dict()
@@ -233,7 +233,7 @@ class SavedState:
             component = getattr(state, key)
             if key in saved and component is not None:
                 component.load_state_dict(saved[key])
-        if "optimizer_shard" in saved and isinstance(state.optimizer, ZeroRedundancyOptimizer):
+        if "optimizer_shard" in saved and _sharded_optimizer(state.optimizer):
             state.optimizer.optim.load_state_dict(saved["optimizer_shard"])
             for group, shard in zip(
                 state.optimizer.param_groups, state.optimizer.optim.param_groups, strict=True
@@ -429,3 +429,10 @@ class _DictState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.values.clear()
         self.values.update(state)
+
+
+def _sharded_optimizer(optimizer: Any) -> bool:
+    """A ZeroRedundancyOptimizer (each rank holds its shard of the state). Its module
+    is not imported here (half a second at every start): a script using one has."""
+    module = sys.modules.get("torch.distributed.optim")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
