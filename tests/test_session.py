@@ -69,7 +69,9 @@ def test_a_loader_restarting_its_epoch_after_a_resume_is_told_under_steps_too(tm
     second = Session()
     model, optimizer, _ = make_parts()
     model, optimizer, counted = second.prepare(model, optimizer, EpochCounted(batches))
-    second.load(tmp_path / "ckpt")
+    start = second.load(tmp_path / "ckpt")
+    # Its place is its own to say: "(epoch 1, batch 0)" was said.
+    assert "resumed at step 7 (epoch 1, the loader's own place)" in start.describe()
     with pytest.warns(LoopWarning, match="after batch 2 of epoch 1, and the loader"):
         train(second, model, optimizer, counted, total=12, prepare=False)
     assert any(n.startswith("cannot resume exactly: the checkpoint was") for n in second.notes)

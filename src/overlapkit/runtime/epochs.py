@@ -404,6 +404,7 @@ class EpochLoop:
             batch=int(position or 0),
             resumed_from=self.state.resumed_from,
             values=self._values.current(),
+            placed=position is not None or not hasattr(loader, "state_dict"),
         )
 
     def check_plain_step(self) -> None:

@@ -46,10 +46,13 @@ class Start:
     batch: int
     resumed_from: str | None = None
     values: dict[str, Any] = field(default_factory=dict)
+    placed: bool = True  # the loader says where it is in its epoch (else batch is 0)
 
     def describe(self) -> str:
-        where = f"step {self.step} (epoch {self.epoch}, batch {self.batch})"
-        return f"resumed at {where} from {self.resumed_from}"
+        # A loader with no place of its own (one with a state_dict of its own making,
+        # an endless one) goes on where it says: "batch 0" was said of each.
+        where = f"batch {self.batch}" if self.placed else "the loader's own place"
+        return f"resumed at step {self.step} (epoch {self.epoch}, {where}) from {self.resumed_from}"
 
 
 class PlainValues:
