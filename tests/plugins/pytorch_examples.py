@@ -35,6 +35,8 @@ import glob
 import math
 import os
 import random
+import re
+import unicodedata
 from collections import deque, namedtuple
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -46,13 +48,19 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import nn, optim
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817 - the script's
 from torch.optim import LBFGS, Adadelta, Adam
 from torch.optim.lr_scheduler import StepLR
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+    TensorDataset,
+)
 
 from overlapkit import Session, get_optimization
 from overlapkit.runtime.distributed import init_world
@@ -2503,3 +2511,341 @@ def llmc_on_two_ranks(data_dir: str, ways: list[str], kwargs: dict[str, Any]) ->
         return results
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------- seq2seq
+# pytorch/tutorials' intermediate_source/seq2seq_translation_tutorial.py: its Lang,
+# normalizeString, filterPairs, EncoderRNN, BahdanauAttention, AttnDecoderRNN,
+# get_dataloader, train_epoch and evaluate, on a synthetic eng-fra corpus (the
+# tutorial downloads data/eng-fra.txt); MAX_LENGTH 6 for 10.
+SOS_token = 0
+EOS_token = 1
+MAX_LENGTH = 6
+
+
+class Lang:
+    def __init__(self, name):
+        self.name = name
+        self.word2index = {}
+        self.word2count = {}
+        self.index2word = {0: "SOS", 1: "EOS"}
+        self.n_words = 2  # Count SOS and EOS
+
+    def addSentence(self, sentence):  # noqa: N802 - the tutorial's names
+        for word in sentence.split(" "):
+            self.addWord(word)
+
+    def addWord(self, word):  # noqa: N802
+        if word not in self.word2index:
+            self.word2index[word] = self.n_words
+            self.word2count[word] = 1
+            self.index2word[self.n_words] = word
+            self.n_words += 1
+        else:
+            self.word2count[word] += 1
+
+
+def unicodeToAscii(s):  # noqa: N802
+    return "".join(c for c in unicodedata.normalize("NFD", s) if unicodedata.category(c) != "Mn")
+
+
+def normalizeString(s):  # noqa: N802
+    s = unicodeToAscii(s.lower().strip())
+    s = re.sub(r"([.!?])", r" \1", s)
+    s = re.sub(r"[^a-zA-Z.!?]+", r" ", s)
+    return s.strip()
+
+
+def synthetic_eng_fra(count: int = 40, seed: int = 0) -> list[str]:
+    """``count`` lines of data/eng-fra.txt's form (``English\\tFrench``), drawn from
+    their own generator; a few too long or not of the kept prefixes, as filterPairs
+    drops."""
+    rng = random.Random(seed)
+    subjects = [("I am", "Je suis"), ("He is", "Il est"), ("She is", "Elle est"),
+                ("We are", "Nous sommes"), ("You're", "Vous êtes"), ("They are", "Ils sont")]  # fmt: skip
+    words = [("cold", "froid"), ("tired", "fatigué"), ("happy", "heureux"), ("late", "en retard"),
+             ("very", "très"), ("not", "pas"), ("here", "ici"), ("old", "vieux")]  # fmt: skip
+    lines = []
+    for _ in range(count):
+        eng, fra = rng.choice(subjects) if rng.random() > 0.1 else ("It is", "C'est")
+        for _ in range(rng.randint(1, 3)):
+            e, f = rng.choice(words)
+            eng, fra = f"{eng} {e}", f"{fra} {f}"
+        lines.append(f"{eng}.\t{fra}.")
+    return lines
+
+
+def readLangs(lang1, lang2, reverse=False, lines=()):  # noqa: N802
+    # Split every line into pairs and normalize (the file's lines given, not read)
+    pairs = [[normalizeString(s) for s in line.split("\t")] for line in lines]
+
+    # Reverse pairs, make Lang instances
+    if reverse:
+        pairs = [list(reversed(p)) for p in pairs]
+        input_lang = Lang(lang2)
+        output_lang = Lang(lang1)
+    else:
+        input_lang = Lang(lang1)
+        output_lang = Lang(lang2)
+
+    return input_lang, output_lang, pairs
+
+
+eng_prefixes = ("i am ", "i m ", "he is", "he s ", "she is", "she s ", "you are", "you re ",
+                "we are", "we re ", "they are", "they re ")  # fmt: skip
+
+
+def filterPair(p):  # noqa: N802
+    return (
+        len(p[0].split(" ")) < MAX_LENGTH
+        and len(p[1].split(" ")) < MAX_LENGTH
+        and p[1].startswith(eng_prefixes)
+    )
+
+
+def filterPairs(pairs):  # noqa: N802
+    return [pair for pair in pairs if filterPair(pair)]
+
+
+def prepareData(lang1, lang2, reverse=False, lines=()):  # noqa: N802
+    input_lang, output_lang, pairs = readLangs(lang1, lang2, reverse, lines)
+    pairs = filterPairs(pairs)
+    for pair in pairs:
+        input_lang.addSentence(pair[0])
+        output_lang.addSentence(pair[1])
+    return input_lang, output_lang, pairs
+
+
+class EncoderRNN(nn.Module):
+    def __init__(self, input_size, hidden_size, dropout_p=0.1):
+        super().__init__()
+        self.hidden_size = hidden_size
+
+        self.embedding = nn.Embedding(input_size, hidden_size)
+        self.gru = nn.GRU(hidden_size, hidden_size, batch_first=True)
+        self.dropout = nn.Dropout(dropout_p)
+
+    def forward(self, input):
+        embedded = self.dropout(self.embedding(input))
+        output, hidden = self.gru(embedded)
+        return output, hidden
+
+
+class BahdanauAttention(nn.Module):
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.Wa = nn.Linear(hidden_size, hidden_size)
+        self.Ua = nn.Linear(hidden_size, hidden_size)
+        self.Va = nn.Linear(hidden_size, 1)
+
+    def forward(self, query, keys):
+        scores = self.Va(torch.tanh(self.Wa(query) + self.Ua(keys)))
+        scores = scores.squeeze(2).unsqueeze(1)
+
+        weights = F.softmax(scores, dim=-1)
+        context = torch.bmm(weights, keys)
+
+        return context, weights
+
+
+class AttnDecoderRNN(nn.Module):
+    def __init__(self, hidden_size, output_size, dropout_p=0.1):
+        super().__init__()
+        self.embedding = nn.Embedding(output_size, hidden_size)
+        self.attention = BahdanauAttention(hidden_size)
+        self.gru = nn.GRU(2 * hidden_size, hidden_size, batch_first=True)
+        self.out = nn.Linear(hidden_size, output_size)
+        self.dropout = nn.Dropout(dropout_p)
+
+    def forward(self, encoder_outputs, encoder_hidden, target_tensor=None):
+        batch_size = encoder_outputs.size(0)
+        decoder_input = torch.empty(batch_size, 1, dtype=torch.long).fill_(SOS_token)
+        decoder_hidden = encoder_hidden
+        decoder_outputs = []
+        attentions = []
+
+        for i in range(MAX_LENGTH):
+            decoder_output, decoder_hidden, attn_weights = self.forward_step(
+                decoder_input, decoder_hidden, encoder_outputs
+            )
+            decoder_outputs.append(decoder_output)
+            attentions.append(attn_weights)
+
+            if target_tensor is not None:
+                # Teacher forcing: Feed the target as the next input
+                decoder_input = target_tensor[:, i].unsqueeze(1)  # Teacher forcing
+            else:
+                # Without teacher forcing: use its own predictions as the next input
+                _, topi = decoder_output.topk(1)
+                decoder_input = topi.squeeze(-1).detach()  # detach from history as input
+
+        decoder_outputs = torch.cat(decoder_outputs, dim=1)
+        decoder_outputs = F.log_softmax(decoder_outputs, dim=-1)
+        attentions = torch.cat(attentions, dim=1)
+
+        return decoder_outputs, decoder_hidden, attentions
+
+    def forward_step(self, input, hidden, encoder_outputs):
+        embedded = self.dropout(self.embedding(input))
+
+        query = hidden.permute(1, 0, 2)
+        context, attn_weights = self.attention(query, encoder_outputs)
+        input_gru = torch.cat((embedded, context), dim=2)
+
+        output, hidden = self.gru(input_gru, hidden)
+        output = self.out(output)
+
+        return output, hidden, attn_weights
+
+
+def indexesFromSentence(lang, sentence):  # noqa: N802
+    return [lang.word2index[word] for word in sentence.split(" ")]
+
+
+def tensorFromSentence(lang, sentence):  # noqa: N802
+    indexes = indexesFromSentence(lang, sentence)
+    indexes.append(EOS_token)
+    return torch.tensor(indexes, dtype=torch.long).view(1, -1)
+
+
+def get_dataloader(batch_size, lines):
+    input_lang, output_lang, pairs = prepareData("eng", "fra", True, lines)
+
+    n = len(pairs)
+    input_ids = np.zeros((n, MAX_LENGTH), dtype=np.int32)
+    target_ids = np.zeros((n, MAX_LENGTH), dtype=np.int32)
+
+    for idx, (inp, tgt) in enumerate(pairs):
+        inp_ids = indexesFromSentence(input_lang, inp)
+        tgt_ids = indexesFromSentence(output_lang, tgt)
+        inp_ids.append(EOS_token)
+        tgt_ids.append(EOS_token)
+        input_ids[idx, : len(inp_ids)] = inp_ids
+        target_ids[idx, : len(tgt_ids)] = tgt_ids
+
+    train_data = TensorDataset(torch.LongTensor(input_ids), torch.LongTensor(target_ids))
+
+    train_sampler = RandomSampler(train_data)
+    train_dataloader = DataLoader(train_data, sampler=train_sampler, batch_size=batch_size)
+    return input_lang, output_lang, pairs, train_dataloader
+
+
+def seq2seq(
+    session: Session | None,
+    n_epochs: int = 3,
+    hidden_size: int = 16,
+    batch_size: int = 8,
+    sentences: int = 48,
+    prepare: str = "encoder",
+    register: tuple[str, ...] = ("model", "optimizer"),
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """The tutorial's training (``train``: Adam lr 0.001 for each module, NLLLoss, per
+    epoch ``train_epoch``: both zero_grad, encoder then decoder forward with teacher
+    forcing, one backward, encoder_optimizer.step() then decoder_optimizer.step()),
+    then ``evaluate`` (greedy decoding) of every pair, in eval mode. Ported: the
+    ``prepare``d module (``encoder`` or ``decoder``) with its optimizer and the
+    loader, the other pair given to `Session.start` (``register``: or left out).
+    ``stop_after``: the script stops after that many steps. Returns each step's loss,
+    each epoch's average (as train_epoch returns it), the decoded sentences, both
+    modules' parameters and the summary."""
+    torch.manual_seed(0)
+    lines = synthetic_eng_fra(sentences)
+    input_lang, output_lang, pairs, train_dataloader = get_dataloader(batch_size, lines)
+
+    encoder = EncoderRNN(input_lang.n_words, hidden_size)
+    decoder = AttnDecoderRNN(hidden_size, output_lang.n_words)
+
+    learning_rate = 0.001
+    encoder_optimizer = optim.Adam(encoder.parameters(), lr=learning_rate)
+    decoder_optimizer = optim.Adam(decoder.parameters(), lr=learning_rate)
+    criterion = nn.NLLLoss()
+    losses: list[float] = []
+    averages: list[float] = []
+
+    def train_epoch(dataloader, encoder, decoder, encoder_optimizer, decoder_optimizer, criterion):
+        total_loss = 0
+        for data in dataloader:
+            input_tensor, target_tensor = data
+
+            encoder_optimizer.zero_grad()
+            decoder_optimizer.zero_grad()
+
+            encoder_outputs, encoder_hidden = encoder(input_tensor)
+            decoder_outputs, _, _ = decoder(encoder_outputs, encoder_hidden, target_tensor)
+
+            loss = criterion(
+                decoder_outputs.view(-1, decoder_outputs.size(-1)), target_tensor.view(-1)
+            )
+            loss.backward()
+
+            encoder_optimizer.step()
+            decoder_optimizer.step()
+
+            total_loss += loss.item()
+            losses.append(loss.item())
+            if len(losses) == stop_after:
+                return None
+
+        return total_loss / len(dataloader)
+
+    def evaluate(encoder, decoder, sentence, input_lang, output_lang):
+        with torch.no_grad():
+            input_tensor = tensorFromSentence(input_lang, sentence)
+
+            encoder_outputs, encoder_hidden = encoder(input_tensor)
+            decoder_outputs, decoder_hidden, decoder_attn = decoder(encoder_outputs, encoder_hidden)
+
+            _, topi = decoder_outputs.topk(1)
+            decoded_ids = topi.squeeze()
+
+            decoded_words = []
+            for idx in decoded_ids:
+                if idx.item() == EOS_token:
+                    decoded_words.append("<EOS>")
+                    break
+                decoded_words.append(output_lang.index2word[idx.item()])
+        return decoded_words, decoder_attn
+
+    first = 1
+    if session is not None:
+        if prepare == "encoder":
+            encoder, encoder_optimizer, train_dataloader = session.prepare(
+                encoder, encoder_optimizer, train_dataloader
+            )
+            others = {
+                "model": ("decoder", decoder),
+                "optimizer": ("decoder_optimizer", decoder_optimizer),
+            }
+        else:
+            decoder, decoder_optimizer, train_dataloader = session.prepare(
+                decoder, decoder_optimizer, train_dataloader
+            )
+            others = {
+                "model": ("encoder", encoder),
+                "optimizer": ("encoder_optimizer", encoder_optimizer),
+            }
+        first = session.start(**dict(others[key] for key in register)).epoch + 1
+    for epoch in range(first, n_epochs + 1):  # noqa: B007 - the tutorial's loop
+        loss = train_epoch(
+            train_dataloader, encoder, decoder, encoder_optimizer, decoder_optimizer, criterion
+        )
+        if loss is None:
+            break
+        averages.append(loss)
+    summary = session.finish() if session is not None else None
+
+    encoder.eval()
+    decoder.eval()
+    decoded = [
+        " ".join(evaluate(encoder, decoder, pair[0], input_lang, output_lang)[0]) for pair in pairs
+    ]
+    return {
+        "losses": losses,
+        "averages": averages,
+        "decoded": decoded,
+        "pairs": len(pairs),
+        "encoder": flat(encoder),
+        "decoder": flat(decoder),
+        "summary": summary,
+    }
