@@ -668,3 +668,44 @@ def test_random_draws_between_a_save_and_the_next_step_are_said(tmp_path, save):
         (warning,) = told
         assert "between session.save() (step-00000002) and the next step" in str(warning.message)
         assert warning.filename == __file__ and len(notes) == 1
+
+
+def test_a_registered_zero_optimizer_is_checkpointed_shard_by_shard(tmp_path):
+    """A ZeroRedundancyOptimizer given to session.start() (a second model's): its
+    state_dict() raised unless consolidated onto the rank, so every checkpoint failed.
+    Each rank's shard is saved, and a resume restores it."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from conftest import free_port
+    from overlapkit import get_optimization
+
+    def parts_and_zero():
+        model, optimizer, loader = make_parts()
+        other = nn.Linear(2, 2)
+        zero = ZeroRedundancyOptimizer(other.parameters(), optimizer_class=torch.optim.Adam)
+        return model, optimizer, loader, other, zero
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        runs = []
+        for total in (4, 6):  # the second resumes at step 4
+            model, optimizer, loader, other, zero = parts_and_zero()
+            session = Session([get_optimization("checkpoint")(every=2)], run_dir=tmp_path)
+            model, optimizer, loader = session.prepare(model, optimizer, loader)
+            start = session.start(other=other, other_opt=zero)
+            if total == 4:
+                for _ in range(3):
+                    other(torch.ones(1, 2)).sum().backward()
+                    zero.step()
+            train(session, model, optimizer, loader, total, prepare=False)
+            session.finish()
+            runs.append((start, zero.optim.state_dict()))
+    finally:
+        dist.destroy_process_group()
+    (_, saved), (resumed, restored) = runs
+    assert resumed.resumed_from is not None
+    assert restored["state"][0]["step"] == saved["state"][0]["step"] == 3
+    assert torch.equal(restored["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])

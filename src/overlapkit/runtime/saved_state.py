@@ -47,7 +47,7 @@ class SavedState:
         if isinstance(obj, torch.nn.Module):  # a GAN's generator is synced as the model
             check_not_sharded(obj, name)
         if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-            self._stateful[name] = obj
+            self._stateful[name] = _ShardState(obj) if _sharded_optimizer(obj) else obj
             if isinstance(obj, torch.optim.Optimizer):  # a second model's (a GAN's)
                 self._plain_calls.watch_update(obj)
                 self.state.other_optimizers.append(obj)
@@ -251,9 +251,7 @@ class SavedState:
         for key in ("optimizer", "lr_scheduler", "loader"):
             component = getattr(state, key)
             if _sharded_optimizer(component):
-                # Each rank holds its shard of the state only: its state_dict() raised
-                # unless consolidated onto one rank first. Each rank saves its own.
-                out["optimizer_shard"] = component.optim.state_dict()
+                out["optimizer_shard"] = _ShardState(component).state_dict()
             elif component is not None and hasattr(component, "state_dict"):
                 out[key] = component.state_dict()
         return out
@@ -266,12 +264,15 @@ class SavedState:
             component = getattr(state, key)
             if key in saved and component is not None:
                 component.load_state_dict(saved[key])
-        if "optimizer_shard" in saved and _sharded_optimizer(state.optimizer):
-            state.optimizer.optim.load_state_dict(saved["optimizer_shard"])
-            for group, shard in zip(
-                state.optimizer.param_groups, state.optimizer.optim.param_groups, strict=True
-            ):  # the hyperparameters (lr...) as saved, outside the shard too
-                group.update({k: v for k, v in shard.items() if k != "params"})
+        if "optimizer_shard" in saved:
+            if _sharded_optimizer(state.optimizer):
+                _ShardState(state.optimizer).load_state_dict(saved["optimizer_shard"])
+            elif state.optimizer is not None:  # (llm.c's --zero_stage changed)
+                self._note(
+                    "cannot resume exactly: the checkpoint holds a ZeroRedundancyOptimizer's "
+                    f"shards, and this run's optimizer is a {type(state.optimizer).__name__}: "
+                    "its state (momentum...) starts afresh"
+                )
         self.precision.load_state_dict(saved.get("precision", {}))
         self.scheduler.load_state_dict(saved.get("optimizations", {}))
         self._loaded_user = dict(saved.get("user", {}))
@@ -462,6 +463,25 @@ class _DictState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.values.clear()
         self.values.update(state)
+
+
+class _ShardState:
+    """A ZeroRedundancyOptimizer's state as each rank holds it, its own shard: its
+    state_dict() raised unless consolidated onto that rank first (every checkpoint of
+    llm.c's --zero_stage 1 failed). Each rank saves and restores its own."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.optim.state_dict()
+
+    def load_state_dict(self, shard: dict[str, Any]) -> None:
+        self.optimizer.optim.load_state_dict(shard)
+        outer, local = self.optimizer.param_groups, self.optimizer.optim.param_groups
+        for group, saved in zip(outer, local, strict=True):
+            # The hyperparameters (lr...) as saved, outside the shard too.
+            group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def _sharded_optimizer(optimizer: Any) -> bool:
