@@ -71,6 +71,9 @@ def test_a_run_that_trained_past_its_newest_checkpoint_is_said_so(run_folder, tm
     said = run_cli("export", copy, "--json", "--to", tmp_path / "m.pt")
     assert json.loads(said.stdout)["trained_to"] == 8
     assert "note:" not in run_cli("export", run_folder, "--to", tmp_path / "n.pt").stdout
+    (copy / "steps.jsonl").unlink()  # a run killed: only its live log
+    said = run_cli("export", copy, "--json", "--to", tmp_path / "m.pt")
+    assert json.loads(said.stdout)["trained_to"] == 8
 
 
 def test_a_damaged_newest_checkpoint_is_skipped_and_said(run_folder, tmp_path):

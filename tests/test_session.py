@@ -1,5 +1,7 @@
 """The custom-loop API: same events as the built-in loop, exact save and resume."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -138,6 +140,57 @@ def test_a_loader_with_a_place_of_its_own_saved_at_an_epochs_end_counts_its_epoc
     train(second, model, optimizer, loader, total=7, prepare=False)
     assert second.progress() == straight.progress()
     assert straight.progress()["epoch"] == 1  # (its place in the epoch is the loader's)
+
+
+def _inner_epoch(session, model, optimizer):
+    ema = 0.0  # an EMA of the loss, no copy of the model: another function's `ema`
+    for inputs, targets in session.steps(8):
+        with session.forward():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        session.backward(loss)
+        session.optimizer_step()
+        ema = 0.9 * ema + 0.1 * float(loss.detach())
+        if session.state.step % 2 == 1:  # a throwaway copy for an evaluation, made anew
+            eval_model = copy.deepcopy(model).eval()
+            with torch.no_grad():
+                eval_model(inputs)
+
+
+def test_copies_a_resume_makes_again_as_they_were_are_never_told(tmp_path):
+    """Told as changed, or failing the run, before: a frozen copy named `ema` beside
+    another function's `ema` (a float) where the checkpoint came; a copy made anew
+    for each evaluation; a frozen teacher with a non-persistent NaN scratch buffer;
+    a lazy module not built yet (its shapes raised) and a copy on the meta device
+    (its sums raised)."""
+    import warnings
+
+    from overlapkit import LoopWarning, get_optimization
+
+    class WithScratch(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner = copy.deepcopy(model)
+            self.register_buffer("scratch", torch.full((4,), float("nan")), persistent=False)
+
+        def state_dict(self, *args, **kwargs):  # the model's keys: a copy of its weights
+            return self.inner.state_dict(*args, **kwargs)
+
+    model, optimizer, loader = make_parts()
+    ema = copy.deepcopy(model).requires_grad_(False)
+    teacher = WithScratch(model).requires_grad_(False)
+    lazy = nn.LazyLinear(4)
+    with torch.device("meta"):
+        on_meta = copy.deepcopy(model).to("meta")
+    session = Session([get_optimization("checkpoint")(every=2)], run_dir=tmp_path)
+    model, optimizer, loader = session.prepare(model, optimizer, loader)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LoopWarning)
+        session.start()
+        _inner_epoch(session, model, optimizer)
+        notes = session.finish().get("notes", [])
+    told = [str(w.message) for w in said if "not checkpointed" in str(w.message)]
+    assert not told and not [n for n in notes if "not checkpointed" in n], told
+    assert ema is not None and teacher is not None and lazy is not None and on_meta is not None
 
 
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):

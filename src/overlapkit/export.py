@@ -33,6 +33,7 @@ from .optimizations.checkpoint.store import (
 )
 from .optimizations.pipeline.optimization import PARTITION_FILE
 from .runtime.checkpoint_folder import MANIFEST
+from .runtime.report import LIVE_STEPS
 
 SHARED = "shared.ckpt"
 STAGE_PREFIX = "stage"
@@ -276,16 +277,22 @@ def unsplit_name(key: str, names: dict[str, str]) -> str:
 
 
 def _trained_past(folder: Path, step: int) -> int | None:
-    """The steps the run in ``folder`` trained (its steps.jsonl's last record), when
-    more than ``step``; None otherwise, or when its folder does not say."""
+    """The steps the run in ``folder`` trained (the last record of its steps.jsonl, or
+    of its live-steps.jsonl: a run killed writes no steps.jsonl), when more than
+    ``step``; None otherwise, or when its folder does not say."""
+    done = max((_steps_logged(folder / name) for name in ("steps.jsonl", LIVE_STEPS)), default=0)
+    return done if done > step else None
+
+
+def _steps_logged(path: Path) -> int:
+    """The steps done by the last record of a step log (0: none, or no such log)."""
     try:
-        with open(folder / "steps.jsonl", "rb") as f:
+        with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - (1 << 16)))
-            done = int(json.loads(f.read().splitlines()[-1])["step"]) + 1
+            return int(json.loads(f.read().splitlines()[-1])["step"]) + 1
     except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return None
-    return done if done > step else None
+        return 0
 
 
 def _default_path(folder: Path, root: Path, step: int, framework: str) -> Path:

@@ -20,6 +20,7 @@ import sys
 import weakref
 from collections import deque
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -108,6 +109,18 @@ def sampler_note(loader: DataLoader) -> str | None:
     )
 
 
+def _held_once() -> int:
+    """What sys.getrefcount says of an object held by one attribute and one local
+    variable, as `iterated_note` holds a loader's sampler (3 up to Python 3.13; a
+    later Python may count borrowed references otherwise)."""
+    holder = SimpleNamespace(held=object())
+    held = holder.held
+    return sys.getrefcount(held)
+
+
+HELD_ONCE = _held_once()
+
+
 def iterated_note(loader: DataLoader) -> str | None:
     """A note when an iterator of ``loader``, made before `prepare` and no batch taken
     from it yet, is held (makemore's InfiniteDataLoader keeps ``iter(self.train_loader)``
@@ -118,9 +131,9 @@ def iterated_note(loader: DataLoader) -> str | None:
     here), when something besides the loader holds its sampler. One that handed out a batch (a look at the data, kept) is no matter: the
     script then iterates the loader again, as the port does."""
     index_sampler = loader._index_sampler
-    # Held by the loader, here and in the call: by nothing else, no iterator holds it,
-    # and the look among every live object is spared (300,000 in a test process).
-    if sys.getrefcount(index_sampler) <= 3:
+    # Held by the loader and here only: no iterator holds it, and the look among every
+    # live object is spared (300,000 in a test process).
+    if sys.getrefcount(index_sampler) <= HELD_ONCE:
         return None
     if not any(
         issubclass(type(obj), _BaseDataLoaderIter)

@@ -27,10 +27,18 @@ class CopyFinder:
     """Tells copies of ``model``'s weights kept apart from them (see `copy_of`)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.shapes = {k: v.shape for k, v in model.state_dict().items()}
-        self.own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        self.shapes = _shapes(model) or {}  # none (a lazy module's): nothing is a copy
+        self.own = {_storage(t) for t in (*model.parameters(), *model.buffers())}
 
     def copy_of(self, value: Any) -> tuple[list[torch.Tensor], str] | None:
+        """`_copy_of`, or None where looking raised (a module not built yet, on the meta
+        device, with sparse or quantized tensors): a checkpoint never fails on it."""
+        try:
+            return self._copy_of(value)
+        except Exception:  # noqa: BLE001 - a variable that is no copy of ours
+            return None
+
+    def _copy_of(self, value: Any) -> tuple[list[torch.Tensor], str] | None:
         """The tensors of ``value`` when it copies the model's weights, apart from
         them, and how to register it: a module of the model's shapes, or an object
         holding a dict of tensors of its state dict's keys and shapes (None: anything
@@ -42,8 +50,9 @@ class CopyFinder:
             return None
         found: tuple[list[torch.Tensor], str] | None = None
         if isinstance(value, nn.Module):
-            if {k: v.shape for k, v in value.state_dict().items()} == shapes:
-                found = [*value.parameters(), *value.buffers()], "{name}={name}"
+            state = value.state_dict(keep_vars=True)  # its weights (no scratch buffers)
+            if {k: v.shape for k, v in state.items()} == shapes:
+                found = list(state.values()), "{name}={name}"
         elif hasattr(value, "__dict__") and not isinstance(value, NOT_HOLDERS):
             for attr, held in vars(value).items():
                 tensors = _state_of(held, shapes) if isinstance(held, dict) else None
@@ -52,9 +61,25 @@ class CopyFinder:
                     break
         if found is None:
             return None
-        if any(t.untyped_storage().data_ptr() in self.own for t in found[0]):
+        if any(_storage(t) in self.own for t in found[0]):
             return None  # the model, or its state dict: its own tensors
+        if any(t.is_meta or t.is_sparse or t.is_quantized for t in found[0]):
+            return None  # nothing to read of it (none of a resume's concern)
         return found
+
+
+def _shapes(model: nn.Module) -> dict[str, torch.Size] | None:
+    try:
+        return {k: v.shape for k, v in model.state_dict().items()}
+    except Exception:  # noqa: BLE001 - a lazy module not built yet: no shapes
+        return None
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - a sparse tensor: no storage of its own
+        return None
 
 
 def _state_of(held: dict[Any, Any], shapes: dict[str, torch.Size]) -> list[torch.Tensor] | None:
@@ -68,42 +93,50 @@ def _state_of(held: dict[Any, Any], shapes: dict[str, torch.Size]) -> list[torch
 class ModelCopy:
     """A copy to watch (the object a script variable names), as it is now."""
 
-    def __init__(self, value: Any, tensors: list[torch.Tensor], register: str) -> None:
+    def __init__(
+        self, value: Any, tensors: list[torch.Tensor], register: str, where: Any = None
+    ) -> None:
         self.value = value
         self.register = register  # session.start's argument, "{name}" to fill in
+        self.where = where  # the code of the function whose variable names it
         self.tensors = tensors  # held: an id is never reused while watched
         self.versions = _versions(tensors)
         self.sums = _sums(tensors).cpu()
         self._pending: tuple[torch.Tensor, Any] | None = None  # (host sums, CUDA event)
 
-    def changed(self, value: Any, tensors: list[torch.Tensor] | None) -> bool:
-        """Whether the variable now names ``value``, a copy of ``tensors`` (None: no
-        copy now), changed since: bound anew (another EMA made), a tensor
-        replaced, changed in place or through ``.data``."""
-        if value is not self.value or tensors is None:
-            return True
+    def changed(self, tensors: list[torch.Tensor], wait: bool = False) -> bool:
+        """Whether the copy, now of ``tensors``, changed since: a tensor replaced,
+        changed in place or through ``.data`` (on a GPU, as of the previous look,
+        unless ``wait``)."""
         if [id(t) for t in tensors] != [id(t) for t in self.tensors]:
             return True
         if _versions(tensors) != self.versions:
             return True
-        sums = self._sums_now_or_later(tensors)
-        return sums is not None and not torch.equal(sums, self.sums)
+        sums = self._sums_now_or_later(tensors, wait)
+        # Bit for bit: a NaN (an uninitialised buffer) is no change.
+        return sums is not None and not torch.equal(_bits(sums), _bits(self.sums))
 
-    def _sums_now_or_later(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
-        """The sums now (on the CPU), or those launched at the previous look, if they
-        have arrived (on a GPU: these are launched now, to be read at the next)."""
+    def _sums_now_or_later(self, tensors: list[torch.Tensor], wait: bool) -> torch.Tensor | None:
+        """The sums now (on the CPU, or with ``wait``), or those launched at the
+        previous look, if they have arrived (on a GPU: these are launched now, to be
+        read at the next)."""
         sums = _sums(tensors)
-        if sums.device.type != "cuda":
-            return sums
+        if sums.device.type != "cuda" or wait:
+            return sums.cpu()
         arrived, self._pending = self._pending, None
-        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-        host.copy_(sums, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        with torch.cuda.device(sums.device):  # the copy's and the event's stream
+            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            host.copy_(sums, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
         self._pending = (host, event)
         if arrived is not None and arrived[1].query():
             return arrived[0]
         return None
+
+
+def _bits(sums: torch.Tensor) -> torch.Tensor:
+    return sums.view(torch.int64)
 
 
 def _versions(tensors: list[torch.Tensor]) -> list[int]:

@@ -20,7 +20,7 @@ from .batch import tensors_in
 from .model_copies import CopyFinder, ModelCopy
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng, same_rng
-from .script import Start, note, script_locals, warn
+from .script import Start, note, script_locals, script_variables, warn
 from .state import temporarily
 
 # A rank that has waited this long in `save` for the others to call it says so.
@@ -131,7 +131,7 @@ class SavedState:
                     f"start its average again. Register it: session.start({name}={name})"
                 )
         unsaved += self._unsaved_optimizers(script_locals())
-        self._watch_copies(script_locals())  # told once the run changes them
+        self._watch_copies(*script_variables())  # told once the run changes them
         for message in unsaved:
             self.notes.append(f"cannot resume exactly: {message}")
             warn(message)
@@ -168,33 +168,39 @@ class SavedState:
                 )
         return unsaved
 
-    def _watch_copies(self, variables: dict[str, Any]) -> None:
-        """Watch the copies of the model's weights among ``variables`` (the script's,
-        at the start and at each checkpoint: airbench makes its lookahead EMA epochs
-        in) that nothing registered holds."""
+    def _watch_copies(self, where: Any, variables: dict[str, Any]) -> None:
+        """Watch the copies of the model's weights among ``variables`` (of the script's
+        function ``where``, at the start and at each checkpoint: airbench makes its
+        lookahead EMA epochs in) that nothing registered holds."""
         if self._raw_model is None:
             return
         self._copy_finder = finder = CopyFinder(self._raw_model)
+        watched = {id(copy.value) for copy in self._copies.values()}
         for name, value in variables.items():
-            if name in self._copies or name in self._copies_told:
+            if name in self._copies or name in self._copies_told or id(value) in watched:
                 continue
             found = finder.copy_of(value)
             if found is not None and not (self.holds(value) or self.holds_storage_of(found[0])):
-                self._copies[name] = ModelCopy(value, *found)
+                self._copies[name] = ModelCopy(value, *found, where=where)
 
-    def _check_copies_changed(self) -> None:
-        """As a checkpoint is taken: an unregistered copy of the model's weights that
-        the run changed since it was first seen (a target network soft-updated from
-        the model, an EMA kept by hand) would start again as
-        the script made it in a resume, silently. One left as it was (a frozen
-        reference model, a teacher) is no matter."""
-        if self._copy_finder is None:  # not watching: no checkpoints, or no script's
+    def _check_copies_changed(self, wait: bool = False) -> None:
+        """As a checkpoint is taken (and as the run ends: ``wait`` for a GPU's sums):
+        an unregistered copy of the model's weights that the run changed since it was
+        first seen (a target network soft-updated from the model, an EMA kept by hand)
+        would start again as the script made it in a resume, silently. One left as it
+        was (a frozen reference model, a teacher) is no matter; so is a variable bound
+        to a new copy (one made anew for an evaluation), watched from then on."""
+        finder = self._copy_finder
+        if finder is None:  # not watching: no checkpoints, or no script's
             return
-        variables = script_locals()
+        where, variables = script_variables()
         for name, copy in list(self._copies.items()):
-            value = variables.get(name, copy.value)
-            found = self._copy_finder.copy_of(value)
-            if not copy.changed(value, None if found is None else found[0]):
+            value = variables.get(name, copy.value) if where is copy.where else copy.value
+            found = finder.copy_of(value)
+            if value is not copy.value or found is None:
+                del self._copies[name]  # bound anew (watched again below), or no copy now
+                continue
+            if not copy.changed(found[0], wait):
                 continue
             del self._copies[name]
             self._copies_told.add(name)
@@ -202,14 +208,15 @@ class SavedState:
             message = (
                 f"{name} (a {type(copy.value).__name__}: a copy of the model's weights kept "
                 "apart from it, changed by the run: a target network, an EMA kept by hand) "
-                "is not checkpointed: a resumed run would start "
-                "it again as the script made it, whatever the run did to it since. "
-                f"Register it: session.start({register}), and take it back from "
-                "start.values if it is no module"
+                "is not checkpointed: a resumed run would start it again as the script "
+                "made it, whatever the run did to it since. Register it: "
+                f"session.start({register}), and take it back from start.values if it is "
+                "no module"
             )
             self.notes.append(f"cannot resume exactly: {message}")
             warn(message)
-        self._watch_copies(variables)  # those made since (airbench's lookahead)
+        if not wait:
+            self._watch_copies(where, variables)  # those made since (airbench's lookahead)
 
     def check_saves_left_behind(self) -> None:
         """As a run without the checkpoint optimization starts afresh: `save` wrote

@@ -496,8 +496,14 @@ def warn(message: str) -> None:
 
 def script_locals() -> dict[str, Any]:
     """The variables of the script's function now calling into overlapkit."""
+    return script_variables()[1]
+
+
+def script_variables() -> tuple[Any, dict[str, Any]]:
+    """The script's function now calling into overlapkit (its code object: None if
+    none) and its variables."""
     frame, _ = _script_frame()
-    return dict(frame.f_locals) if frame is not None else {}
+    return (frame.f_code, dict(frame.f_locals)) if frame is not None else (None, {})
 
 
 def _script_frame() -> tuple[Any, int]:

@@ -724,6 +724,7 @@ class Session(EpochLoop, SavedState):
             self.end_step()
         self.scheduler.fire(Event.FIT_END, self.state)
         self.scheduler.policy.close()
+        self._check_copies_changed(wait=True)  # (a GPU's sums came one checkpoint late)
         self._warn_if_no_steps()
         updates, steps = self._optimizer_steps, self._steps_this_run
         if self.state.optimizer is not None and 0 < updates != steps:
