@@ -386,8 +386,9 @@ def run_on_ray(
     except OSError as error:
         from ray.exceptions import RayError
 
-        # This machine's own file error (its disk full), not a machine's (a RayError).
-        if not mirroring or isinstance(error, RayError):
+        # This machine's own file error (its disk full), not a machine's (a RayError)
+        # nor the network's (a ConnectionError from Ray's transport).
+        if not mirroring or isinstance(error, (RayError, ConnectionError, TimeoutError)):
             raise
         if mirrors is not None:
             mirrors.stop()  # before the folders move
