@@ -507,7 +507,7 @@ def test_a_trial_the_cluster_has_no_room_for_waits_says_so_and_runs_again_later(
     failure: it is queued again (it was failed for good, with no reason)."""
     path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (1, 4))
     out = tmp_path / "tune"
-    env = {**os.environ, "OVERLAPKIT_RAY_ROOM_TIMEOUT_S": "12"}
+    env = {**os.environ, "OVERLAPKIT_RAY_ROOM_TIMEOUT_S": "4"}  # said at 2 s
     env["http_proxy"] = "http://127.0.0.1:9"  # Ray connects without it: so must the check
     command = ["tune", str(path), "--ray", cluster.address, "--out", str(out)]
     result = subprocess.run(
@@ -517,7 +517,7 @@ def test_a_trial_the_cluster_has_no_room_for_waits_says_so_and_runs_again_later(
     assert result.returncode == 2, result.stderr[-3000:]
     assert "none fits on its live machines now" in result.stdout + result.stderr
     assert "waiting for room on the cluster for 3 machine(s)" in result.stderr
-    assert "found no room within 12 s" in result.stderr
+    assert "found no room within 4 s" in result.stderr
     trials = trials_of(sqlite(out))
     (tried,) = [t for t in trials if t.state == TrialState.FAIL]
     assert tried.user_attrs["failure"] == "no_room" and "no room" in tried.user_attrs["reason"]

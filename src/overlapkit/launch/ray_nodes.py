@@ -474,11 +474,8 @@ def _wait_for_room(
                 f"{_live_machines()}: add machines, or ask for fewer (world.nodes, "
                 "world.nprocs, world.threads)"
             )
-        if (
-            now - started < ROOM_NOTICE_S
-            or busy in said
-            or (not busy and timeout_s <= ROOM_NOTICE_S)
-        ):
+        # Said after ROOM_NOTICE_S, or halfway to a shorter time-out (before giving up).
+        if now - started < min(ROOM_NOTICE_S, timeout_s / 2) or busy in said:
             continue
         said.add(busy)
         why = (
