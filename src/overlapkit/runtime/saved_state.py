@@ -180,7 +180,9 @@ class SavedState:
             if name in self._copies or name in self._copies_told or id(value) in watched:
                 continue
             found = finder.copy_of(value)
-            if found is not None and not (self.holds(value) or self.holds_storage_of(found[0])):
+            if found is None or self.holds(value) or self.holds_storage_of(found[0]):
+                continue
+            with contextlib.suppress(Exception):  # its sums could not be read: not watched
                 self._copies[name] = ModelCopy(value, *found, where=where)
 
     def _check_copies_changed(self, wait: bool = False) -> None:
@@ -200,7 +202,10 @@ class SavedState:
             if value is not copy.value or found is None:
                 del self._copies[name]  # bound anew (watched again below), or no copy now
                 continue
-            if not copy.changed(found[0], wait):
+            try:
+                if not copy.changed(found[0], wait):
+                    continue
+            except Exception:  # noqa: BLE001 - a look that failed fails no checkpoint
                 continue
             del self._copies[name]
             self._copies_told.add(name)
