@@ -80,7 +80,8 @@ def test_a_loader_restarting_its_epoch_after_a_resume_is_told_under_steps_too(tm
 
 
 def test_a_copy_of_the_model_is_told_once_the_run_changes_it_and_a_frozen_one_never(tmp_path):
-    """Unregistered copies of the model: an EMA kept by hand through ``.data`` (which
+    """Unregistered copies of the model: timm's ModelEmaV2 (the copy held as .module),
+    and an EMA kept by hand through ``.data`` (which
     moves no tensor version), first updated after the checkpoint at step 2, is told
     at the checkpoint at step 4 (a resume would start it again as the script made
     it). Never told: a frozen teacher (it was told at the start, as DQN's target
@@ -97,6 +98,19 @@ def test_a_copy_of_the_model_is_told_once_the_run_changes_it_and_a_frozen_one_ne
     with torch.inference_mode():
         reference = copy.deepcopy(model)
     ema, target = copy.deepcopy(model), copy.deepcopy(model)
+
+    class ModelEmaV2(nn.Module):  # timm's: the copy held as .module
+        def __init__(self, model):
+            super().__init__()
+            self.module = copy.deepcopy(model)
+
+        @torch.no_grad()
+        def update(self, model):
+            pairs = zip(self.module.state_dict().values(), model.state_dict().values(), strict=True)
+            for mine, now in pairs:
+                mine.copy_(mine * 0.9 + now * 0.1)
+
+    model_ema = ModelEmaV2(model)
     session = Session([get_optimization("checkpoint")(every=2)], run_dir=tmp_path)
     model, optimizer, loader = session.prepare(model, optimizer, loader)
     with warnings.catch_warnings(record=True) as said:
@@ -114,14 +128,17 @@ def test_a_copy_of_the_model_is_told_once_the_run_changes_it_and_a_frozen_one_ne
             session.optimizer_step()
             with torch.no_grad():
                 target.load_state_dict(model.state_dict())
+            model_ema.update(model)
             if session.state.step >= 2:  # the step after the checkpoint at 2
                 for average, now in zip(ema.parameters(), model.parameters(), strict=True):
                     average.data.mul_(0.9).add_(now.data, alpha=0.1)
         notes = session.finish().get("notes", [])  # the checkpoint at step 4
     told = [str(w.message) for w in said if "not checkpointed" in str(w.message)]
-    assert told_before == 0 and len(told) == 1, told
-    assert told[0].startswith("ema (a Sequential: a copy of the model's weights kept apart")
-    assert f"cannot resume exactly: {told[0]}" in notes
+    assert told_before == 0 and len(told) == 2, told
+    # timm's, at the checkpoint at 2 (updated from the first step on); the EMA at 4.
+    assert told[0].startswith("model_ema (a ModelEmaV2: a copy of the model's weights kept")
+    assert told[1].startswith("ema (a Sequential: a copy of the model's weights kept apart")
+    assert all(f"cannot resume exactly: {t}" in notes for t in told)
 
 
 def test_a_loader_with_a_place_of_its_own_saved_at_an_epochs_end_counts_its_epochs_once(

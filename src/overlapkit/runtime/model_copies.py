@@ -40,8 +40,9 @@ class CopyFinder:
 
     def _copy_of(self, value: Any) -> tuple[list[torch.Tensor], str] | None:
         """The tensors of ``value`` when it copies the model's weights, apart from
-        them, and how to register it: a module of the model's shapes, or an object
-        holding a dict of tensors of its state dict's keys and shapes (None: anything
+        them, and how to register it: a module of the model's shapes (or holding one:
+        timm's ModelEmaV2), or an object holding a dict of tensors of its state dict's
+        keys and shapes (None: anything
         else, the model itself, a wrapper of it). A plain dict is left alone: one
         made anew each step (DQN's soft update builds the target's next state dict in
         a variable) is no state, and nothing tells it from the best weights kept."""
@@ -50,9 +51,14 @@ class CopyFinder:
             return None
         found: tuple[list[torch.Tensor], str] | None = None
         if isinstance(value, nn.Module):
-            state = value.state_dict(keep_vars=True)  # its weights (no scratch buffers)
-            if {k: v.shape for k, v in state.items()} == shapes:
-                found = list(state.values()), "{name}={name}"
+            # It, or a module it holds (timm's ModelEmaV2 keeps its copy as .module).
+            for module in (value, *value.children()):
+                state = module.state_dict(keep_vars=True)  # its weights (no scratch buffers)
+                tensors = list(state.values())
+                same = {k: v.shape for k, v in state.items()} == shapes
+                if same and not any(_storage(t) in self.own for t in tensors):
+                    found = tensors, "{name}={name}"
+                    break
         elif hasattr(value, "__dict__") and not isinstance(value, NOT_HOLDERS):
             for attr, held in vars(value).items():
                 tensors = _state_of(held, shapes) if isinstance(held, dict) else None

@@ -179,6 +179,8 @@ class SavedState:
         for name, value in variables.items():
             if name in self._copies or name in self._copies_told or id(value) in watched:
                 continue
+            if isinstance(value, AveragedModel):
+                continue  # told at the start (its average, even before any change)
             found = finder.copy_of(value)
             if found is None or self.holds(value) or self.holds_storage_of(found[0]):
                 continue
