@@ -21,6 +21,9 @@
   list of names, an ``InfiniteDataLoader`` (a DataLoader over a ``RandomSampler`` with
   replacement, 1e10 samples, read with ``next()``), AdamW, a ``while True`` loop with a
   max-steps break, an evaluation every few steps saving the best model.
+- pytorch/tutorials' ``intermediate_source/char_rnn_classification_tutorial.py``: a
+  CharRNN (``nn.RNN``) over one-hot names, no DataLoader: each epoch the indices
+  ``random.shuffle``d and ``np.array_split`` into minibatches, one forward per name.
 - karpathy/llm.c's ``train_gpt2.py``: GPT-2 on .bin token shards read by its own
   ``DistributedDataLoader`` (``next_batch()``), gradient accumulation with
   ``model.require_backward_grad_sync``, AdamW or ZeroRedundancyOptimizer
@@ -36,6 +39,7 @@ import math
 import os
 import random
 import re
+import string
 import unicodedata
 from collections import deque, namedtuple
 from contextlib import nullcontext
@@ -2847,5 +2851,238 @@ def seq2seq(
         "pairs": len(pairs),
         "encoder": flat(encoder),
         "decoder": flat(decoder),
+        "summary": summary,
+    }
+
+
+# ---------------------------------------------------------------------- char_rnn
+# pytorch/tutorials' intermediate_source/char_rnn_classification_tutorial.py (the
+# current one: NamesDataset, random_split, CharRNN over nn.RNN, a train() that makes
+# its own minibatches), on synthetic name files (the tutorial downloads data/names).
+allowed_characters = string.ascii_letters + " .,;'" + "_"
+n_letters = len(allowed_characters)
+
+
+def unicodeToAsciiName(s):  # noqa: N802 - the tutorial's unicodeToAscii
+    return "".join(
+        c
+        for c in unicodedata.normalize("NFD", s)
+        if unicodedata.category(c) != "Mn" and c in allowed_characters
+    )
+
+
+def letterToIndex(letter):  # noqa: N802
+    # return our out-of-vocabulary character if we encounter a letter unknown to our model
+    if letter not in allowed_characters:
+        return allowed_characters.find("_")
+    else:
+        return allowed_characters.find(letter)
+
+
+def lineToTensor(line):  # noqa: N802
+    tensor = torch.zeros(len(line), 1, n_letters)
+    for li, letter in enumerate(line):
+        tensor[li][0][letterToIndex(letter)] = 1
+    return tensor
+
+
+def synthetic_name_files(folder, per_language: int = 10, seed: int = 0) -> None:
+    """``Language.txt`` files of made-up names, one a line, each language its own
+    letters and endings (a few with accents, which unicodeToAscii strips)."""
+    rng = random.Random(seed)
+    languages = {
+        "Italian": ("bcdfglmnprstv", "aeiou", ("ini", "etti", "one")),
+        "Japanese": ("hkmnstwy", "aiou", ("moto", "saki", "da")),
+        "Polish": ("kwzscpr", "aeoy", ("ski", "czyk", "ak")),
+        "Scottish": ("mcdlgrn", "aeiu", ("son", "ie", "ach")),
+    }
+    for language, (consonants, vowels, endings) in languages.items():
+        names = []
+        for _ in range(per_language):
+            stem = "".join(rng.choice(consonants) + rng.choice(vowels) for _ in range(2))
+            names.append(stem.capitalize() + rng.choice(endings))
+        names[0] = names[0][:-1] + "à"  # Ślusàrski's kind
+        with open(os.path.join(folder, f"{language}.txt"), "w", encoding="utf-8") as f:
+            f.write("\n".join(names) + "\n")
+
+
+class NamesDataset(Dataset):
+    def __init__(self, data_dir):
+        self.data_dir = data_dir  # for provenance of the dataset
+        labels_set = set()  # set of all classes
+
+        self.data = []
+        self.data_tensors = []
+        self.labels = []
+        self.labels_tensors = []
+
+        # read all the ``.txt`` files in the specified directory
+        text_files = sorted(glob.glob(os.path.join(data_dir, "*.txt")))  # (sorted: same order)
+        for filename in text_files:
+            label = os.path.splitext(os.path.basename(filename))[0]
+            labels_set.add(label)
+            with open(filename, encoding="utf-8") as f:  # (the tutorial leaves it open)
+                lines = f.read().strip().split("\n")
+            for name in lines:
+                name = unicodeToAsciiName(name)
+                self.data.append(name)
+                self.data_tensors.append(lineToTensor(name))
+                self.labels.append(label)
+
+        # Cache the tensor representation of the labels
+        self.labels_uniq = sorted(labels_set)  # (list(labels_set): by PYTHONHASHSEED)
+        for idx in range(len(self.labels)):
+            temp_tensor = torch.tensor([self.labels_uniq.index(self.labels[idx])], dtype=torch.long)
+            self.labels_tensors.append(temp_tensor)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, idx):
+        data_item = self.data[idx]
+        data_label = self.labels[idx]
+        data_tensor = self.data_tensors[idx]
+        label_tensor = self.labels_tensors[idx]
+
+        return label_tensor, data_tensor, data_label, data_item
+
+
+class CharRNN(nn.Module):
+    def __init__(self, input_size, hidden_size, output_size):
+        super().__init__()
+
+        self.rnn = nn.RNN(input_size, hidden_size)
+        self.h2o = nn.Linear(hidden_size, output_size)
+        self.softmax = nn.LogSoftmax(dim=1)
+
+    def forward(self, line_tensor):
+        rnn_out, hidden = self.rnn(line_tensor)
+        output = self.h2o(hidden[0])
+        output = self.softmax(output)
+
+        return output
+
+
+def label_from_output(output, output_labels):
+    top_n, top_i = output.topk(1)
+    label_i = top_i[0].item()
+    return output_labels[label_i], label_i
+
+
+def char_rnn(
+    session: Session | None,
+    data_dir: str,
+    n_epoch: int = 3,
+    n_hidden: int = 8,
+    n_batch_size: int = 8,
+    learning_rate: float = 0.15,
+    way: str = "range",
+    register: tuple[str, ...] = ("batches",),
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """The tutorial's ``train(rnn, train_set, n_epoch, n_batch_size, report_every,
+    learning_rate, criterion)``: SGD; each epoch a list of the sample indices
+    ``random.shuffle``d and ``np.array_split`` into len // n_batch_size minibatches;
+    per minibatch one forward per name (its own length), the losses summed, one
+    backward, clip_grad_norm_ 3, step, zero_grad; then ``evaluate`` on the test set
+    (the confusion matrix, no plot). Seeded (random, torch: the tutorial is not).
+    Ported (``way``): ``range``: the prepared loader is ``range(n_batches)``, each
+    step the index of the epoch's minibatch; ``epoch``: no loader prepared, each
+    epoch's list of minibatches iterated through ``session.epoch(batches)``.
+    ``register``: ``batches`` (the epoch's minibatches, given to `Session.start`: a
+    resume mid-epoch goes on with them, not a new shuffle) or nothing. ``stop_after``:
+    the script stops after that many minibatches. Returns each minibatch's loss, each
+    epoch's average (as all_losses), the confusion matrix, the parameters and the
+    summary."""
+    random.seed(0)
+    torch.manual_seed(0)
+    device = "cpu"
+    alldata = NamesDataset(data_dir)
+    train_set, test_set = torch.utils.data.random_split(
+        alldata, [0.85, 0.15], generator=torch.Generator(device=device).manual_seed(2024)
+    )
+    rnn = CharRNN(n_letters, n_hidden, len(alldata.labels_uniq))
+    losses: list[float] = []
+
+    def train(rnn, training_data, n_epoch=10, n_batch_size=64, report_every=50,
+              learning_rate=0.2, criterion=nn.NLLLoss()):  # noqa: B008  # fmt: skip
+        # Keep track of losses for plotting
+        current_loss = 0
+        all_losses = []
+        rnn.train()
+        optimizer = torch.optim.SGD(rnn.parameters(), lr=learning_rate)
+
+        n_batches = len(training_data) // n_batch_size
+        first, steps, batches, resumed = 1, None, None, False
+        if session is not None:
+            loader = range(n_batches) if way == "range" else None
+            rnn, optimizer, steps = session.prepare(rnn, optimizer, loader)
+            getters = {"batches": lambda: [b.tolist() for b in batches or []]}
+            start = session.start(**{name: getters[name] for name in register})
+            first = start.epoch + 1
+            if start.batch > 0 and "batches" in register:
+                batches, resumed = [np.array(b) for b in start.values["batches"]], True
+        for iter in range(first, n_epoch + 1):  # noqa: A001, B007 - the tutorial's
+            rnn.zero_grad()  # clear the gradients
+
+            # create some minibatches
+            # we cannot use dataloaders because each of our names is a different length
+            if resumed:  # the epoch the checkpoint was taken in: its minibatches
+                resumed = False
+            else:
+                batches = list(range(len(training_data)))
+                random.shuffle(batches)
+                batches = np.array_split(batches, len(batches) // n_batch_size)
+
+            if session is None:
+                pairs = enumerate(batches)
+            elif way == "range":
+                pairs = ((idx, batches[idx]) for idx in steps)
+            else:
+                pairs = enumerate(session.epoch(batches))
+            for idx, batch in pairs:  # noqa: B007 - the tutorial's
+                batch_loss = 0
+                for i in batch:  # for each example in this batch
+                    (label_tensor, text_tensor, label, text) = training_data[i]
+                    output = rnn.forward(text_tensor)
+                    loss = criterion(output, label_tensor)
+                    batch_loss += loss
+
+                # optimize parameters
+                batch_loss.backward()
+                nn.utils.clip_grad_norm_(rnn.parameters(), 3)
+                optimizer.step()
+                optimizer.zero_grad()
+
+                current_loss += batch_loss.item() / len(batch)
+                losses.append(batch_loss.item())
+                if len(losses) == stop_after:
+                    return all_losses
+
+            all_losses.append(current_loss / len(batches))
+            current_loss = 0
+
+        return all_losses
+
+    all_losses = train(rnn, train_set, n_epoch=n_epoch, n_batch_size=n_batch_size,
+                       learning_rate=learning_rate, report_every=1)  # fmt: skip
+    summary = session.finish() if session is not None else None
+
+    classes = alldata.labels_uniq
+    confusion = torch.zeros(len(classes), len(classes))
+    rnn.eval()  # set to eval mode
+    with torch.no_grad():  # do not record the gradients during eval phase
+        for i in range(len(test_set)):
+            (label_tensor, text_tensor, label, text) = test_set[i]
+            output = rnn(text_tensor)
+            guess, guess_i = label_from_output(output, classes)
+            label_i = classes.index(label)
+            confusion[label_i][guess_i] += 1
+    return {
+        "losses": losses,
+        "averages": all_losses,
+        "confusion": confusion,
+        "sizes": (len(train_set), len(test_set)),
+        "params": flat(rnn),
         "summary": summary,
     }

@@ -270,6 +270,19 @@ class EpochLoop:
         before = self._batches_before_resume
         if not before or getattr(loader, "position", None) is not None:
             return
+        if isinstance(loader, SEQUENCES):  # not prepared: session.epoch(batches)
+            self._batches_before_resume = 0
+            message = (
+                f"the checkpoint was taken after batch {before} of epoch {self._epoch}, and "
+                f"the script's {type(loader).__name__} of batches, given to session.epoch() "
+                "but not to prepare(), has no place in the epoch: it starts again at its "
+                f"first batch, so the {before} batches before the checkpoint are trained "
+                "twice. Give prepare() what has the same batches every epoch (a list, or "
+                "range(n_batches) to index the epoch's own list by)"
+            )
+            self.notes.append(f"cannot resume exactly: {message}")
+            warn(message)
+            return
         if not hasattr(loader, "state_dict"):
             return  # told at prepare: it restarts its epoch after a resume
         try:
