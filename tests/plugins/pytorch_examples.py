@@ -28,12 +28,16 @@
   ``DistributedDataLoader`` (``next_batch()``), gradient accumulation with
   ``model.require_backward_grad_sync``, AdamW or ZeroRedundancyOptimizer
   (``--zero_stage 1``), a cosine lr set by hand, clip_grad_norm_, a periodic val loss.
+- pytorch/tutorials' ``beginner_source/transfer_learning_tutorial.py``: finetuning a
+  resnet18 (TinyResNet here) with its ``fc`` replaced, ``train_model``'s train and val
+  phases each epoch through one model, a StepLR, the best weights kept and loaded back.
 
 Each runs as the plain script (``session=None``) or ported; the 2-rank programs run
 inside `launch_local`'s ranks (gloo on localhost)."""
 
 from __future__ import annotations
 
+import copy
 import glob
 import math
 import os
@@ -46,6 +50,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import count
 from math import ceil
+from tempfile import TemporaryDirectory
 from types import SimpleNamespace
 from typing import Any
 
@@ -760,6 +765,11 @@ class TinyResNet(nn.Module):
             inplanes = width
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(inplanes, num_classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 def resnet18(weights=None):
@@ -3084,5 +3094,174 @@ def char_rnn(
         "confusion": confusion,
         "sizes": (len(train_set), len(test_set)),
         "params": flat(rnn),
+        "summary": summary,
+    }
+
+
+# --------------------------------------------------------------- transfer_learning
+# pytorch/tutorials' beginner_source/transfer_learning_tutorial.py: train_model(), its
+# train and val phases each epoch, the best weights kept in a temporary file (or, in
+# older versions, a deepcopy of the state dict) and loaded back at the end.
+def transfer_learning(
+    session: Session | None,
+    num_epochs: int = 3,
+    batch_size: int = 4,
+    images: int = 16,
+    keep: str = "file",
+    register: tuple[str, ...] = ("exp_lr_scheduler", "best_acc", "best_model"),
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """The tutorial's finetuning (``model_ft``: resnet18, its ``fc`` replaced by a
+    2-class Linear, CrossEntropyLoss, SGD lr 0.001 momentum 0.9, StepLR step_size 7
+    gamma 0.1, here step_size 2) through ``train_model``: per epoch a ``train`` phase
+    (shuffled, model.train()) then a ``val`` phase (model.eval(), the same model,
+    under ``torch.set_grad_enabled(False)``), ``scheduler.step()`` after the train
+    phase, the best val accuracy's weights saved (``keep``: ``"file"``, torch.save to
+    a TemporaryDirectory as now; ``"copy"``, copy.deepcopy(model.state_dict()) as
+    before) and loaded back at the end. TinyResNet for the pretrained resnet18 (its
+    "pretrained" weights the seeded init), ``images`` synthetic 3x32x32 images a phase
+    for hymenoptera_data, num_workers 0. Ported: the train loader prepared, its phase
+    iterating it; ``register`` names what is given to `Session.start` (the schedule,
+    ``best_acc`` and the best weights as values, taken back from ``start.values``).
+    ``stop_after``: the script stops after that many steps. Returns each step's loss,
+    each phase's (loss, acc) as printed (a resumed epoch's train figures are of the
+    batches this run trained), best_acc, the final parameters and the summary."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    image_datasets = {
+        x: TensorDataset(
+            torch.randn(images, 3, 32, 32, generator=generator),
+            torch.arange(images) % 2,
+        )
+        for x in ["train", "val"]
+    }
+    dataloaders = {
+        x: DataLoader(image_datasets[x], batch_size=batch_size, shuffle=(x == "train"))
+        for x in ["train", "val"]
+    }
+    dataset_sizes = {x: len(image_datasets[x]) for x in ["train", "val"]}
+    device = torch.device("cpu")
+    losses: list[float] = []
+    history: list[tuple[str, float, float]] = []
+
+    def train_model(model, criterion, optimizer, scheduler, num_epochs=25):
+        # Create a temporary directory to save training checkpoints
+        with TemporaryDirectory() as tempdir:
+            best_model_params_path = os.path.join(tempdir, "best_model_params.pt")
+            if keep == "file":
+                torch.save(model.state_dict(), best_model_params_path)
+            else:
+                best_model_wts = copy.deepcopy(model.state_dict())
+            best_acc = 0.0
+
+            first = 0
+            if session is not None:
+                model, optimizer, dataloaders["train"] = session.prepare(
+                    model, optimizer, dataloaders["train"]
+                )
+
+                def best_model():
+                    if keep == "file":
+                        return torch.load(best_model_params_path, weights_only=True)
+                    return best_model_wts
+
+                getters: dict[str, Any] = {
+                    "exp_lr_scheduler": scheduler,
+                    "best_acc": lambda: best_acc,
+                    "best_model": best_model,
+                }
+                start = session.start(
+                    **{name: getters[name] for name in register}, history=lambda: history
+                )
+                first, values = start.epoch, start.values
+                if start.resumed_from is not None:
+                    history[:] = values["history"]
+                    if "best_acc" in register:
+                        best_acc = values["best_acc"]
+                    if "best_model" in register and keep == "file":
+                        torch.save(values["best_model"], best_model_params_path)
+                    elif "best_model" in register:
+                        best_model_wts = values["best_model"]
+
+            for epoch in range(first, num_epochs):  # noqa: B007 - the tutorial's loop
+                # Each epoch has a training and validation phase
+                for phase in ["train", "val"]:
+                    if phase == "train":
+                        model.train()  # Set model to training mode
+                    else:
+                        model.eval()  # Set model to evaluate mode
+
+                    running_loss = 0.0
+                    running_corrects = 0
+
+                    # Iterate over data.
+                    for inputs, labels in dataloaders[phase]:
+                        inputs = inputs.to(device)
+                        labels = labels.to(device)
+
+                        # zero the parameter gradients
+                        optimizer.zero_grad()
+
+                        # forward
+                        # track history if only in train
+                        with torch.set_grad_enabled(phase == "train"):
+                            outputs = model(inputs)
+                            _, preds = torch.max(outputs, 1)
+                            loss = criterion(outputs, labels)
+
+                            # backward + optimize only if in training phase
+                            if phase == "train":
+                                loss.backward()
+                                optimizer.step()
+
+                        # statistics
+                        running_loss += loss.item() * inputs.size(0)
+                        running_corrects += torch.sum(preds == labels.data)
+                        if phase == "train":
+                            losses.append(loss.item())
+                            if len(losses) == stop_after:
+                                return model, best_acc
+                    if phase == "train":
+                        scheduler.step()
+
+                    epoch_loss = running_loss / dataset_sizes[phase]
+                    epoch_acc = (running_corrects.double() / dataset_sizes[phase]).item()
+                    history.append((phase, epoch_loss, epoch_acc))
+
+                    # deep copy the model
+                    if phase == "val" and epoch_acc > best_acc:
+                        best_acc = epoch_acc
+                        if keep == "file":
+                            torch.save(model.state_dict(), best_model_params_path)
+                        else:
+                            best_model_wts = copy.deepcopy(model.state_dict())
+
+            # load best model weights
+            if keep == "file":
+                model.load_state_dict(torch.load(best_model_params_path, weights_only=True))
+            else:
+                model.load_state_dict(best_model_wts)
+        return model, best_acc
+
+    model_ft = resnet18(weights="IMAGENET1K_V1")
+    num_ftrs = model_ft.fc.in_features
+    # Here the size of each output sample is set to 2.
+    model_ft.fc = nn.Linear(num_ftrs, 2)
+    model_ft = model_ft.to(device)
+    criterion = nn.CrossEntropyLoss()
+    # Observe that all parameters are being optimized
+    optimizer_ft = optim.SGD(model_ft.parameters(), lr=0.001, momentum=0.9)
+    # Decay LR by a factor of 0.1 every 7 epochs (every 2 here)
+    exp_lr_scheduler = StepLR(optimizer_ft, step_size=2, gamma=0.1)
+    model_ft, best_acc = train_model(
+        model_ft, criterion, optimizer_ft, exp_lr_scheduler, num_epochs=num_epochs
+    )
+    summary = session.finish() if session is not None else None
+    return {
+        "losses": losses,
+        "history": history,
+        "best_acc": best_acc,
+        "lr": optimizer_ft.param_groups[0]["lr"],
+        "params": flat(model_ft),
         "summary": summary,
     }

@@ -22,6 +22,7 @@ from ..data import (
     sampler_note,
 )
 from .optimization import Optimization
+from .rng import capture_rng, same_host_rng
 from .script import Start, StepLoader, note, warn
 
 if TYPE_CHECKING:
@@ -184,6 +185,7 @@ class EpochLoop:
                     return
                 self._epoch_batches += 1
                 self._check_restarted_epoch(loader)
+                self._check_draws_before_resumed_batch()
                 updates = self._updates_so_far
                 yield self._arrived(batch)
                 if self._resumed_mid_epoch is not None:
@@ -217,8 +219,34 @@ class EpochLoop:
                 self.end_step()
 
     def _watch_resumed_batch(self, start: Start) -> None:
-        """A resume mid-epoch: what the script does with its first batch is checked."""
+        """A resume mid-epoch: what the script does before its first batch (its draws)
+        and with it is checked."""
         self._resumed_mid_epoch = (start.epoch, start.batch) if start.batch > 0 else None
+        self._rng_at_resume = capture_rng() if self._resumed_mid_epoch else None
+
+    def _check_draws_before_resumed_batch(self) -> None:
+        """The first batch after a resume mid-epoch arrives: the script drew from
+        Python's random or NumPy since the resume, at the top of its epoch loop (a
+        shuffle of the epoch's minibatches, as the char-RNN tutorial makes them). In
+        the run never stopped those draws came before the checkpoint, from another
+        state: the rest of the epoch was other minibatches, silently. (Torch's RNG is
+        not looked at: a DataLoader's iterator draws its seed from it there too.)"""
+        saved, self._rng_at_resume = self._rng_at_resume, None
+        if saved is None:
+            return
+        if same_host_rng(capture_rng(), saved):
+            return
+        epoch, batch = self._resumed_mid_epoch or (self._epoch, 0)
+        message = (
+            f"the script drew from Python's random or NumPy after the resume and before "
+            f"batch {batch} of epoch {epoch} came (a shuffle of the epoch's batches at the "
+            "top of its epoch loop?): in the run never stopped those draws came before "
+            "the checkpoint, from another state, so the rest of this epoch is drawn "
+            "otherwise (unless the script seeds them itself). Register what they made, "
+            "session.start(batches=lambda: batches), and take it back from start.values"
+        )
+        self.notes.append(f"cannot resume exactly: {message}")
+        warn(message)
 
     def _check_first_resumed_batch(self, updates: int) -> None:
         """The first batch after a resume mid-epoch is done: a script that went past it

@@ -184,6 +184,7 @@ class Session(EpochLoop, SavedState):
         self._rng_at_save: tuple[Path, dict[str, Any]] | None = None  # the last save's
         # (epoch, batch) of a resume mid-epoch, until its first batch is done (watched)
         self._resumed_mid_epoch: tuple[int, int] | None = None
+        self._rng_at_resume: dict[str, Any] | None = None  # as the resume left it
         self._values = PlainValues()
         self._plain_calls = PlainCalls(self)
         self._schedule: PreparedSchedule | None = None
