@@ -41,11 +41,9 @@ class CopyFinder:
     def _copy_of(self, value: Any) -> tuple[list[torch.Tensor], str] | None:
         """The tensors of ``value`` when it copies the model's weights, apart from
         them, and how to register it: a module of the model's shapes (or holding one:
-        timm's ModelEmaV2), or an object holding a dict of tensors of its state dict's
-        keys and shapes (None: anything
-        else, the model itself, a wrapper of it). A plain dict is left alone: one
-        made anew each step (DQN's soft update builds the target's next state dict in
-        a variable) is no state, and nothing tells it from the best weights kept."""
+        timm's ModelEmaV2), a dict of tensors of its state dict's keys and shapes (the
+        best weights kept), or an object holding such a dict (None: anything else,
+        the model itself, a wrapper of it)."""
         shapes = self.shapes
         if not shapes:
             return None
@@ -59,6 +57,9 @@ class CopyFinder:
                 if same and not any(_storage(t) in self.own for t in tensors):
                     found = tensors, "{name}={name}"
                     break
+        elif isinstance(value, dict):
+            tensors = _state_of(value, shapes)
+            found = None if tensors is None else (tensors, "{name}=lambda: {name}")
         elif hasattr(value, "__dict__") and not isinstance(value, NOT_HOLDERS):
             for attr, held in vars(value).items():
                 tensors = _state_of(held, shapes) if isinstance(held, dict) else None
@@ -86,6 +87,19 @@ def _storage(tensor: torch.Tensor) -> int | None:
         return tensor.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001 - a sparse tensor: no storage of its own
         return None
+
+
+def same_weights(tensors: list[torch.Tensor], module: nn.Module) -> bool:
+    """Whether ``tensors`` are, bit for bit, ``module``'s weights now (a state dict
+    made from it this step: DQN's soft update's, loaded into its target network)."""
+    state = list(module.state_dict().values())
+    if len(state) != len(tensors):
+        return False
+    with torch.no_grad():
+        return all(
+            a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b.to(a.device))
+            for a, b in zip(tensors, state, strict=True)
+        )
 
 
 def _state_of(held: dict[Any, Any], shapes: dict[str, torch.Size]) -> list[torch.Tensor] | None:

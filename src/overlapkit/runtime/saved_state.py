@@ -17,7 +17,7 @@ from torch.optim.swa_utils import AveragedModel
 from ..data import SequenceLoader
 from .arguments import check_not_sharded
 from .batch import tensors_in
-from .model_copies import CopyFinder, ModelCopy
+from .model_copies import CopyFinder, ModelCopy, same_weights
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng, same_rng
 from .script import Start, note, script_locals, script_variables, warn
@@ -187,6 +187,18 @@ class SavedState:
             with contextlib.suppress(Exception):  # its sums could not be read: not watched
                 self._copies[name] = ModelCopy(value, *found, where=where)
 
+    def _weights_kept(
+        self, value: Any, found: tuple[list[torch.Tensor], str] | None, modules: list[Any]
+    ) -> bool:
+        """``value``, a dict of the model's weights bound anew since the last look,
+        holds weights none of ``modules`` does: the best so far (transfer_learning's
+        ``best_model_wts = copy.deepcopy(model.state_dict())``), not the model's own
+        nor those of a module a checkpoint or this watch holds (DQN's soft update
+        builds its target network's next state dict in a variable each step)."""
+        if not isinstance(value, dict) or found is None:
+            return False
+        return not any(same_weights(found[0], m) for m in modules)
+
     def _check_copies_changed(self, wait: bool = False) -> None:
         """As a checkpoint is taken (and as the run ends: ``wait`` for a GPU's sums):
         an unregistered copy of the model's weights that the run changed since it was
@@ -198,23 +210,31 @@ class SavedState:
         if finder is None:  # not watching: no checkpoints, or no script's
             return
         where, variables = script_variables()
+        modules = [self._raw_model, *self._stateful.values()]
+        modules += [copy.value for copy in self._copies.values()]
+        modules += list(self._copies_told.values())
+        modules = [m for m in modules if isinstance(m, torch.nn.Module)]
         for name, copy in list(self._copies.items()):
             value = variables.get(name, copy.value) if where is copy.where else copy.value
             found = finder.copy_of(value)
-            if value is not copy.value or found is None:
-                del self._copies[name]  # bound anew (watched again below), or no copy now
-                continue
             try:
-                if not copy.changed(found[0], wait):
+                if value is not copy.value or found is None:
+                    if not self._weights_kept(value, found, modules):
+                        # Bound anew (watched again below: a copy made for an evaluation,
+                        # a state dict built this step), or no copy now.
+                        del self._copies[name]
+                        continue
+                elif not copy.changed(found[0], wait):
                     continue
             except Exception:  # noqa: BLE001 - a look that failed fails no checkpoint
                 continue
             del self._copies[name]
-            self._copies_told.add(name)
+            self._copies_told[name] = copy.value
             register = copy.register.format(name=name)
             message = (
                 f"{name} (a {type(copy.value).__name__}: a copy of the model's weights kept "
-                "apart from it, changed by the run: a target network, an EMA kept by hand) "
+                "apart from it, changed by the run: a target network, an EMA kept by hand, "
+                "the best weights so far) "
                 "is not checkpointed: a resumed run would start it again as the script "
                 "made it, whatever the run did to it since. Register it: "
                 f"session.start({register}), and take it back from start.values if it is "

@@ -177,7 +177,7 @@ class Session(EpochLoop, SavedState):
         self._save_warned: set[str] = set()  # kinds of session.save() told inexact
         # Unregistered copies of the model, watched until the run changes them.
         self._copies: dict[str, ModelCopy] = {}
-        self._copies_told: set[str] = set()
+        self._copies_told: dict[str, Any] = {}  # (and what they named)
         self._copy_finder: CopyFinder | None = None  # set while copies are watched
         self._saves = 0  # session.save() calls on this rank (the ranks meet at each)
         self._save_meetings: str | None = None  # their names' prefix (`meet_for_saves_from`)
