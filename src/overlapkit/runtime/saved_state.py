@@ -118,10 +118,17 @@ class SavedState:
             or any(value is state.optimizer for value in getattr(obj, "__dict__", {}).values())
         ]
         if scheduled and state.lr_scheduler is None and not schedules:
+            # By the script's own name for it (transfer_learning's exp_lr_scheduler).
+            named = [
+                name
+                for name, value in script_locals().items()
+                if isinstance(value, LRScheduler) and value.optimizer is state.optimizer
+            ]
+            name = named[0] if named else "lr_scheduler"
             unsaved.append(
                 "the optimizer's LR schedule is not checkpointed: a resumed run would start "
-                "its count again, from the saved learning rate. Register it: "
-                "session.start(lr_scheduler=lr_scheduler) (one stepped per epoch; one "
+                f"its count again, from the saved learning rate. Register it: "
+                f"session.start({name}={name}) (one stepped per epoch; one "
                 "stepped per update can go to prepare() instead)"
             )
         for name, value in script_locals().items():
