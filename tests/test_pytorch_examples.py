@@ -809,7 +809,7 @@ def test_a_char_rnn_port_is_the_tutorial_bit_for_bit_and_resumes_mid_epoch_exact
         # Left out: what it says (it was said nowhere).
         (said,) = resumed["summary"]["notes"]
         assert said.startswith("cannot resume exactly: the script drew from Python's random")
-        assert "before batch 2 of epoch 1 came" in said
+        assert "before batch 2 of epoch 1 was asked for" in said
 
 
 def test_a_char_rnn_list_of_minibatches_not_prepared_is_told_after_a_resume(tmp_path):

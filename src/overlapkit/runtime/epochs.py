@@ -161,6 +161,9 @@ class EpochLoop:
                 # A loader that has handed out its whole epoch ends it with no step begun:
                 # a checkpoint due now is taken at the next step's start, after the
                 # script's end-of-epoch code (its evaluation, an lr annealed by hand).
+                # Before the loader loads (a dataset drawing in __getitem__, no workers:
+                # those draws are where they were in the run never stopped).
+                self._check_draws_before_resumed_batch(loader)
                 over = _handed_out(loader)
                 if not over:
                     self.start_step()
@@ -185,7 +188,6 @@ class EpochLoop:
                     return
                 self._epoch_batches += 1
                 self._check_restarted_epoch(loader)
-                self._check_draws_before_resumed_batch()
                 updates = self._updates_so_far
                 yield self._arrived(batch)
                 if self._resumed_mid_epoch is not None:
@@ -224,7 +226,7 @@ class EpochLoop:
         self._resumed_mid_epoch = (start.epoch, start.batch) if start.batch > 0 else None
         self._rng_at_resume = capture_rng() if self._resumed_mid_epoch else None
 
-    def _check_draws_before_resumed_batch(self) -> None:
+    def _check_draws_before_resumed_batch(self, loader: Any) -> None:
         """The first batch after a resume mid-epoch arrives: the script drew from
         Python's random or NumPy since the resume, at the top of its epoch loop (a
         shuffle of the epoch's minibatches, as the char-RNN tutorial makes them). In
@@ -232,14 +234,14 @@ class EpochLoop:
         state: the rest of the epoch was other minibatches, silently. (Torch's RNG is
         not looked at: a DataLoader's iterator draws its seed from it there too.)"""
         saved, self._rng_at_resume = self._rng_at_resume, None
-        if saved is None:
-            return
+        if saved is None or hasattr(loader, "inner"):
+            return  # (under prefetch its feeder thread has been loading meanwhile)
         if same_host_rng(capture_rng(), saved):
             return
         epoch, batch = self._resumed_mid_epoch or (self._epoch, 0)
         message = (
             f"the script drew from Python's random or NumPy after the resume and before "
-            f"batch {batch} of epoch {epoch} came (a shuffle of the epoch's batches at the "
+            f"batch {batch} of epoch {epoch} was asked for (a shuffle of the epoch's batches at the "
             "top of its epoch loop?): in the run never stopped those draws came before "
             "the checkpoint, from another state, so the rest of this epoch is drawn "
             "otherwise (unless the script seeds them itself). Register what they made, "
@@ -445,7 +447,9 @@ class EpochLoop:
             batch=int(position or 0),
             resumed_from=self.state.resumed_from,
             values=self._values.current(),
-            placed=position is not None or not hasattr(loader, "state_dict"),
+            # (no loader prepared: a list given to epoch() starts its pass again)
+            placed=loader is not None
+            and (position is not None or not hasattr(loader, "state_dict")),
         )
 
     def check_plain_step(self) -> None:

@@ -27,6 +27,7 @@ class CopyFinder:
     """Tells copies of ``model``'s weights kept apart from them (see `copy_of`)."""
 
     def __init__(self, model: nn.Module) -> None:
+        model = getattr(model, "_orig_mod", model)  # compiled: its own names, not _orig_mod.
         self.shapes = _shapes(model) or {}  # none (a lazy module's): nothing is a copy
         self.own = {_storage(t) for t in (*model.parameters(), *model.buffers())}
 
@@ -119,6 +120,8 @@ class ModelCopy:
         self.value = value
         self.register = register  # session.start's argument, "{name}" to fill in
         self.where = where  # the code of the function whose variable names it
+        self.kept = False  # a dict bound to weights nothing else held: told if it stays
+        self.seen_at = 0  # the step it was first seen at
         self.tensors = tensors  # held: an id is never reused while watched
         self.versions = _versions(tensors)
         self.sums = _sums(tensors).cpu()

@@ -119,11 +119,14 @@ class SavedState:
         ]
         if scheduled and state.lr_scheduler is None and not schedules:
             # By the script's own name for it (transfer_learning's exp_lr_scheduler).
-            named = [
-                name
+            schedulers = {
+                name: value
                 for name, value in script_locals().items()
                 if isinstance(value, LRScheduler) and value.optimizer is state.optimizer
-            ]
+            }
+            inner = {id(s) for v in schedulers.values() for s in getattr(v, "_schedulers", [])}
+            # The outermost (a SequentialLR's, not its warm-up's: that left its milestones).
+            named = [name for name, value in schedulers.items() if id(value) not in inner]
             name = named[0] if named else "lr_scheduler"
             unsaved.append(
                 "the optimizer's LR schedule is not checkpointed: a resumed run would start "
@@ -193,6 +196,7 @@ class SavedState:
                 continue
             with contextlib.suppress(Exception):  # its sums could not be read: not watched
                 self._copies[name] = ModelCopy(value, *found, where=where)
+                self._copies[name].seen_at = self.state.step
 
     def _weights_kept(
         self, value: Any, found: tuple[list[torch.Tensor], str] | None, modules: list[Any]
@@ -204,7 +208,9 @@ class SavedState:
         builds its target network's next state dict in a variable each step)."""
         if not isinstance(value, dict) or found is None:
             return False
-        return not any(same_weights(found[0], m) for m in modules)
+        # A module's, or one it holds (a registered AveragedModel's .module).
+        held = [sub for m in modules for sub in (m, *m.children())]
+        return not any(same_weights(found[0], m) for m in held)
 
     def _check_copies_changed(self, wait: bool = False) -> None:
         """As a checkpoint is taken (and as the run ends: ``wait`` for a GPU's sums):
@@ -221,17 +227,23 @@ class SavedState:
         modules += [copy.value for copy in self._copies.values()]
         modules += list(self._copies_told.values())
         modules = [m for m in modules if isinstance(m, torch.nn.Module)]
+        rebound: dict[str, bool] = {}  # bound anew since the last look: to weights kept?
         for name, copy in list(self._copies.items()):
             value = variables.get(name, copy.value) if where is copy.where else copy.value
             found = finder.copy_of(value)
             try:
                 if value is not copy.value or found is None:
-                    if not self._weights_kept(value, found, modules):
-                        # Bound anew (watched again below: a copy made for an evaluation,
-                        # a state dict built this step), or no copy now.
-                        del self._copies[name]
-                        continue
-                elif not copy.changed(found[0], wait):
+                    # Bound anew, watched again below (a copy made for an evaluation, a
+                    # state dict built each step), or no copy now. A dict bound anew to
+                    # weights nothing else holds, still that dict at the next look, is
+                    # weights kept (the best so far): told then.
+                    rebound[name] = self._weights_kept(value, found, modules)
+                    del self._copies[name]
+                    continue
+                # Kept weights are told once a step went by with them still named (at
+                # the run's end right after a checkpoint, a dict built each step stays).
+                kept = copy.kept and self.state.step > copy.seen_at
+                if not kept and not copy.changed(found[0], wait):
                     continue
             except Exception:  # noqa: BLE001 - a look that failed fails no checkpoint
                 continue
@@ -249,8 +261,10 @@ class SavedState:
             )
             self.notes.append(f"cannot resume exactly: {message}")
             warn(message)
-        if not wait:
-            self._watch_copies(where, variables)  # those made since (airbench's lookahead)
+        self._watch_copies(where, variables)  # those made since (airbench's lookahead)
+        for name, kept in rebound.items():
+            if name in self._copies:
+                self._copies[name].kept = kept
 
     def check_saves_left_behind(self) -> None:
         """As a run without the checkpoint optimization starts afresh: `save` wrote
