@@ -20,7 +20,7 @@ from .batch import tensors_in
 from .model_copies import CopyFinder, ModelCopy, same_weights
 from .optimization import optimization_class
 from .rng import capture_rng, restore_rng, same_rng
-from .script import Start, note, script_locals, script_variables, warn
+from .script import Start, note, script_variables, warn
 from .state import temporarily
 
 # A rank that has waited this long in `save` for the others to call it says so.
@@ -109,6 +109,7 @@ class SavedState:
                 )
             return
         unsaved = []
+        where, variables = script_variables()  # the function starting the run's
         scheduled = any("initial_lr" in group for group in state.optimizer.param_groups)
         # torch's schedules, or another library's that steps this optimizer (timm's).
         schedules = [
@@ -121,7 +122,7 @@ class SavedState:
             # By the script's own name for it (transfer_learning's exp_lr_scheduler).
             schedulers = {
                 name: value
-                for name, value in script_locals().items()
+                for name, value in variables.items()
                 if isinstance(value, LRScheduler) and value.optimizer is state.optimizer
             }
             inner = {id(s) for v in schedulers.values() for s in getattr(v, "_schedulers", [])}
@@ -134,14 +135,14 @@ class SavedState:
                 f"session.start({name}={name}) (one stepped per epoch; one "
                 "stepped per update can go to prepare() instead)"
             )
-        for name, value in script_locals().items():
+        for name, value in variables.items():
             if isinstance(value, AveragedModel) and not self.holds(value):
                 unsaved.append(
                     f"{name} (an AveragedModel) is not checkpointed: a resumed run would "
                     f"start its average again. Register it: session.start({name}={name})"
                 )
-        unsaved += self._unsaved_optimizers(script_locals())
-        self._watch_copies(*script_variables())  # told once the run changes them
+        unsaved += self._unsaved_optimizers(variables)
+        self._watch_copies(where, variables)  # told once the run changes them
         for message in unsaved:
             self.notes.append(f"cannot resume exactly: {message}")
             warn(message)

@@ -494,11 +494,6 @@ def warn(message: str) -> None:
     warnings.warn(message, LoopWarning, stacklevel=level if frame is not None else 2)
 
 
-def script_locals() -> dict[str, Any]:
-    """The variables of the script's function now calling into overlapkit."""
-    return script_variables()[1]
-
-
 def script_variables() -> tuple[Any, dict[str, Any]]:
     """The script's function now calling into overlapkit (its code object: None if
     none) and its variables."""
