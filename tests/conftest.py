@@ -96,6 +96,19 @@ def run_cli(
     return forked_cli.run([str(a) for a in args], timeout, cwd or ROOT)
 
 
+def most_at_once(trials) -> int:
+    """The most of ``trials`` (Optuna's) that ran at once."""
+    events = sorted(
+        [(t.datetime_start, 1) for t in trials] + [(t.datetime_complete, -1) for t in trials],
+        key=lambda e: (e[0], e[1]),
+    )
+    now = best = 0
+    for _, change in events:
+        now += change
+        best = max(best, now)
+    return best
+
+
 def step_losses(run: Path) -> dict[tuple[int, int], float]:
     """A run folder's steps.jsonl: (step, rank) -> that rank's loss."""
     records = map(json.loads, (run / "steps.jsonl").read_text().splitlines())

@@ -932,49 +932,6 @@ def test_ctrl_c_while_the_trials_server_imports_torch_prints_no_traceback(tmp_pa
     assert probe.read_text() == "True"
 
 
-def test_ctrl_c_while_a_tune_worker_imports_stops_it_quietly(tmp_path):
-    """`tune --workers K` starts K fresh interpreters, in the terminal's process group,
-    that imported torch and optuna for a second or more as they read their arguments,
-    before their Ctrl-C handler was set: Ctrl-C then printed a traceback from each (as
-    this test, started the old way, at `runner._worker_process`). Played as the signal
-    itself, sent as the worker imports the tuner; it stops quietly (130), no trial run."""
-    program = tmp_path / "start_worker.py"
-    program.write_text(
-        textwrap.dedent(
-            """
-            import os, signal, sys
-
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's
-
-            class CtrlC:  # in the worker (this file is its __mp_main__): Ctrl-C there
-                def find_spec(self, name, path=None, target=None):
-                    if name == "overlapkit.tuning.runner" and __name__ != "__main__":
-                        sys.meta_path.remove(self)
-                        os.kill(os.getpid(), signal.SIGINT)
-                    return None
-
-            sys.meta_path.insert(0, CtrlC())
-
-            if __name__ == "__main__":
-                import multiprocessing, pickle
-                from overlapkit.tuning import worker_start
-
-                context = multiprocessing.get_context("spawn")
-                arguments = pickle.dumps((None,) * 6)
-                worker = context.Process(target=worker_start.start, args=(arguments,))
-                worker.start()
-                worker.join()
-                sys.exit(worker.exitcode)
-            """
-        )
-    )
-    result = subprocess.run(
-        [sys.executable, str(program)], capture_output=True, text=True, timeout=180
-    )
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.returncode == 130, result.stderr[-3000:]
-
-
 def test_a_path_argument_starting_with_a_tilde_is_in_the_home_folder(
     tiny_scenario, tmp_path, monkeypatch
 ):

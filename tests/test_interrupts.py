@@ -6,12 +6,14 @@ does; SIGTERM to the command), so the test is not a race against the clock."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -190,33 +192,41 @@ def test_ctrl_c_stops_tune_quietly_and_the_stopped_trial_runs_again(
         ), (trial.params, [w.system_attrs for w in waiting])
 
 
-def test_a_tune_worker_that_ctrl_c_stopped_mid_bookkeeping_exits_quietly(monkeypatch, capsys):
-    """Seen once in CI: Ctrl-C stopped a worker's trial, then Optuna's record of it failed
-    ("Cannot tell a FAIL trial") and the worker printed a traceback. After Ctrl-C, such an
-    error ends the worker with 130 and one line; without Ctrl-C it is raised."""
+def test_trials_ctrl_c_stopped_mid_bookkeeping_end_tune_quietly():
+    """Seen once in CI: Ctrl-C stopped a trial, then Optuna's record of it failed
+    ("Cannot tell a FAIL trial") and a traceback was printed. Ctrl-C reaches tune's
+    main thread only; the trials' thread is told, and stops. Such an error after it
+    is one line, and tune stops as Ctrl-C asked; without Ctrl-C it is raised."""
+    from rich.console import Console
+
+    from overlapkit.launch.interrupt import stop_if_asked
     from overlapkit.tuning import runner
 
-    def stopped_then_failed(*args):
-        try:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)
-        except KeyboardInterrupt:
-            pass  # Optuna catches it and records the trial, which fails:
-        raise ValueError("Cannot tell a FAIL trial.")
+    waiting = threading.Event()  # the main thread waits for the trials' thread
 
-    def failed(*args):
+    def stopped_then_failed():
+        assert waiting.wait(timeout=60)
+        os.kill(os.getpid(), signal.SIGINT)  # the main thread's Ctrl-C
+        try:
+            for _ in range(3000):  # a trial's watch, told by the main thread to stop
+                stop_if_asked()
+                time.sleep(0.01)
+        except KeyboardInterrupt:
+            raise ValueError("Cannot tell a FAIL trial.") from None  # Optuna's record
+        raise AssertionError("the trials' thread was never told to stop")
+
+    def failed():
         raise ValueError("a bug")
 
-    kept = signal.getsignal(signal.SIGINT)
+    said = io.StringIO()
+    kept = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        monkeypatch.setattr(runner, "worker_main", stopped_then_failed)
-        with pytest.raises(SystemExit) as done:
-            runner._worker_process()
-        assert done.value.code == 130
-        assert "stopped while recording its trial: Cannot tell" in capsys.readouterr().err
-        monkeypatch.setattr(runner, "worker_main", failed)
+        with pytest.raises(KeyboardInterrupt):
+            runner._in_threads(stopped_then_failed, waiting.set, Console(file=said))
+        assert "stopped while recording a trial: Cannot tell" in said.getvalue()
+        stop_if_asked()  # no longer stopping: the next tune's trials run
         with pytest.raises(ValueError, match="a bug"):
-            runner._worker_process()
+            runner._in_threads(failed, lambda: None, Console(file=said))
     finally:
         signal.signal(signal.SIGINT, kept)
 

@@ -23,7 +23,15 @@ import sqlalchemy
 from optuna.trial import TrialState
 from pg_server import throwaway_postgres
 
-from conftest import ROOT, TINY_SCENARIO, cli_here, dashboard_get, run_cli, step_losses
+from conftest import (
+    ROOT,
+    TINY_SCENARIO,
+    cli_here,
+    dashboard_get,
+    most_at_once,
+    run_cli,
+    step_losses,
+)
 from overlapkit.tuning.study import open_storage
 
 pytestmark = pytest.mark.slow
@@ -104,18 +112,6 @@ def wait_for(condition, seconds: float, what: str, log: Path | None = None):
         time.sleep(0.5)
     said = f"; the driver's log ends:\n{log.read_text()[-3000:]}" if log else ""
     pytest.fail(f"waited {seconds:g} s for {what}{said}")
-
-
-def most_at_once(trials) -> int:
-    events = sorted(
-        [(t.datetime_start, 1) for t in trials] + [(t.datetime_complete, -1) for t in trials],
-        key=lambda e: (e[0], e[1]),
-    )
-    now = best = 0
-    for _, change in events:
-        now += change
-        best = max(best, now)
-    return best
 
 
 # ------------------------------------------------------------------ studies
@@ -275,6 +271,62 @@ def test_a_driver_killed_and_started_again_resumes_the_study(cluster, tiny_scena
     complete = {t.number for t in trials if t.state == TrialState.COMPLETE}
     assert complete >= done_before and len(complete) == 2
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+
+
+def test_ctrl_c_stops_a_tune_on_ray_at_once_and_its_trial_runs_again(
+    cluster, tiny_scenario, tmp_path
+):
+    """Ctrl-C reaches the driver's main thread only: the threads waiting on the trials'
+    machines are told to stop (untold, tune waited for them: here forever, a trial
+    held at a gate). Their settings are queued again and the cluster freed."""
+    gate = tmp_path / "gate"
+    gate.with_suffix(".first").touch()  # every run waits at the gate, never opened
+    optimizations = f"{{ddp_overlap: {{intensity: 1}}, toy_gate: {{path: '{gate}', step: 1}}}}"
+    tune = TUNE[:-1] % (1, 4) + ", search: {ddp_overlap: null}}"
+    path = two_machine_scenario(tiny_scenario, optimizations, tune)
+    out = tmp_path / "tune"
+    started = set(cluster.scratch.glob("overlapkit-node-*"))
+    log = tmp_path / "tune.log"
+    command = ["tune", str(path), "--ray", cluster.address, "--out", str(out)]
+    with log.open("wb") as sink:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "overlapkit", *command],
+            cwd=ROOT,
+            stdout=sink,
+            stderr=sink,
+            start_new_session=True,  # a terminal's Ctrl-C reaches its whole group
+        )
+    try:
+
+        def at_the_gate():  # step 0 measured on a machine: rank 0 waits at step 1
+            folders = set(cluster.scratch.glob("overlapkit-node-*")) - started
+            lives = [f / "run" / "live-steps.jsonl" for f in folders]
+            return any(p.exists() and p.stat().st_size > 0 for p in lives)
+
+        wait_for(at_the_gate, 240, "a trial at the gate", log)
+        os.killpg(driver.pid, signal.SIGINT)
+        assert driver.wait(timeout=60) == 130, log.read_text()[-3000:]
+    finally:
+        driver.kill()
+        driver.wait()
+    said = log.read_text()
+    assert "tune stopped" in said and "Traceback" not in said, said[-3000:]
+    trials = trials_of(sqlite(out))
+    stopped = [t for t in trials if t.user_attrs.get("failure") == "interrupted"]
+    assert len(stopped) == 1 and stopped[0].state == TrialState.FAIL
+    waiting = [t.system_attrs.get("fixed_params") for t in trials if t.state == TrialState.WAITING]
+    assert waiting == [stopped[0].params]  # queued again
+    import ray
+
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        wait_for(
+            lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"],
+            60,
+            "the stopped trial's CPUs to be given back",
+        )
+    finally:
+        ray.shutdown()
 
 
 # ------------------------------------------------------------------- one run

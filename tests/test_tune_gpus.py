@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from rich.console import Console
 from conftest import TINY_SCENARIO
 from overlapkit.scenarios import Scenario, load_scenario
 from overlapkit.tuning import TuneConfig, TuneError, commands, runner, trial, trial_process
+from overlapkit.tuning.cores import split_cores
 from overlapkit.tuning.gpus import split_gpus, visible_gpus
 from overlapkit.tuning.study import TuneJob, default_storage
 
@@ -114,39 +115,51 @@ def test_in_process_worker_starts_its_trials_with_its_gpus(tmp_path, monkeypatch
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
 
 
-class FakeProcess:
-    """Stands in for a spawned worker: keeps the arguments it was started with."""
+def test_trials_running_at_once_hold_disjoint_gpus_and_cores(tmp_path, monkeypatch):
+    """Three workers (threads of tune), three trials held until all three run at once:
+    each holds a worker's GPUs and cores of its own, the split's."""
+    gpus, cores = split_gpus(3, 2, UUIDS), split_cores(3, list(range(7)))
+    held, together = [], threading.Barrier(3)
 
-    started: list[tuple] = []
+    def fake_trial(data, folder, timeout_s, on_step=None, gpus=None, cores=None):
+        held.append((gpus, cores))
+        together.wait(timeout=60)  # broken (and the test failed) unless three run at once
+        raise trial.TrialFailed("crashed", "a fake trial")
 
-    def __init__(self, target, args, daemon):
-        self.args, self.exitcode = args, 0
-
-    def start(self):
-        FakeProcess.started.append(self.args)
-
-    def is_alive(self):
-        return False
-
-    def join(self):
-        pass
-
-
-def test_parallel_workers_are_started_with_disjoint_gpus(monkeypatch):
-    class Context:
-        Process = FakeProcess
-
-    FakeProcess.started = []
-    monkeypatch.setattr(runner.multiprocessing, "get_context", lambda method: Context)
-    monkeypatch.setattr(runner.Shown, "new", lambda *args: None)
-    split = split_gpus(3, 2, UUIDS)
-    shown = runner.Shown(set(), Console(quiet=True))
-    runner._round(None, None, 7, runner.Pool(3, split), None, shown, queued=False)
-    # worker_main's last argument (they travel pickled: `worker_start`)
-    gpus = [pickle.loads(args[0])[-1] for args in FakeProcess.started]
-    assert gpus == split
-    every = [gpu for ids in gpus for gpu in ids]
+    monkeypatch.setattr(runner, "run_trial", fake_trial)
+    folder = tmp_path / "tune"
+    config = TuneConfig(trials=3, references=False, repeats=1, prune=False)
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"prefetch": {"workers": 2}}}
+    job = TuneJob(base, config, folder, default_storage(folder), "tiny")
+    runner.tune(job, workers=3, console=Console(quiet=True), gpus=gpus, cores=cores)
+    assert sorted(held) == sorted(zip(gpus, cores, strict=True))
+    every = [gpu for ids, _ in held for gpu in ids]
     assert len(set(every)) == len(every) == 6
+    assert cores == [[0, 1, 2], [3, 4], [5, 6]]
+
+
+@pytest.mark.parametrize(
+    ("workers", "cores", "expected"),
+    [
+        (1, [0, 1, 2, 3], None),  # one worker: its trials see every core
+        (2, [0, 1], [[0], [1]]),
+        (2, [0, 1, 2, 3, 4], [[0, 1, 2], [3, 4]]),
+        (3, [4, 5, 9, 10, 11, 12], [[4, 5], [9, 10], [11, 12]]),  # an affinity given
+        (4, [0, 1, 2], None),  # fewer cores than workers: shared (and said)
+    ],
+)
+def test_each_worker_gets_its_own_cores(workers, cores, expected):
+    assert split_cores(workers, cores) == expected
+
+
+def test_a_trial_runs_on_its_workers_cores_only(tmp_path):
+    """Both ways a trial starts, forked (CPU) and a fresh interpreter (GPUs): its run
+    sees only the cores given (the summary counts them)."""
+    data = trial.trial_scenario(yaml.safe_load(TINY_SCENARIO), steps=2, warmup_steps=1)
+    forked = trial.run_trial(data, tmp_path / "forked", 120, cores=[1])
+    fresh = trial.run_trial(data, tmp_path / "fresh", 120, gpus=["0"], cores=[0])
+    for summary in (forked, fresh):
+        assert summary["hardware"]["nodes"][0]["cpu_cores"] == 1
 
 
 # ------------------------------------------------------------------ tune command
@@ -174,11 +187,12 @@ def cuda_scenario(tiny_scenario, monkeypatch):
     monkeypatch.setattr(Scenario, "check_setup", lambda self, world_size=None, gpus_here=True: None)
     given = {}
 
-    def fake_tune(job, workers, timeout_s, console, gpus, ray=None):
-        given.update(workers=workers, gpus=gpus)
+    def fake_tune(job, workers, timeout_s, console, gpus, ray=None, cores=None):
+        given.update(workers=workers, gpus=gpus, cores=cores)
         raise SystemExit("ran")
 
     monkeypatch.setattr(commands, "tune", fake_tune)
+    monkeypatch.setattr(commands, "available", lambda: list(range(8)))  # 8 cores
     return scenario, given
 
 
@@ -187,7 +201,8 @@ def test_tune_command_splits_the_gpus_among_workers(cuda_scenario, tmp_path, mon
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(UUIDS[:5]))
     with pytest.raises(SystemExit):
         commands.tune_command(scenario, tune_args(tmp_path / "tune", 2), Console(quiet=True))
-    assert given == {"workers": 2, "gpus": [UUIDS[0:2], UUIDS[2:4]]}
+    cores = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert given == {"workers": 2, "gpus": [UUIDS[0:2], UUIDS[2:4]], "cores": cores}
 
 
 def test_tune_command_with_too_few_gpus_stops_before_any_trial(
@@ -208,7 +223,7 @@ def test_one_worker_gets_a_gpu_per_rank_or_a_clear_error(cuda_scenario, tmp_path
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
     with pytest.raises(SystemExit):
         commands.tune_command(scenario, tune_args(tmp_path / "tune", 1), Console(quiet=True))
-    assert given == {"workers": 1, "gpus": [["3", "5"]]}
+    assert given == {"workers": 1, "gpus": [["3", "5"]], "cores": None}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(TuneError, match="need 2 GPUs, but 1 are visible"):
         commands.tune_command(scenario, tune_args(tmp_path / "t2", 1), Console(quiet=True))

@@ -14,6 +14,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,6 +65,33 @@ class RunInterrupted(KeyboardInterrupt):
             record.get("checkpoint"),
             bool(record.get("finished")),
         )
+
+
+# Set while the main thread, stopped by Ctrl-C, waits for the threads doing its work
+# (tune's trials, here or on a Ray cluster): a signal reaches the main thread only.
+_STOPPING = threading.Event()
+
+
+@contextmanager
+def threads_stopping() -> Iterator[None]:
+    """Within: `stop_if_asked` raises KeyboardInterrupt in every thread that calls it."""
+    _STOPPING.set()
+    try:
+        yield
+    finally:
+        _STOPPING.clear()
+
+
+def stop_asked() -> bool:
+    """Whether the main thread was stopped (`threads_stopping`)."""
+    return _STOPPING.is_set()
+
+
+def stop_if_asked() -> None:
+    """Raise KeyboardInterrupt here if the main thread was stopped (`threads_stopping`):
+    for loops that wait on work of their own in a thread (a trial's processes)."""
+    if _STOPPING.is_set():
+        raise KeyboardInterrupt
 
 
 def exit_now(code: int) -> None:

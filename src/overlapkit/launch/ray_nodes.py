@@ -44,6 +44,7 @@ from ..runtime.checkpoint_folder import (
 )
 from ..runtime.checkpoint_mirrors import Mirrors
 from .config import WorldConfig
+from .interrupt import stop_if_asked
 from .local import alive, die_with_parent
 
 POLL_S = 0.5
@@ -453,6 +454,7 @@ def _wait_for_room(
     said: set[bool] = set()
     placed = group.ready()  # once: each call starts a task in the group
     while not ray.wait([placed], timeout=ROOM_POLL_S)[0]:
+        stop_if_asked()
         if give_up_at is not None and time.time() >= give_up_at:
             raise OutOfTime(
                 f"its time (tune's --timeout) ran out while it waited for room for {what}"
@@ -523,6 +525,7 @@ def _watch(
                 )
                 outcome.lost_machine = k
                 return outcome
+        stop_if_asked()  # tune was stopped (Ctrl-C): `run_on_ray` stops the ranks
         outcome.returncodes = [code for code, *_ in states]
         _, text, offset, _ = states[0]
         if mirrors is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +12,12 @@ import yaml
 from pydantic import ValidationError
 from rich.console import Console
 
+from ..runtime.cores import available
 from . import TuneError
 from .analysis import Analysis
 from .config import TuneConfig
+from .cores import describe as describe_cores
+from .cores import split_cores
 from .gpus import split_gpus, visible_gpus
 from .report import print_report, report_document, write_report
 from .runner import tune
@@ -107,15 +109,23 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
             )
     if args.workers < 1:
         raise TuneError("--workers must be at least 1")
-    cores = os.cpu_count() or 1
-    gpus = None
+    here = available()
+    gpus, cores = None, None
     if ray is not None:
         Console(stderr=True).print(ray.describe(), soft_wrap=True, markup=False)
-    elif args.workers * scenario.world.ranks > cores:
-        Console(stderr=True).print(
-            f"note: {args.workers} workers x {scenario.world.ranks} ranks on {cores} cores: "
-            "trials running side by side take cores from each other and measure lower"
-        )
+    else:
+        cores = split_cores(args.workers, here)
+        if cores is not None:
+            Console(stderr=True).print(
+                f"{args.workers} workers, each with cores of its own for its trials: "
+                f"{describe_cores(cores)}",
+                highlight=False,
+            )
+        if args.workers * scenario.world.ranks > len(here):
+            Console(stderr=True).print(
+                f"note: {args.workers} workers x {scenario.world.ranks} ranks on {len(here)} "
+                "cores: trials share cores, and measure lower than a run on the machine alone"
+            )
     if ray is None and scenario.device_type == "cuda":
         # Before any worker starts, so that a machine with too few GPUs is told at once.
         gpus = split_gpus(args.workers, scenario.world.nprocs, visible_gpus())
@@ -128,7 +138,13 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     progress = Console(stderr=True)  # trial lines: stdout keeps the table (or the JSON)
     try:
         analysis = tune(
-            job, workers=args.workers, timeout_s=args.timeout, console=progress, gpus=gpus, ray=ray
+            job,
+            workers=args.workers,
+            timeout_s=args.timeout,
+            console=progress,
+            gpus=gpus,
+            ray=ray,
+            cores=cores,
         )
     except KeyboardInterrupt:
         progress.print(

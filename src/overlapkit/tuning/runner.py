@@ -1,30 +1,30 @@
-"""``overlapkit tune``: run the study's three phases with K local worker processes,
-printing each trial as it finishes."""
+"""``overlapkit tune``: run the study's phases with K local workers (threads of this
+process, each starting its trials' processes) or on a Ray cluster, printing each
+trial as it finishes."""
 
 from __future__ import annotations
 
 import functools
-import multiprocessing
-import signal
-import sys
+import queue
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 
-from ..launch.local import resource_tracker_quiet
-from . import worker_start
+from ..launch.interrupt import threads_stopping
 from .analysis import UNUSED, Analysis
 from .progress import StudyPlan, StudyProgress
 from .space import short_setting
 from .study import (
     FINISHED,
+    Runner,
     TuneJob,
     analysis_settings,
     confirm_settings,
@@ -39,11 +39,12 @@ from .study import (
     waiting,
     worker_main,
 )
+from .trial import run_trial
 
 if TYPE_CHECKING:
     from .on_ray import RayTrials
 
-POLL_S = 1.0
+POLL_S = 0.5  # how often the trial lines and the progress bar are brought up to date
 
 
 def tune(
@@ -53,17 +54,19 @@ def tune(
     console: Console | None = None,
     gpus: list[list[str]] | None = None,
     ray: RayTrials | None = None,
+    cores: list[list[int]] | None = None,
 ) -> Analysis:
     """Run (or continue) the study of ``job``; return its analysis. ``gpus``: one list
-    of GPU ids per worker (`gpus.split_gpus`), the only GPUs its trials see. ``ray``:
-    run the trials on a Ray cluster instead (``workers`` and ``gpus`` unused)."""
+    of GPU ids per worker (`gpus.split_gpus`), the only GPUs its trials see; ``cores``:
+    likewise, the cores (`cores.split_cores`). ``ray``: run the trials on a Ray
+    cluster instead (``workers``, ``gpus`` and ``cores`` unused)."""
     console = console or Console(stderr=True)
     quiet_optuna()
     job.folder.mkdir(parents=True, exist_ok=True)
     study = open_study(job)  # refuses a study of another scenario before tune.json changes
     job.save()
     deadline = None if timeout_s is None else time.time() + timeout_s
-    pool = Pool(workers, gpus, ray)
+    pool = Pool(workers, gpus, ray, cores)
     queue = lambda: waiting(study)  # noqa: E731
     orphans = fail_orphans(study)
     if orphans:
@@ -154,11 +157,13 @@ class Shown:
 
 @dataclass
 class Pool:
-    """Where trials run: ``workers`` local processes (their GPUs), or a Ray cluster."""
+    """Where trials run: ``workers`` local workers (their GPUs, their cores), or a Ray
+    cluster."""
 
     workers: int = 1
     gpus: list[list[str]] | None = None
     ray: RayTrials | None = None
+    cores: list[list[int]] | None = None
 
     @property
     def at_once(self) -> int:
@@ -210,70 +215,79 @@ def _round(
     shown: Shown,
     queued: bool,
 ) -> None:
-    """Up to ``trials`` trials (``queued``: every one with its setting queued)."""
-
-    def show(study: optuna.Study, trial: FrozenTrial) -> None:
-        shown.new(study)
-
-    if pool.ray is not None:  # in this process, one thread per trial in flight
+    """Up to ``trials`` trials (``queued``: every one with its setting queued), as
+    many at once as the pool holds, each from a thread of this process (a trial is
+    a process of its own, here or on the cluster's machines)."""
+    if pool.ray is not None:
+        runner: Runner = functools.partial(pool.ray.run, give_up_at=deadline)
         in_flight = min(pool.ray.concurrency, trials)
-        runner = functools.partial(pool.ray.run, give_up_at=deadline)
-        worker_main(job, trials, deadline, [show], queued, runner=runner, in_flight=in_flight)
-        return
-    workers, gpus = pool.workers, pool.gpus
-    if workers == 1:  # in this process: no start-up cost
-        ids = gpus[0] if gpus else None
-        worker_main(job, trials, deadline, callbacks=[show], queued=queued, gpus=ids)
-        return
-    shares = [trials // workers + (i < trials % workers) for i in range(workers)]
-    context = multiprocessing.get_context("spawn")
-    own = gpus or [None] * workers  # worker i's trials run on own[i] only
-    processes = [
-        context.Process(
-            target=worker_start.start,  # Ctrl-C as it imports the tuner: no traceback
-            args=(bytes(ForkingPickler.dumps((job, share, deadline, None, queued, ids))),),
-            daemon=False,
-        )
-        for share, ids in zip(shares, own, strict=True)
-        if share
-    ]
-    with resource_tracker_quiet():  # its tracker is the workers' (and their trials')
-        for process in processes:
-            process.start()
+    else:
+        runner, in_flight = Workers(pool), min(pool.workers, trials)
+    work = functools.partial(worker_main, job, trials, deadline, None, queued, runner, in_flight)
+    _in_threads(work, lambda: shown.new(study), shown.console)
+
+
+class Workers:
+    """`run_trial` on a free worker's GPUs and cores (`Pool`), which its trial holds
+    until it ends. Workers are threads of this process: a worker process cost each
+    phase a Python, torch and Optuna to import and a forkserver of its own."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.free: queue.SimpleQueue[tuple[list[str] | None, list[int] | None]]
+        self.free = queue.SimpleQueue()
+        for i in range(pool.workers):
+            gpus = pool.gpus[i] if pool.gpus else None
+            cores = pool.cores[i] if pool.cores else None
+            self.free.put((gpus, cores))
+
+    def __call__(
+        self,
+        data: dict[str, Any],
+        folder: Path,
+        timeout_s: float,
+        on_step: Callable[[int, float], bool] | None = None,
+    ) -> dict[str, Any]:
+        gpus, cores = self.free.get()  # one is free: no more trials run than workers
+        try:
+            return run_trial(data, folder, timeout_s, on_step, gpus=gpus, cores=cores)
+        finally:
+            self.free.put((gpus, cores))
+
+
+def _in_threads(work: Callable[[], None], meanwhile: Callable[[], None], console: Console) -> None:
+    """``work()`` in a thread of its own, ``meanwhile()`` called here until it ends
+    (the trial lines, the progress bar). Ctrl-C reaches this thread only: it stops
+    the trials (each is killed and queued again), waits for them, and is raised."""
+    errors: list[BaseException] = []
+    done = threading.Event()  # not Thread.join: Ctrl-C within it marks a live thread ended
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as error:  # noqa: BLE001  (raised here, below)
+            errors.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
     try:
-        while any(p.is_alive() for p in processes):
-            time.sleep(POLL_S)
-            shown.new(study)
-    finally:
-        for process in processes:
-            process.join()
-    shown.new(study)
-    failed = [p.exitcode for p in processes if p.exitcode != 0]
-    if failed:
-        shown.console.print(f"[red]{len(failed)} worker(s) stopped with exit codes {failed}[/]")
-
-
-def _worker_process(*args: Any) -> None:
-    """`worker_main` in a process of its own: Ctrl-C (which reaches every process of
-    the terminal) ends it quietly; the parent says how to continue."""
-    stopping = []
-
-    def on_ctrl_c(signum: int, frame: Any) -> None:
-        stopping.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_ctrl_c)
-    try:
-        worker_main(*args)
+        while not done.wait(POLL_S):
+            meanwhile()
+        meanwhile()
     except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as error:
-        if not stopping:
-            raise
-        # Optuna's bookkeeping of the trial Ctrl-C stopped failed (seen once in CI:
-        # "Cannot tell a FAIL trial"): the stop is still the user's; no traceback.
-        print(f"overlapkit: a worker stopped while recording its trial: {error}", file=sys.stderr)
-        sys.exit(130)
+        with threads_stopping():
+            while not done.is_set():
+                try:
+                    done.wait()
+                except KeyboardInterrupt:
+                    pass  # a second Ctrl-C: the trials are being stopped already
+        if errors and not isinstance(errors[0], KeyboardInterrupt):
+            # Optuna's record of a trial Ctrl-C stopped failed (seen once in CI:
+            # "Cannot tell a FAIL trial"): the stop is still the user's.
+            console.print(f"overlapkit: tune stopped while recording a trial: {errors[0]}")
+        raise
+    if errors:
+        raise errors[0]
 
 
 def _headline(kind: str, trial: FrozenTrial) -> str:

@@ -23,15 +23,15 @@ again on the same folder (or storage) continues where it stopped.
 from __future__ import annotations
 
 import datetime
-import functools
 import itertools
 import json
 import logging
 import os
 import socket
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
@@ -41,6 +41,7 @@ import optuna
 import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 
+from ..launch.interrupt import stop_asked
 from ..launch.local import alive
 from ..launch.ray_nodes import OutOfTime, RayClusterError
 from ..optimizations import get_optimization
@@ -140,6 +141,23 @@ def _own_storage(url: str | None, folder: Path) -> str:
     return url
 
 
+class _OnePopAtATime(optuna.storages.RDBStorage):
+    """Optuna's database storage, whose threads here take queued trials one at a time.
+    A queued trial is taken by setting it running where it still waits, under a row
+    lock that SQLite does not have: two of tune's threads taking trials at once both
+    took the same one (and its second run found the first's folder in use)."""
+
+    _taking = threading.Lock()  # one for every storage of this process
+
+    def set_trial_state_values(
+        self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
+    ) -> bool:
+        if state != TrialState.RUNNING:
+            return super().set_trial_state_values(trial_id, state, values)
+        with self._taking:
+            return super().set_trial_state_values(trial_id, state, values)
+
+
 def open_storage(url: str) -> optuna.storages.BaseStorage:
     """An Optuna storage for ``url``: ``journal:PATH`` for a journal file, else a
     database URL (sqlite:///..., postgresql+psycopg2://...). Database storages
@@ -153,7 +171,7 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(
+                return _OnePopAtATime(
                     url,
                     engine_kwargs=engine_kwargs,
                     heartbeat_interval=15,
@@ -285,11 +303,10 @@ class Objective:
         self,
         job: TuneJob,
         queued: bool = False,
-        gpus: list[str] | None = None,
         runner: Runner | None = None,
     ) -> None:
         self.job, self.space, self.queued = job, job.space, queued
-        self.runner = runner or functools.partial(run_trial, gpus=gpus)
+        self.runner = runner or run_trial
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, ...]:
         job = self.job
@@ -398,28 +415,28 @@ def worker_main(
     deadline: float | None,
     callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] | None = None,
     queued: bool = False,
-    gpus: list[str] | None = None,
     runner: Runner | None = None,
     in_flight: int = 1,
 ) -> None:
-    """One worker: run up to ``n_trials`` trials of the study (queued ones first;
-    ``queued``: only those). It also stops when the study, which other machines may
-    share, has its search budget (counting trials running elsewhere), or, with
-    ``queued``, when nothing is left in the queue. ``gpus``: the GPUs its trials
-    run on (its own, see `gpus.split_gpus`), else all they see. ``runner``: how a
-    trial runs (default: `run_trial` here); ``in_flight``: trials at once, each
-    from a thread of its own (for runners that run them elsewhere, as on Ray)."""
+    """Run up to ``n_trials`` trials of the study (queued ones first; ``queued``: only
+    those), ``in_flight`` at once, each from a thread of its own. It also stops when
+    the study, which other machines may share, has its search budget (counting
+    trials running elsewhere), or, with ``queued``, when nothing is left in the
+    queue. ``runner``: how a trial runs (default: `run_trial` here, on whatever
+    this process sees)."""
     quiet_optuna()
     study = open_study(job, queued)
     timeout = None if deadline is None else max(1.0, deadline - time.time())
     budget = job.tune.trials
 
     def enough(study: optuna.Study, trial: FrozenTrial) -> None:
-        if (waiting(study) == 0) if queued else (search_done(study, running=True) >= budget):
+        if stop_asked():  # Ctrl-C as this trial ended: start no other
+            study.stop()
+        elif (waiting(study) == 0) if queued else (search_done(study, running=True) >= budget):
             study.stop()
 
     study.optimize(
-        Objective(job, queued, gpus, runner),
+        Objective(job, queued, runner),
         n_trials=n_trials,
         n_jobs=in_flight,
         timeout=timeout,

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from ..launch.interrupt import stop_if_asked
 from ..runtime.distributed import resolve_device
 from ..runtime.report import LIVE_STEPS, LiveSteps
 from .trial_process import TrialProcess, start_trial_process
@@ -62,12 +63,14 @@ def run_trial(
     timeout_s: float,
     on_step: Callable[[int, float], bool] | None = None,
     gpus: list[str] | None = None,
+    cores: list[int] | None = None,
 ) -> dict[str, Any]:
     """Run the trial scenario ``data`` in ``folder``; return its summary.
 
     ``on_step(measured_steps, samples_per_s_so_far)`` is called as measured steps
     finish; returning True stops the run and raises `TrialStopped`. ``gpus``: the
-    only GPUs the run may see (its worker's), else those this process sees.
+    only GPUs the run may see (its worker's), else those this process sees;
+    ``cores``: the only cores it may run on (its worker's), else this process's.
     """
     folder.mkdir(parents=True, exist_ok=True)
     scenario_file = folder / "scenario.yaml"
@@ -79,7 +82,7 @@ def run_trial(
         gpus is None and resolve_device((data.get("world") or {}).get("device", "auto")) == "cpu"
     )
     process = start_trial_process(
-        command, folder / "stdout.txt", stderr_path, _child_env(gpus), fork=on_cpu
+        command, folder / "stdout.txt", stderr_path, _child_env(gpus), fork=on_cpu, cores=cores
     )
     try:
         _watch(process, run_dir / LIVE_STEPS, timeout_s, on_step)
@@ -141,6 +144,7 @@ def _watch(
             _kill_group(process)
             raise TrialFailed("timeout", f"no result within {timeout_s:g} s")
         time.sleep(POLL_S)
+        stop_if_asked()  # tune was stopped (Ctrl-C): `run_trial` kills the trial
         if on_step is None:
             continue
         text, offset = LiveSteps.read_new(live, offset)

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +29,7 @@ PRELOAD = [
     "overlapkit.cli",
     "overlapkit.run",
 ]
+_STARTING = threading.Lock()  # tune's workers are threads: one start at a time
 
 
 class TrialProcess(Protocol):
@@ -39,13 +41,19 @@ class TrialProcess(Protocol):
 
 
 def start_trial_process(
-    command: list[str], stdout: Path, stderr: Path, env: dict[str, str], fork: bool
+    command: list[str],
+    stdout: Path,
+    stderr: Path,
+    env: dict[str, str],
+    fork: bool,
+    cores: list[int] | None = None,
 ) -> TrialProcess:
-    """``overlapkit`` with the arguments ``command``, in a session of its own."""
+    """``overlapkit`` with the arguments ``command``, in a session of its own;
+    ``cores``: the only cores it (and every process it starts) may run on."""
     if not fork:
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
             return subprocess.Popen(
-                [sys.executable, "-m", "overlapkit", *command],
+                [*_pinned(cores), sys.executable, "-m", "overlapkit", *command],
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
@@ -54,9 +62,12 @@ def start_trial_process(
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     process = context.Process(
-        target=command_main, args=(command, str(stdout), str(stderr), env), daemon=False
+        target=command_main,
+        args=(command, str(stdout), str(stderr), env, None, cores),
+        daemon=False,
     )
-    with resource_tracker_quiet():  # the first start starts the server and the tracker
+    # The first start starts the server and the tracker (with the environment changed).
+    with _STARTING, resource_tracker_quiet():
         process.start()
     return _Forked(process)
 
@@ -76,13 +87,32 @@ class _Forked:
         return self.process.exitcode or 0
 
 
+# Execs the interpreter of its second argument pinned to the cores of its first: an
+# isolated `-S` Python starts in milliseconds, and the affinity survives exec.
+_PIN = "import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(','))); os.execv(sys.argv[2], sys.argv[2:])"
+
+
+def _pinned(cores: list[int] | None) -> list[str]:
+    """The command prefix that pins what follows it to ``cores`` (none: nothing)."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return []
+    return [sys.executable, "-I", "-S", "-c", _PIN, ",".join(map(str, cores))]
+
+
 def command_main(
-    command: list[str], stdout: str, stderr: str, env: dict[str, Any], cwd: str | None = None
+    command: list[str],
+    stdout: str,
+    stderr: str,
+    env: dict[str, Any],
+    cwd: str | None = None,
+    cores: list[int] | None = None,
 ) -> None:
     """``overlapkit COMMAND`` in this forked process, as a fresh one started from a shell
-    would run it: its own session, output files, environment (and folder); its exit
-    status. It does not return."""
+    would run it: its own session, output files, environment (and folder), on
+    ``cores`` if given; its exit status. It does not return."""
     os.setsid()  # its own process group: the watcher kills it with all its ranks
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)  # torch's threads start later, and inherit it
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignored it
     for fd, path in ((1, stdout), (2, stderr)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
