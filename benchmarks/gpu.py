@@ -445,7 +445,8 @@ def measure(
         for name in rotate(list(runners), round_):
             ctx.log.print(f"  {what}: round {round_ + 1}/{ctx.sizes.rounds} {name}")
             results[name].append(runners[name](warmup, steps))
-            gc.collect()
+            if not ctx.quick:  # (a tenth of a second each: most of a smoke test's rounds)
+                gc.collect()
     return results
 
 
