@@ -805,11 +805,13 @@ def test_failed_trials_are_recorded_with_their_reason_and_the_study_goes_on(
 
 @pytest.mark.slow
 def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
+    # The first trial runs through; the next waits at its step 1 until the gate opens,
+    # and is killed there (with tune) as it waits.
+    gate = tmp_path / "gate"
     path = scenario_with(
         tiny_scenario,
-        "{toy_sleep: {intensity: 1}}",
-        # Trials of ~2 s (9 steps of 200 ms at intensity 1): long enough to be killed mid-trial.
-        "{trials: 4, references: false, sampler: random, prune: false, steps: 8, warmup_steps: 1, repeats: 1}",
+        f"{{toy_sleep: {{intensity: 0.5}}, toy_gate: {{path: '{gate}', step: 1}}}}",
+        "{trials: 4, references: false, sampler: random, prune: false, steps: 2, warmup_steps: 1, repeats: 1, search: {toy_sleep: null}}",
     )
     out = tmp_path / "tune"
     command = [sys.executable, "-m", "overlapkit", "tune", str(path), "--out", str(out)]
@@ -840,6 +842,7 @@ def test_an_interrupted_study_resumes_where_it_stopped(tiny_scenario, tmp_path):
     finally:
         os.killpg(process.pid, signal.SIGKILL)  # the tuner and the trial it is running
         process.wait()
+    gate.with_suffix(".open").touch()
     before = {t.number: t.state for t in load(out).trials}
     done_before = [n for n, s in before.items() if s == TrialState.COMPLETE]
     result = run_cli("tune", path, "--out", out, timeout=600)
