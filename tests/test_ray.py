@@ -162,7 +162,11 @@ def test_a_study_of_two_machine_trials_in_postgresql_with_more_in_flight_than_ro
 def test_a_machine_lost_mid_trial_fails_that_trial_and_the_study_completes(
     cluster, tiny_scenario, tmp_path
 ):
-    path = two_machine_scenario(tiny_scenario, "{ddp_overlap: {intensity: 1}}", TUNE % (1, 200))
+    gate = tmp_path / "gate"
+    gate.with_suffix(".first").touch()  # the trial waits at its step 2 until the gate opens
+    optimizations = f"{{ddp_overlap: {{intensity: 1}}, toy_gate: {{path: '{gate}', step: 2}}}}"
+    tune = TUNE[:-1] % (1, 4) + ", search: {ddp_overlap: null}}"
+    path = two_machine_scenario(tiny_scenario, optimizations, tune)
     out = tmp_path / "tune"
     started = set(cluster.scratch.glob("overlapkit-node-*"))
     log = tmp_path / "tune.log"
@@ -187,6 +191,7 @@ def test_a_machine_lost_mid_trial_fails_that_trial_and_the_study_completes(
         cluster.cluster.remove_node(victim, allow_graceful=False)
         # What an autoscaler does: a new machine in its place, for the setting's retry.
         cluster.workers.append(cluster.cluster.add_node(**NODE))
+        gate.with_suffix(".open").touch()  # the retry runs through
         stdout, _ = driver.communicate(timeout=600)
         assert driver.returncode == 0, log.read_text()[-3000:]
     finally:
@@ -521,7 +526,7 @@ def test_a_trial_waiting_for_room_past_tunes_timeout_is_queued_for_the_next_tune
     path = two_machine_scenario(tiny_scenario, optimizations, TUNE % (2, 4))
     out = tmp_path / "tune"
     command = ["tune", str(path), "--ray", cluster.address, "--max-concurrent", "2"]
-    command += ["--out", str(out), "--timeout", "6", "--set", "world.threads=2"]
+    command += ["--out", str(out), "--timeout", "3", "--set", "world.threads=2"]
     log = tmp_path / "tune.log"
     driver = start_driver(command, log)
     try:
