@@ -23,6 +23,7 @@ from .report import print_report, report_document, write_report
 from .runner import tune
 from .space import build_space, runnable_search
 from .study import TUNE_FILE, TuneJob, default_storage, open_storage
+from .trial_process import start_server
 
 
 def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> int:
@@ -46,6 +47,8 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
                 f"world.nodes: {scenario.world.nodes}: trials over several machines need --ray"
             )
         scenario.check_setup()
+        if scenario.device_type != "cuda":
+            start_server()  # its imports run while the study is set up
     if problem := scenario.search_problem():
         raise TuneError(problem)
     if not scenario.optimizations and scenario.tune.search is None:
