@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -183,6 +184,8 @@ def test_ctrl_c_stops_tune_quietly_and_the_stopped_trial_runs_again(
     )
     stopped = [t for t in study.trials if t.user_attrs.get("failure") == "interrupted"]
     assert stopped, [(t.number, t.state, t.user_attrs) for t in study.trials]
+    # Every trial that ran was stopped and recorded, none left running.
+    assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
     waiting = [t for t in study.trials if t.state == optuna.trial.TrialState.WAITING]
     for trial in stopped:  # each queued again with its setting and role
         assert any(
@@ -229,6 +232,45 @@ def test_trials_ctrl_c_stopped_mid_bookkeeping_end_tune_quietly():
             runner._in_threads(failed, lambda: None, Console(file=said))
     finally:
         signal.signal(signal.SIGINT, kept)
+
+
+def test_ctrl_c_three_times_quits_a_tune_whose_trials_do_not_stop():
+    """A trial waiting on a machine that never answers never sees tune's stop: tune
+    waited for it through every Ctrl-C. Each Ctrl-C is said; the third quits at once."""
+    program = textwrap.dedent(
+        """
+        import io, os, signal, sys, threading
+        from rich.console import Console
+        from overlapkit.tuning import runner
+
+        class Terminal(io.StringIO):  # at each new line that says so, Ctrl-C again
+            said = set()
+
+            def write(self, text):
+                sys.stderr.write(text)
+                for left in ("2 more times", "1 more time"):
+                    if left in text and left not in self.said:
+                        self.said.add(left)
+                        os.kill(os.getpid(), signal.SIGINT)
+                return len(text)
+
+        def stuck():  # never looks at the stop
+            threading.Event().wait(120)
+
+        def first_ctrl_c():
+            os.kill(os.getpid(), signal.SIGINT)
+
+        runner._in_threads(stuck, first_ctrl_c, Console(file=Terminal(), width=200))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "stopping the trials (Ctrl-C 2 more times quits at once)" in result.stderr
+    assert "stopping the trials (Ctrl-C 1 more time quits at once)" in result.stderr
+    assert "tune quit; the next tune queues its trials again" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_only_a_collective_a_peer_left_waits_for_the_launchers_signal():

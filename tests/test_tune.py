@@ -735,28 +735,37 @@ def test_two_machines_share_one_study_on_postgresql(tiny_scenario, tmp_path):
     one study in a real PostgreSQL server: the second joins while the first runs
     (with 2 workers). Nothing is lost or run twice, and the search budget is the
     study's, not each machine's."""
+    # Every trial waits at its step 1 until the gate opens: once the second machine's
+    # first trial runs (the first machine, 2 workers at once, could otherwise finish
+    # the study before the second started).
+    gate = tmp_path / "gate"
+    gate.with_suffix(".first").touch()
     path = scenario_with(
         tiny_scenario,
-        "{toy_sleep: {intensity: 1}}",
+        f"{{toy_sleep: {{intensity: 1}}, toy_gate: {{path: '{gate}', step: 1}}}}",
         "{trials: 6, sampler: random, prune: false, policy: false, intensity_step: 1,"
-        " steps: 2, warmup_steps: 1, finalists: 1, repeats: 2}",
+        " steps: 2, warmup_steps: 1, finalists: 1, repeats: 2, search: {toy_sleep: null}}",
     )
     with throwaway_postgres() as url:
         command = [sys.executable, "-m", "overlapkit", "tune", str(path), "--storage", url]
-        first = subprocess.Popen(
-            [*command, "--out", str(tmp_path / "a"), "--workers", "2"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (tmp_path / "a" / "trials").exists():
-            time.sleep(0.2)  # the first machine has made the study and started trials
-        second = run_cli(*command[3:], "--out", tmp_path / "b", timeout=600)
-        out, err = first.communicate(timeout=600)
-        assert first.returncode == 0, err
-        assert second.returncode == 0, second.stderr
+        machines = []
+        for machine, workers in (("a", "2"), ("b", "1")):
+            machines.append(
+                subprocess.Popen(
+                    [*command, "--out", str(tmp_path / machine), "--workers", workers],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (tmp_path / machine / "trials").exists():
+                time.sleep(0.2)  # this machine has the study and started a trial
+        gate.with_suffix(".open").touch()
+        for machine in machines:
+            _, err = machine.communicate(timeout=600)
+            assert machine.returncode == 0, err
         study = optuna.load_study(study_name="tiny", storage=open_storage(url))
         trials = study.trials
         report = run_cli("report", url, "--json", "--out", tmp_path / "report")

@@ -16,6 +16,7 @@ import yaml
 from rich.console import Console
 
 from conftest import TINY_SCENARIO
+from overlapkit.runtime.cores import available
 from overlapkit.scenarios import Scenario, load_scenario
 from overlapkit.tuning import TuneConfig, TuneError, commands, runner, trial, trial_process
 from overlapkit.tuning.cores import split_cores
@@ -138,26 +139,35 @@ def test_trials_running_at_once_hold_disjoint_gpus_and_cores(tmp_path, monkeypat
     assert cores == [[0, 1, 2], [3, 4], [5, 6]]
 
 
+HYPERTHREADS = {c: f"{c % 4},{c % 4 + 4}" for c in range(8)}  # cpu i and i+4: one core
+
+
 @pytest.mark.parametrize(
-    ("workers", "cores", "expected"),
+    ("workers", "cores", "siblings", "expected"),
     [
-        (1, [0, 1, 2, 3], None),  # one worker: its trials see every core
-        (2, [0, 1], [[0], [1]]),
-        (2, [0, 1, 2, 3, 4], [[0, 1, 2], [3, 4]]),
-        (3, [4, 5, 9, 10, 11, 12], [[4, 5], [9, 10], [11, 12]]),  # an affinity given
-        (4, [0, 1, 2], None),  # fewer cores than workers: shared (and said)
+        (1, [0, 1, 2, 3], None, None),  # one worker: its trials see every core
+        (2, [0, 1], None, [[0], [1]]),
+        (2, [0, 1, 2, 3, 4], None, [[0, 1, 2], [3, 4]]),
+        (3, [4, 5, 9, 10, 11, 12], None, [[4, 5], [9, 10], [11, 12]]),  # an affinity
+        (4, [0, 1, 2], None, None),  # fewer cores than workers: shared (and said)
+        # A physical core's two hardware threads go to one worker, not one each.
+        (2, list(range(8)), HYPERTHREADS, [[0, 1, 4, 5], [2, 3, 6, 7]]),
+        (3, list(range(8)), HYPERTHREADS, [[0, 1, 4, 5], [2, 6], [3, 7]]),
+        (2, [0, 4], HYPERTHREADS, None),  # one physical core for two workers: shared
     ],
 )
-def test_each_worker_gets_its_own_cores(workers, cores, expected):
-    assert split_cores(workers, cores) == expected
+def test_each_worker_gets_its_own_cores(workers, cores, siblings, expected):
+    told = (lambda core: str(core)) if siblings is None else siblings.__getitem__
+    assert split_cores(workers, cores, told) == expected
 
 
 def test_a_trial_runs_on_its_workers_cores_only(tmp_path):
     """Both ways a trial starts, forked (CPU) and a fresh interpreter (GPUs): its run
     sees only the cores given (the summary counts them)."""
     data = trial.trial_scenario(yaml.safe_load(TINY_SCENARIO), steps=2, warmup_steps=1)
-    forked = trial.run_trial(data, tmp_path / "forked", 120, cores=[1])
-    fresh = trial.run_trial(data, tmp_path / "fresh", 120, gpus=["0"], cores=[0])
+    one = available()[:1]  # a core this process may use
+    forked = trial.run_trial(data, tmp_path / "forked", 120, cores=one)
+    fresh = trial.run_trial(data, tmp_path / "fresh", 120, gpus=["0"], cores=one)
     for summary in (forked, fresh):
         assert summary["hardware"]["nodes"][0]["cpu_cores"] == 1
 
@@ -201,7 +211,7 @@ def test_tune_command_splits_the_gpus_among_workers(cuda_scenario, tmp_path, mon
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(UUIDS[:5]))
     with pytest.raises(SystemExit):
         commands.tune_command(scenario, tune_args(tmp_path / "tune", 2), Console(quiet=True))
-    cores = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    cores = split_cores(2, list(range(8)))  # as this machine groups its cores
     assert given == {"workers": 2, "gpus": [UUIDS[0:2], UUIDS[2:4]], "cores": cores}
 
 

@@ -160,7 +160,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--study", help="the study's name (default: the scenario's name)")
     tune.add_argument(
-        "--workers", type=_at_least(1), default=1, help="local worker processes (default 1)"
+        "--workers",
+        type=_at_least(1),
+        default=1,
+        help="trials at once on this machine, each on cores (and GPUs) of its own (default 1)",
     )
     tune.add_argument(
         "--timeout", type=_above_zero, help="stop starting trials after this many seconds"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 from rich.console import Console
 
+from ..launch.ray_nodes import PLUGINS
 from ..runtime.cores import available
 from . import TuneError
 from .analysis import Analysis
@@ -21,7 +23,7 @@ from .cores import split_cores
 from .gpus import split_gpus, visible_gpus
 from .report import print_report, report_document, write_report
 from .runner import tune
-from .space import build_space, runnable_search
+from .space import SpaceError, build_space, runnable_search
 from .study import TUNE_FILE, TuneJob, default_storage, open_storage
 from .trial_process import start_server
 
@@ -300,9 +302,16 @@ def study_analysis(study: optuna.Study, args: argparse.Namespace) -> Analysis:
             settings[figure] = getattr(args, figure)
     config = TuneConfig(**settings)
     scenario = study.user_attrs["scenario"]
-    space = build_space(
-        scenario.get("optimizations") or {}, config, scenario.get("framework", "torch")
-    )
+    try:
+        space = build_space(
+            scenario.get("optimizations") or {}, config, scenario.get("framework", "torch")
+        )
+    except SpaceError as error:  # an optimization of a plugin that is not loaded here
+        raise TuneError(
+            f"study {study.study_name}: {error}: it was tuned with a plugin's optimization; "
+            f"load that plugin as tune did (its module in {PLUGINS}, now "
+            f"{os.environ.get(PLUGINS) or 'unset'}) to report it"
+        ) from None
     return Analysis.of(study, space, config)
 
 

@@ -4,26 +4,64 @@ Trials side by side on shared cores take them from each other, and more than
 their share: on 2 cores, two 1-rank trials with 2 threads each ran 10 to 25
 times slower than one alone (a thread that waits for its peers spins on a core
 another process needs). Each worker gets a disjoint block of the cores tune may
-use (its CPU affinity), and its trials run pinned to that block, whose cores
-their ranks divide as a run's ranks divide a machine's.
+use (its CPU affinity; a physical core's hardware threads kept together), and its
+trials run pinned to that block, whose cores their ranks divide as a run's ranks
+divide a machine's.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
 
-def split_cores(workers: int, cores: list[int]) -> list[list[int]] | None:
-    """``workers`` disjoint blocks of ``cores``, in order (the first blocks take the
-    cores an uneven division leaves over); None for one worker, or for fewer cores
-    than workers (every trial then sees them all, and `tune` says they contend)."""
-    if workers < 2 or len(cores) < workers:
+
+def split_cores(
+    workers: int, cores: list[int], siblings: Callable[[int], str] | None = None
+) -> list[list[int]] | None:
+    """``workers`` disjoint blocks of ``cores``, in order, a physical core's hardware
+    threads (``siblings(core)``: Linux's ``thread_siblings_list``) in one block; the
+    first blocks take what an uneven division leaves over. None for one worker, for
+    fewer physical cores than workers (every trial then sees them all, and `tune`
+    says they contend), or where processes cannot be pinned."""
+    if workers < 2 or not hasattr(os, "sched_setaffinity"):
         return None
-    size, left_over = divmod(len(cores), workers)
+    groups = _physical_cores(cores, siblings or _siblings_here)
+    if len(groups) < workers:
+        return None
+    size, left_over = divmod(len(groups), workers)
     blocks, start = [], 0
     for i in range(workers):
         end = start + size + (i < left_over)
-        blocks.append(cores[start:end])
+        blocks.append(sorted(core for group in groups[start:end] for core in group))
         start = end
     return blocks
+
+
+def _physical_cores(cores: list[int], siblings: Callable[[int], str]) -> list[list[int]]:
+    """``cores`` grouped by physical core (hardware threads of one core together),
+    in the order of each group's first core."""
+    groups: dict[frozenset[int], list[int]] = {}
+    for core in cores:
+        try:
+            key = frozenset(_parse_list(siblings(core)))
+        except (OSError, ValueError):
+            key = frozenset({core})  # unknown: a core of its own
+        groups.setdefault(key, []).append(core)
+    return list(groups.values())
+
+
+def _siblings_here(core: int) -> str:
+    return Path(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list").read_text()
+
+
+def _parse_list(text: str) -> list[int]:
+    """``0,4`` or ``0-1`` (Linux's CPU lists) as numbers."""
+    found: list[int] = []
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        found += range(int(low), int(high or low) + 1)
+    return found
 
 
 def describe(blocks: list[list[int]]) -> str:

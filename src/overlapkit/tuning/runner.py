@@ -5,7 +5,9 @@ trial as it finishes."""
 from __future__ import annotations
 
 import functools
+import os
 import queue
+import signal
 import textwrap
 import threading
 import time
@@ -39,7 +41,8 @@ from .study import (
     waiting,
     worker_main,
 )
-from .trial import run_trial
+from .trial import run_trial, trials_on_cpu
+from .trial_process import start_server
 
 if TYPE_CHECKING:
     from .on_ray import RayTrials
@@ -67,6 +70,8 @@ def tune(
     job.save()
     deadline = None if timeout_s is None else time.time() + timeout_s
     pool = Pool(workers, gpus, ray, cores)
+    if ray is None and gpus is None and trials_on_cpu(job.base):
+        start_server()  # here, before the workers' threads: it changes the environment
     queue = lambda: waiting(study)  # noqa: E731
     orphans = fail_orphans(study)
     if orphans:
@@ -274,20 +279,38 @@ def _in_threads(work: Callable[[], None], meanwhile: Callable[[], None], console
         while not done.wait(POLL_S):
             meanwhile()
         meanwhile()
-    except KeyboardInterrupt:
-        with threads_stopping():
-            while not done.is_set():
-                try:
-                    done.wait()
-                except KeyboardInterrupt:
-                    pass  # a second Ctrl-C: the trials are being stopped already
+    except BaseException:  # Ctrl-C, or this thread's own error (the study unreadable)
+        _wait_stopping(done, console)
         if errors and not isinstance(errors[0], KeyboardInterrupt):
-            # Optuna's record of a trial Ctrl-C stopped failed (seen once in CI:
-            # "Cannot tell a FAIL trial"): the stop is still the user's.
             console.print(f"overlapkit: tune stopped while recording a trial: {errors[0]}")
         raise
     if errors:
         raise errors[0]
+
+
+def _wait_stopping(done: threading.Event, console: Console) -> None:
+    """Tell the trials' thread to stop and wait for it to end (each trial is killed,
+    its setting queued again). A third Ctrl-C quits at once, leaving what still runs
+    (a machine that does not answer) to the next tune."""
+    pressed, said = 1, 0
+    with threads_stopping():
+        while not done.is_set():
+            try:
+                if said < pressed:  # a line for each Ctrl-C taken
+                    left = 3 - pressed
+                    plural = "s" if left > 1 else ""
+                    console.print(
+                        f"overlapkit: stopping the trials (Ctrl-C {left} more time{plural} "
+                        "quits at once)"
+                    )
+                    said = pressed
+                done.wait(POLL_S)
+            except KeyboardInterrupt:
+                pressed += 1
+                if pressed >= 3:
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the line is the last word
+                    console.print("overlapkit: tune quit; the next tune queues its trials again")
+                    os._exit(130)
 
 
 def _headline(kind: str, trial: FrozenTrial) -> str:

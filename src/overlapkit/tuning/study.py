@@ -2,8 +2,8 @@
 
 A tune folder holds ``tune.json`` (where the study lives), ``study.db`` (the
 default SQLite storage), ``trials/NNNNN/`` (each trial's scenario, run folder
-and stderr) and the report. The study runs in three phases, each by K worker
-processes sharing the study through its storage:
+and stderr) and the report. The study runs in phases, each with K workers (a
+trial process each at a time) sharing the study through its storage:
 
 1. references: every optimization off, each alone along its level, all on at
    full intensity (the naive combination) — the report's comparison rows;
@@ -41,7 +41,7 @@ import optuna
 import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 
-from ..launch.interrupt import stop_asked
+from ..launch.interrupt import stop_asked, stop_if_asked
 from ..launch.local import alive
 from ..launch.ray_nodes import OutOfTime, RayClusterError
 from ..optimizations import get_optimization
@@ -62,7 +62,7 @@ METRICS = ("throughput", "goodput")
 
 @dataclass
 class TuneJob:
-    """Everything a worker needs, as plain data (it crosses process boundaries)."""
+    """Everything a study's workers need, as plain data."""
 
     base: dict[str, Any]  # the scenario, as plain data
     tune: TuneConfig
@@ -145,7 +145,9 @@ class _OnePopAtATime(optuna.storages.RDBStorage):
     """Optuna's database storage, whose threads here take queued trials one at a time.
     A queued trial is taken by setting it running where it still waits, under a row
     lock that SQLite does not have: two of tune's threads taking trials at once both
-    took the same one (and its second run found the first's folder in use)."""
+    took the same one (and its second run found the first's folder in use). The lock
+    holds within this process; tune commands sharing a study from several processes
+    or machines share it through PostgreSQL, whose row lock holds across them."""
 
     _taking = threading.Lock()  # one for every storage of this process
 
@@ -342,6 +344,7 @@ class Objective:
                 return trial.should_prune()
 
         try:
+            stop_if_asked()  # Ctrl-C as the trial was set up: no process started for it
             summary = self.runner(data, folder, job.tune.trial_timeout_s, watch)
         except TrialStopped:
             raise optuna.TrialPruned() from None
@@ -426,6 +429,8 @@ def worker_main(
     this process sees)."""
     quiet_optuna()
     study = open_study(job, queued)
+    if stop_asked():  # Ctrl-C as the phase started
+        return
     timeout = None if deadline is None else max(1.0, deadline - time.time())
     budget = job.tune.trials
 

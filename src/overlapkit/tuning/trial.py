@@ -78,9 +78,7 @@ def run_trial(
     run_dir = folder / "run"
     command = ["run", str(scenario_file), "--out", str(run_dir), "--quiet", "--fresh"]
     stderr_path = folder / "stderr.txt"
-    on_cpu = (
-        gpus is None and resolve_device((data.get("world") or {}).get("device", "auto")) == "cpu"
-    )
+    on_cpu = gpus is None and trials_on_cpu(data)
     process = start_trial_process(
         command, folder / "stdout.txt", stderr_path, _child_env(gpus), fork=on_cpu, cores=cores
     )
@@ -94,6 +92,11 @@ def run_trial(
         said = stderr_path.read_text(errors="replace") if stderr_path.exists() else ""
         raise failure_of(returncode, said)
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def trials_on_cpu(data: dict[str, Any]) -> bool:
+    """Whether the scenario ``data`` runs on the CPU (its trials are forked, then)."""
+    return resolve_device((data.get("world") or {}).get("device", "auto")) == "cpu"
 
 
 def _child_env(gpus: list[str] | None = None) -> dict[str, str]:

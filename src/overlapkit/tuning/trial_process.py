@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,7 +31,10 @@ PRELOAD = [
     "overlapkit.cli",
     "overlapkit.run",
 ]
-_STARTING = threading.Lock()  # tune's workers are threads: one start at a time
+# tune's workers are threads. A start reaps the server's ended children, as a poll
+# does: one status read by two threads at once lost it for one (exit status 255).
+_FORKED = threading.Lock()
+_server_started = False
 
 
 class TrialProcess(Protocol):
@@ -66,18 +70,24 @@ def start_trial_process(
         args=(command, str(stdout), str(stderr), env, None, cores),
         daemon=False,
     )
-    with _STARTING:
+    with _FORKED:
         process.start()
     return _Forked(process)
 
 
 def start_server() -> None:
-    """Start the server CPU trials are forked from, if it is not running: its imports
-    (seconds) then overlap tune's own set-up instead of delaying the first trial."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    with _STARTING, resource_tracker_quiet():
-        multiprocessing.forkserver.ensure_running()
+    """Start the server CPU trials are forked from, once: its imports (seconds) then
+    overlap tune's own set-up, when tune starts it before its trials. The environment
+    changes for that start only (another thread copying it then met a name without
+    its value: a KeyError)."""
+    global _server_started
+    with _FORKED:
+        if _server_started:
+            return
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        with resource_tracker_quiet():
+            multiprocessing.forkserver.ensure_running()
+        _server_started = True
 
 
 class _Forked:
@@ -88,11 +98,13 @@ class _Forked:
         self.pid = process.pid or 0
 
     def poll(self) -> int | None:
-        return None if self.process.is_alive() else self.process.exitcode
+        with _FORKED:
+            return None if self.process.is_alive() else self.process.exitcode
 
     def wait(self) -> int:
-        self.process.join()
-        return self.process.exitcode or 0
+        while (code := self.poll()) is None:
+            time.sleep(0.02)
+        return code
 
 
 # Execs the interpreter of its second argument pinned to the cores of its first: an
@@ -119,8 +131,6 @@ def command_main(
     would run it: its own session, output files, environment (and folder), on
     ``cores`` if given; its exit status. It does not return."""
     os.setsid()  # its own process group: the watcher kills it with all its ranks
-    if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)  # torch's threads start later, and inherit it
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignored it
     for fd, path in ((1, stdout), (2, stderr)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -128,6 +138,8 @@ def command_main(
         os.close(opened)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)  # torch's threads start later, and inherit it
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
