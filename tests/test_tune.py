@@ -1039,6 +1039,19 @@ def test_threads_taking_queued_trials_at_once_never_take_the_same_one(tmp_path):
     assert not {n: times for n, times in taken.items() if times > 1}
 
 
+def test_a_report_of_a_study_tuned_with_a_plugin_not_loaded_here_is_one_line(tmp_path):
+    """`overlapkit report` of a study whose scenario searched a plugin's optimization,
+    in a shell without the plugin: an internal error and a traceback file."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="s", storage=open_storage(url))
+    study.set_user_attr("tune", TuneConfig().model_dump())
+    study.set_user_attr("scenario", {"optimizations": {"their_overlap": {"intensity": 1}}})
+    result = cli_here("report", url, "--out", tmp_path / "report")
+    assert result.returncode == 2, result.stderr
+    assert "unknown optimization 'their_overlap'" in result.stderr
+    assert "load that plugin as tune did (its module in OVERLAPKIT_PLUGINS" in result.stderr
+
+
 def test_a_failed_trials_reason_is_cut_at_a_word_not_mid_word():
     """'failed (invalid: error: ddp_overlap needs at least 2 replicas of each pipelin)':
     the reason was cut at 60 characters, mid-word."""
