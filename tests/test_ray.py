@@ -63,7 +63,11 @@ def cluster(tmp_path_factory):
     ray_cluster = Cluster(
         initialize_head=True,
         connect=False,
-        head_node_args={"num_cpus": 0, "object_store_memory": 80_000_000},
+        head_node_args={
+            "num_cpus": 0,
+            "object_store_memory": 80_000_000,
+            "include_dashboard": False,
+        },
     )
     workers = [ray_cluster.add_node(**NODE) for _ in range(2)]
     ray_cluster.wait_for_nodes()
