@@ -6,7 +6,9 @@ measured steps, no references or confirm phase) run in a fresh folder each time:
   * 2 workers, each on cores of its own (`tune`'s way: its block of the cores,
     the trial's threads sized to it);
   * 2 workers sharing every core (no split: each trial sizes its threads to the
-    whole machine, as `tune` did before).
+    whole machine, as `tune` did before);
+  * 3 workers (on 2 cores: one core each, in turn, `tune`'s way with more workers
+    than cores).
 Rounds in rotating order, medians: the study's wall time, and its trials' median
 throughput (what the tuner compares; a worker's trial on 1 of 2 cores measures
 less than one alone on both, by design).
@@ -56,7 +58,8 @@ TUNE = {
 WAYS = {
     "1 worker": (1, False),
     "2 workers, own cores": (2, True),
-    "2 workers, shared cores": (2, False),
+    "2 workers, unpinned": (2, False),
+    "3 workers, a core each in turn": (3, True),
 }
 
 

@@ -149,11 +149,11 @@ HYPERTHREADS = {c: f"{c % 4},{c % 4 + 4}" for c in range(8)}  # cpu i and i+4: o
         (2, [0, 1], None, [[0], [1]]),
         (2, [0, 1, 2, 3, 4], None, [[0, 1, 2], [3, 4]]),
         (3, [4, 5, 9, 10, 11, 12], None, [[4, 5], [9, 10], [11, 12]]),  # an affinity
-        (4, [0, 1, 2], None, None),  # fewer cores than workers: shared (and said)
+        (4, [0, 1, 2], None, [[0], [1], [2], [0]]),  # fewer cores: one each in turn
         # A physical core's two hardware threads go to one worker, not one each.
         (2, list(range(8)), HYPERTHREADS, [[0, 1, 4, 5], [2, 3, 6, 7]]),
         (3, list(range(8)), HYPERTHREADS, [[0, 1, 4, 5], [2, 6], [3, 7]]),
-        (2, [0, 4], HYPERTHREADS, None),  # one physical core for two workers: shared
+        (2, [0, 4], HYPERTHREADS, [[0], [4]]),  # one physical core: its threads apart
     ],
 )
 def test_each_worker_gets_its_own_cores(workers, cores, siblings, expected):

@@ -19,7 +19,7 @@ from . import TuneError
 from .analysis import Analysis
 from .config import TuneConfig
 from .cores import describe as describe_cores
-from .cores import split_cores
+from .cores import shared, split_cores
 from .gpus import split_gpus, visible_gpus
 from .report import print_report, report_document, write_report
 from .runner import tune
@@ -121,9 +121,11 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     else:
         cores = split_cores(args.workers, here)
         if cores is not None:
+            how = (
+                "sharing cores, one each in turn" if shared(cores) else "each with cores of its own"
+            )
             Console(stderr=True).print(
-                f"{args.workers} workers, each with cores of its own for its trials: "
-                f"{describe_cores(cores)}",
+                f"{args.workers} workers, {how} for its trials: {describe_cores(cores)}",
                 highlight=False,
             )
         if args.workers * scenario.world.ranks > len(here):

@@ -21,14 +21,18 @@ def split_cores(
 ) -> list[list[int]] | None:
     """``workers`` disjoint blocks of ``cores``, in order, a physical core's hardware
     threads (``siblings(core)``: Linux's ``thread_siblings_list``) in one block; the
-    first blocks take what an uneven division leaves over. None for one worker, for
-    fewer physical cores than workers (every trial then sees them all, and `tune`
-    says they contend), or where processes cannot be pinned."""
-    if workers < 2 or not hasattr(os, "sched_setaffinity"):
+    first blocks take what an uneven division leaves over. With fewer physical cores
+    than workers, hardware threads apart; with fewer cores than workers, one core
+    each, in turn (shared: trials of one thread each take turns on a core, where
+    trials sizing their threads to every core spun on each other's, 5 to 10 times
+    slower). None for one worker, or where processes cannot be pinned."""
+    if workers < 2 or not hasattr(os, "sched_setaffinity") or not cores:
         return None
     groups = _physical_cores(cores, siblings or _siblings_here)
     if len(groups) < workers:
-        return None
+        groups = [[core] for core in cores]
+    if len(groups) < workers:
+        return [groups[i % len(groups)] for i in range(workers)]
     size, left_over = divmod(len(groups), workers)
     blocks, start = [], 0
     for i in range(workers):
@@ -62,6 +66,12 @@ def _parse_list(text: str) -> list[int]:
         low, _, high = part.partition("-")
         found += range(int(low), int(high or low) + 1)
     return found
+
+
+def shared(blocks: list[list[int]]) -> bool:
+    """Whether some core is in two blocks."""
+    every = [core for block in blocks for core in block]
+    return len(set(every)) < len(every)
 
 
 def describe(blocks: list[list[int]]) -> str:
