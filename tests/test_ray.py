@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -99,12 +100,30 @@ def sqlite(folder: Path) -> str:
     return f"sqlite:///{folder / 'study.db'}"
 
 
-def start_driver(command: list[str], log: Path) -> subprocess.Popen:
-    """`overlapkit COMMAND` as a driver of its own, its output in ``log``."""
+def start_driver(command: list[str], log: Path, session: bool = False) -> subprocess.Popen:
+    """`overlapkit COMMAND` as a driver of its own, its output in ``log``; ``session``:
+    in a session of its own, as from a terminal (whose Ctrl-C reaches its group)."""
     with log.open("wb") as sink:
         return subprocess.Popen(
-            [sys.executable, "-m", "overlapkit", *command], cwd=ROOT, stdout=sink, stderr=sink
+            [sys.executable, "-m", "overlapkit", *command],
+            cwd=ROOT,
+            stdout=sink,
+            stderr=sink,
+            start_new_session=session,
         )
+
+
+def steps_on_new_machines(cluster) -> Callable[[], bool]:
+    """Whether a run started since this call has measured a step on its machines
+    (written its live step log in a machine's run folder)."""
+    before = set(cluster.scratch.glob("overlapkit-node-*"))
+
+    def measured() -> bool:
+        folders = set(cluster.scratch.glob("overlapkit-node-*")) - before
+        lives = [f / "run" / "live-steps.jsonl" for f in folders]
+        return any(p.exists() and p.stat().st_size > 0 for p in lives)
+
+    return measured
 
 
 def wait_for(condition, seconds: float, what: str, log: Path | None = None):
@@ -172,7 +191,7 @@ def test_a_machine_lost_mid_trial_fails_that_trial_and_the_study_completes(
     tune = TUNE[:-1] % (1, 4) + ", search: {ddp_overlap: null}}"
     path = two_machine_scenario(tiny_scenario, optimizations, tune)
     out = tmp_path / "tune"
-    started = set(cluster.scratch.glob("overlapkit-node-*"))
+    training = steps_on_new_machines(cluster)  # a trial's ranks measured steps there
     log = tmp_path / "tune.log"
     with log.open("wb") as sink:
         driver = subprocess.Popen(
@@ -183,12 +202,6 @@ def test_a_machine_lost_mid_trial_fails_that_trial_and_the_study_completes(
             stderr=sink,
         )
     try:
-
-        def training():  # a trial's ranks have written measured steps on its machines
-            folders = set(cluster.scratch.glob("overlapkit-node-*")) - started
-            lives = [f / "run" / "live-steps.jsonl" for f in folders]
-            return any(p.exists() and p.stat().st_size > 0 for p in lives)
-
         wait_for(training, 240, "the first trial to train", log)
         victim = cluster.workers.pop()
         gone = victim.node_id
@@ -294,24 +307,11 @@ def test_ctrl_c_stops_a_tune_on_ray_at_once_and_its_trial_runs_again(
     tune = TUNE[:-1] % (1, 4) + ", search: {ddp_overlap: null}}"
     path = two_machine_scenario(tiny_scenario, optimizations, tune)
     out = tmp_path / "tune"
-    started = set(cluster.scratch.glob("overlapkit-node-*"))
+    at_the_gate = steps_on_new_machines(cluster)  # step 0 measured: rank 0 waits at step 1
     log = tmp_path / "tune.log"
     command = ["tune", str(path), "--ray", cluster.address, "--out", str(out)]
-    with log.open("wb") as sink:
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "overlapkit", *command],
-            cwd=ROOT,
-            stdout=sink,
-            stderr=sink,
-            start_new_session=True,  # a terminal's Ctrl-C reaches its whole group
-        )
+    driver = start_driver(command, log, session=True)  # Ctrl-C reaches its whole group
     try:
-
-        def at_the_gate():  # step 0 measured on a machine: rank 0 waits at step 1
-            folders = set(cluster.scratch.glob("overlapkit-node-*")) - started
-            lives = [f / "run" / "live-steps.jsonl" for f in folders]
-            return any(p.exists() and p.stat().st_size > 0 for p in lives)
-
         wait_for(at_the_gate, 240, "a trial at the gate", log)
         os.killpg(driver.pid, signal.SIGINT)
         assert driver.wait(timeout=60) == 130, log.read_text()[-3000:]

@@ -15,6 +15,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from ..runtime.cores import parse_list
+
 
 def split_cores(
     workers: int, cores: list[int], siblings: Callable[[int], str] | None = None
@@ -48,7 +50,7 @@ def _physical_cores(cores: list[int], siblings: Callable[[int], str]) -> list[li
     groups: dict[frozenset[int], list[int]] = {}
     for core in cores:
         try:
-            key = frozenset(_parse_list(siblings(core)))
+            key = frozenset(parse_list(siblings(core))) or frozenset({core})
         except (OSError, ValueError):
             key = frozenset({core})  # unknown: a core of its own
         groups.setdefault(key, []).append(core)
@@ -57,15 +59,6 @@ def _physical_cores(cores: list[int], siblings: Callable[[int], str]) -> list[li
 
 def _siblings_here(core: int) -> str:
     return Path(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list").read_text()
-
-
-def _parse_list(text: str) -> list[int]:
-    """``0,4`` or ``0-1`` (Linux's CPU lists) as numbers."""
-    found: list[int] = []
-    for part in text.strip().split(","):
-        low, _, high = part.partition("-")
-        found += range(int(low), int(high or low) + 1)
-    return found
 
 
 def shared(blocks: list[list[int]]) -> bool:
