@@ -163,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
         "--workers",
         type=_at_least(1),
         default=1,
-        help="trials at once on this machine, each on cores (and GPUs) of its own (default 1)",
+        help="trials at once on this machine, each worker on cores (and GPUs) of its own while there are enough (default 1)",
     )
     tune.add_argument(
         "--timeout", type=_above_zero, help="stop starting trials after this many seconds"
