@@ -28,6 +28,7 @@ from overlapkit.tuning.analysis import Analysis
 from overlapkit.tuning.goodput import checkpoint_figures, checkpoints_taken, efficiency, goodput
 from overlapkit.tuning.space import SpaceError, apply_params, build_space
 from overlapkit.tuning.study import (
+    Objective,
     TuneJob,
     confirm_settings,
     default_storage,
@@ -1037,6 +1038,31 @@ def test_threads_taking_queued_trials_at_once_never_take_the_same_one(tmp_path):
         thread.join(timeout=120)
     assert sorted(taken) == list(range(60))
     assert not {n: times for n, times in taken.items() if times > 1}
+
+
+def test_two_machines_starting_trials_at_once_never_both_take_the_last_search_place(
+    tmp_path,
+):
+    """Each trial counts the search trials numbered before it; one made a moment
+    earlier elsewhere had not said its role yet and counted as nothing, so both ran:
+    7 search trials in a study of 6 (CI, two machines on PostgreSQL)."""
+    import threading
+
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    job = TuneJob(base, TuneConfig(trials=1), tmp_path, default_storage(tmp_path), "tiny")
+    study = optuna.create_study(study_name="tiny", storage=open_storage(job.storage_url))
+    first = study.ask()  # machine A's trial: made, its role not said yet
+    says = threading.Timer(0.3, first.set_user_attr, ("role", "search"))
+    says.start()
+
+    def refuse(*_):
+        raise AssertionError("a second search trial ran in a budget of one")
+
+    machine_b = optuna.load_study(study_name="tiny", storage=open_storage(job.storage_url))
+    machine_b.optimize(Objective(job, runner=refuse), n_trials=1)  # its trial 1, at once
+    says.join()
+    second = machine_b.trials[1]
+    assert (second.state, second.user_attrs["role"]) == (TrialState.PRUNED, "unused")
 
 
 def test_a_report_of_a_study_tuned_with_a_plugin_not_loaded_here_is_one_line(tmp_path):

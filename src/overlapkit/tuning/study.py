@@ -375,15 +375,30 @@ class Objective:
         return values[0] if len(values) == 1 else values
 
 
+ROLE_WAIT_S = 10.0  # a trial says its role milliseconds after it is made; longer: it died
+
+
 def _over_budget(trial: optuna.Trial, budget: int) -> bool:
     """Whether ``budget`` search trials numbered before this one were started (and not
-    interrupted): of trials started at once, the lower numbers go first."""
-    earlier = sum(
-        1
-        for t in trial.study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
-        if t.number < trial.number and t.user_attrs.get("role") == "search" and not queued_again(t)
-    )
-    return earlier >= budget
+    interrupted): of trials started at once, the lower numbers go first. An earlier
+    trial that has not said its role yet (made a moment ago, on this machine or
+    another) is waited for: counted as nothing, two trials started at once would both
+    take the budget's last place."""
+    deadline = time.monotonic() + ROLE_WAIT_S
+    while True:
+        earlier = [
+            t
+            for t in trial.study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+            if t.number < trial.number
+        ]
+        unsaid = [
+            t for t in earlier if t.state == TrialState.RUNNING and "role" not in t.user_attrs
+        ]
+        if not unsaid or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    searched = [t for t in earlier if t.user_attrs.get("role") == "search" and not queued_again(t)]
+    return len(searched) >= budget
 
 
 def queued_again(trial: FrozenTrial) -> bool:
