@@ -1010,32 +1010,48 @@ def test_processes_opening_a_new_storage_at_once_all_open_it(tmp_path):
     assert set(outcomes) == {"ok"}, outcomes
 
 
-def test_threads_taking_queued_trials_at_once_never_take_the_same_one(tmp_path):
+def test_tune_commands_and_threads_taking_queued_trials_at_once_never_take_the_same_one(
+    tmp_path,
+):
     """tune's workers are threads: each takes a queued trial by setting it running
     where it still waits, under a row lock SQLite does not have. Four threads taking
     60 queued trials at once took 21 to 30 of them twice (a trial run twice found its
-    folder in use by the other)."""
+    folder in use by the other); two tune commands on one SQLite file, 5 to 11. Here
+    two processes (as two tune commands) of two threads each."""
     import collections
+    import multiprocessing
     import threading
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
     study = optuna.create_study(study_name="s", storage=open_storage(url))
     for x in range(60):
         study.enqueue_trial({"x": x})
-    taken: collections.Counter[int] = collections.Counter()
-    together = threading.Barrier(4)
+    together = multiprocessing.get_context("fork").Barrier(4)
 
-    def take() -> None:
+    def take(numbers: list[int]) -> None:
         mine = optuna.load_study(study_name="s", storage=open_storage(url))  # as a worker
         together.wait(timeout=60)
         while (trial := mine.ask()).number < 60:  # queued ones first, then new ones
-            taken[trial.number] += 1
+            numbers.append(trial.number)
 
-    threads = [threading.Thread(target=take) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    def two_threads() -> list[int]:
+        numbers: list[int] = []
+        threads = [threading.Thread(target=take, args=(numbers,)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        return numbers
+
+    child_took = tmp_path / "child"
+    if (pid := os.fork()) == 0:  # the other tune command
+        try:
+            child_took.write_text(json.dumps(two_threads()))
+        finally:
+            os._exit(0)
+    here = two_threads()
+    os.waitpid(pid, 0)
+    taken = collections.Counter(here + json.loads(child_took.read_text()))
     assert sorted(taken) == list(range(60))
     assert not {n: times for n, times in taken.items() if times > 1}
 

@@ -22,7 +22,9 @@ again on the same folder (or storage) continues where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import itertools
 import json
 import logging
@@ -31,7 +33,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
@@ -142,22 +144,43 @@ def _own_storage(url: str | None, folder: Path) -> str:
 
 
 class _OnePopAtATime(optuna.storages.RDBStorage):
-    """Optuna's database storage, whose threads here take queued trials one at a time.
-    A queued trial is taken by setting it running where it still waits, under a row
-    lock that SQLite does not have: two of tune's threads taking trials at once both
-    took the same one (and its second run found the first's folder in use). The lock
-    holds within this process; tune commands sharing a study from several processes
-    or machines share it through PostgreSQL, whose row lock holds across them."""
+    """Optuna's database storage, taking queued trials one at a time. A queued trial
+    is taken by setting it running where it still waits, under a row lock that SQLite
+    does not have: two of tune's threads taking trials at once both took the same one
+    (and its second run found the first's folder in use), and so did two tune
+    commands on one SQLite file. Here a lock of this process and, for a SQLite file,
+    a lock on a file beside it make the taking one at a time. PostgreSQL's row lock
+    holds across processes and machines by itself."""
 
     _taking = threading.Lock()  # one for every storage of this process
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        database = sqlalchemy.engine.make_url(url).database if url.startswith("sqlite") else None
+        on_disk = database not in (None, "", ":memory:")
+        self.taking_lock = f"{database}.taking.lock" if on_disk else None
 
     def set_trial_state_values(
         self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
     ) -> bool:
         if state != TrialState.RUNNING:
             return super().set_trial_state_values(trial_id, state, values)
-        with self._taking:
+        with self._taking, _file_lock(self.taking_lock):
             return super().set_trial_state_values(trial_id, state, values)
+
+
+@contextlib.contextmanager
+def _file_lock(path: str | None) -> Iterator[None]:
+    """Held by one process at a time (of those on this machine; none when no path)."""
+    if path is None:
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
