@@ -75,7 +75,9 @@ def test_ranks_that_would_choose_different_steps_in_auto_mode_checkpoint_togethe
     nodes = roots(tmp_path, "run")
     knobs = {"every": "auto", "keep": 100, "final": False}
     # Left alone, rank 0 (a 1 % bound) and rank 1 (50 %) would checkpoint at other steps.
-    launch_local(node_local_checkpoints, 2, nodes, 40, knobs, [0.01, 0.5])
+    # 60 steps: the first checkpoint comes at step 7, and the next one when its persist
+    # is done (here steps 15 to 19; 40 steps left a slow disk room for only one).
+    launch_local(node_local_checkpoints, 2, nodes, 60, knobs, [0.01, 0.5])
     steps = [[e["step"] for e in manifest(tmp_path / "run" / f"node{r}")] for r in (0, 1)]
     assert steps[0] == steps[1] and len(steps[0]) >= 2
 

@@ -763,6 +763,7 @@ def test_two_machines_share_one_study_on_postgresql(tiny_scenario, tmp_path):
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and not (tmp_path / machine / "trials").exists():
                 time.sleep(0.2)  # this machine has the study and started a trial
+            assert (tmp_path / machine / "trials").exists(), f"machine {machine} ran no trial"
         gate.with_suffix(".open").touch()
         for machine in machines:
             _, err = machine.communicate(timeout=600)
