@@ -1082,6 +1082,41 @@ def test_two_machines_starting_trials_at_once_never_both_take_the_last_search_pl
     assert (second.state, second.user_attrs["role"]) == (TrialState.PRUNED, "unused")
 
 
+def test_a_search_trial_queued_again_counts_against_the_budget_until_it_runs_again(tmp_path):
+    """A trial lost with its machine is not counted (its setting runs again), and the
+    setting queued again was not counted either while it waited: a trial another
+    machine started meanwhile ran too, one search trial beyond the budget."""
+    import threading
+
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    job = TuneJob(base, TuneConfig(trials=1), tmp_path, default_storage(tmp_path), "tiny")
+    study = optuna.create_study(study_name="tiny", storage=open_storage(job.storage_url))
+    lost = study.ask()  # machine A's only search trial: its machine is lost
+    for key, value in {"role": "search", "failure": "node_lost", "queued_again": True}.items():
+        lost.set_user_attr(key, value)
+    study.tell(lost, state=TrialState.FAIL)
+    other = study.ask()  # a trial of machine A that says its role a moment later
+
+    def queue_the_lost_setting_again() -> None:
+        while len(study.get_trials(deepcopy=False)) < 3:  # machine B's trial is made
+            time.sleep(0.01)  # (and waits for `other` to say its role)
+        study.enqueue_trial(lost.params, user_attrs={"role": "search", "retry": True})
+        other.set_user_attr("role", "unused")
+
+    later = threading.Thread(target=queue_the_lost_setting_again)
+    later.start()
+
+    def refuse(*_):
+        raise AssertionError("a second search trial ran in a budget of one")
+
+    machine_b = optuna.load_study(study_name="tiny", storage=open_storage(job.storage_url))
+    machine_b.optimize(Objective(job, runner=refuse), n_trials=1)
+    later.join(timeout=60)
+    trials = machine_b.trials
+    assert (trials[2].state, trials[2].user_attrs["role"]) == (TrialState.PRUNED, "unused")
+    assert trials[3].state == TrialState.WAITING  # the lost setting, still to run
+
+
 def test_a_report_of_a_study_tuned_with_a_plugin_not_loaded_here_is_one_line(tmp_path):
     """`overlapkit report` of a study whose scenario searched a plugin's optimization,
     in a shell without the plugin: an internal error and a traceback file."""

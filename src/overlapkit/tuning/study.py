@@ -374,11 +374,11 @@ class Objective:
         except (KeyboardInterrupt, RayClusterError) as stop:
             # Ctrl-C, or a cluster with no room for the trial: not the setting's fault;
             # it runs again when the study continues.
+            # Queued before it is marked so: in between, the search budget counts both.
+            trial.study.enqueue_trial(params, user_attrs={"role": trial.user_attrs["role"]})
             room = isinstance(stop, RayClusterError)
             trial.set_user_attr("failure", "no_room" if room else "interrupted")
             trial.set_user_attr("reason", str(stop) if room else "tune was stopped while it ran")
-            role = trial.user_attrs["role"]
-            trial.study.enqueue_trial(params, user_attrs={"role": role})
             if isinstance(stop, OutOfTime):  # tune's --timeout: the study ends as usual
                 raise TrialFailed("no_room", str(stop)) from None
             raise
@@ -387,9 +387,9 @@ class Objective:
             trial.set_user_attr("reason", failure.reason)
             if failure.kind == NODE_LOST and not trial.user_attrs.get("retry"):
                 # Not the setting's fault: run it once more, on machines still there.
-                trial.set_user_attr("queued_again", True)
                 role = trial.user_attrs["role"]
                 trial.study.enqueue_trial(params, user_attrs={"role": role, "retry": True})
+                trial.set_user_attr("queued_again", True)
             raise
         metrics = trial_metrics(summary, job.tune)
         for key, value in metrics.items():
@@ -403,17 +403,15 @@ ROLE_WAIT_S = 10.0  # a trial says its role milliseconds after it is made; longe
 
 def _over_budget(trial: optuna.Trial, budget: int) -> bool:
     """Whether ``budget`` search trials numbered before this one were started (and not
-    interrupted): of trials started at once, the lower numbers go first. An earlier
-    trial that has not said its role yet (made a moment ago, on this machine or
-    another) is waited for: counted as nothing, two trials started at once would both
-    take the budget's last place."""
+    interrupted), or are queued to run again (a trial stopped with its machine): of
+    trials started at once, the lower numbers go first. An earlier trial that has not
+    said its role yet (made a moment ago, on this machine or another) is waited for:
+    counted as nothing, two trials started at once would both take the budget's last
+    place."""
     deadline = time.monotonic() + ROLE_WAIT_S
-    while True:
-        earlier = [
-            t
-            for t in trial.study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
-            if t.number < trial.number
-        ]
+    while True:  # one read of the study: a trial moving on is seen in one state
+        trials = trial.study.get_trials(deepcopy=False)
+        earlier = [t for t in trials if t.number < trial.number and t.state != TrialState.WAITING]
         unsaid = [
             t for t in earlier if t.state == TrialState.RUNNING and "role" not in t.user_attrs
         ]
@@ -421,7 +419,9 @@ def _over_budget(trial: optuna.Trial, budget: int) -> bool:
             break
         time.sleep(0.05)
     searched = [t for t in earlier if t.user_attrs.get("role") == "search" and not queued_again(t)]
-    return len(searched) >= budget
+    waiting = [t for t in trials if t.state == TrialState.WAITING]
+    again = [t for t in waiting if t.user_attrs.get("role") == "search"]
+    return len(searched) + len(again) >= budget
 
 
 def queued_again(trial: FrozenTrial) -> bool:
