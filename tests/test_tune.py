@@ -12,6 +12,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -513,6 +514,58 @@ def test_a_trial_process_that_dies_before_writing_anything_fails_only_that_trial
         trial.run_trial({"name": "x"}, tmp_path / "t", timeout_s=30)
     assert failed.value.kind == "crashed"
     assert "exit status 3" in failed.value.reason and "(nothing on stderr)" in failed.value.reason
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie nobody reaped does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh interpreter"])
+def test_a_trial_process_dies_with_the_tune_that_started_it(fork, tmp_path):
+    """A tune killed (SIGKILL, the OOM killer) left its running trial behind, in a
+    session of its own: it ran on beside the next tune's trials and slowed them."""
+    started = tmp_path / "started"
+    (tmp_path / "hold_the_trial.py").write_text(  # the trial's run loads it, then waits
+        f"import os, time\nopen({str(started)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+    )
+    program = textwrap.dedent(
+        f"""
+        import os, time
+        from overlapkit.tuning import trial_process
+
+        env = {{**os.environ, "OVERLAPKIT_PLUGINS": "hold_the_trial"}}
+        out, err = {str(tmp_path / "out.txt")!r}, {str(tmp_path / "err.txt")!r}
+        trial_process.start_trial_process(["list"], out, err, env, fork={fork})
+        time.sleep(600)  # as tune, watching its trial
+        """
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    tune = subprocess.Popen(
+        [sys.executable, "-c", program],
+        env={**os.environ, "PYTHONPATH": path},
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() or not started.read_text():
+            assert time.monotonic() < deadline and tune.poll() is None, "no trial started"
+            time.sleep(0.1)
+        pid = int(started.read_text())
+        os.kill(tune.pid, signal.SIGKILL)  # tune only: the trial has a session of its own
+        deadline = time.monotonic() + 30
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(pid), "the trial outlived the tune that started it"
+    finally:
+        os.killpg(tune.pid, signal.SIGKILL)
+        tune.wait()
+        if started.exists() and started.read_text() and running(int(started.read_text())):
+            os.kill(int(started.read_text()), signal.SIGKILL)
 
 
 def _fake(trial, space, results):

@@ -15,9 +15,11 @@ import gc
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -125,6 +127,30 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def die_with(pid: int) -> None:
+    """Kill this process and its process group once process ``pid`` has ended: for a
+    process a server started (a forkserver, which outlives the one that asked for
+    it). A thread watches, through a pidfd where there are pidfds."""
+    try:
+        ended: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:  # already gone
+        os.killpg(0, signal.SIGKILL)
+    except (AttributeError, OSError):  # no pidfds here
+        ended = None
+
+    def watch() -> None:
+        if ended is not None:
+            readable = select.poll()  # readable once the process ended
+            readable.register(ended, select.POLLIN)
+            readable.poll()
+        else:
+            while alive(pid):
+                time.sleep(1.0)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="overlapkit-die-with", daemon=True).start()
 
 
 def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..launch.local import resource_tracker_quiet
+from ..launch.local import die_with, resource_tracker_quiet
 
 PRELOAD = [
     "overlapkit.tuning.quiet_server",  # first: Ctrl-C while the server imports, ignored
@@ -58,7 +58,7 @@ def start_trial_process(
     if not fork:
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
             return subprocess.Popen(
-                [*_pinned(cores), sys.executable, "-m", "overlapkit", *command],
+                [*_launcher(cores), sys.executable, "-m", "overlapkit", *command],
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
@@ -67,7 +67,7 @@ def start_trial_process(
     start_server()
     process = multiprocessing.get_context("forkserver").Process(
         target=command_main,
-        args=(command, str(stdout), str(stderr), env, None, cores),
+        args=(command, str(stdout), str(stderr), env, None, cores, os.getpid()),
         daemon=False,
     )
     with _FORKED:
@@ -107,16 +107,25 @@ class _Forked:
         return code
 
 
-# Execs the interpreter of its second argument pinned to the cores of its first: an
-# isolated `-S` Python starts in milliseconds, and the affinity survives exec.
-_PIN = "import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(','))); os.execv(sys.argv[2], sys.argv[2:])"
+# Execs the interpreter of its third argument, killed when its parent (tune) dies and
+# pinned to the cores of its first argument (if any): an isolated `-S` Python starts
+# in milliseconds, and both survive exec.
+_LAUNCH = """import ctypes, os, sys
+ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+if os.getppid() != int(sys.argv[2]):  # tune died before that
+    os._exit(1)
+if sys.argv[1]:
+    os.sched_setaffinity(0, map(int, sys.argv[1].split(",")))
+os.execv(sys.argv[3], sys.argv[3:])"""
 
 
-def _pinned(cores: list[int] | None) -> list[str]:
-    """The command prefix that pins what follows it to ``cores`` (none: nothing)."""
-    if not cores or not hasattr(os, "sched_setaffinity"):
+def _launcher(cores: list[int] | None) -> list[str]:
+    """The command prefix that makes what follows it die with tune (a trial left
+    running by a killed tune would slow the next one's trials) and run on ``cores``."""
+    if not sys.platform.startswith("linux"):
         return []
-    return [sys.executable, "-I", "-S", "-c", _PIN, ",".join(map(str, cores))]
+    pinned = ",".join(map(str, cores or []))
+    return [sys.executable, "-I", "-S", "-c", _LAUNCH, pinned, str(os.getpid())]
 
 
 def command_main(
@@ -126,11 +135,16 @@ def command_main(
     env: dict[str, Any],
     cwd: str | None = None,
     cores: list[int] | None = None,
+    tune: int | None = None,
 ) -> None:
     """``overlapkit COMMAND`` in this forked process, as a fresh one started from a shell
     would run it: its own session, output files, environment (and folder), on
-    ``cores`` if given; its exit status. It does not return."""
+    ``cores`` if given; its exit status. It does not return. With its ranks it dies
+    with process ``tune``: a trial left running by a killed tune would slow the next
+    one's trials (the server it was forked from lives as long as it does)."""
     os.setsid()  # its own process group: the watcher kills it with all its ranks
+    if tune is not None:
+        die_with(tune)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignored it
     for fd, path in ((1, stdout), (2, stderr)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
