@@ -137,6 +137,7 @@ def die_with(pid: int) -> None:
         ended: int | None = os.pidfd_open(pid)
     except ProcessLookupError:  # already gone
         os.killpg(0, signal.SIGKILL)
+        return
     except (AttributeError, OSError):  # no pidfds here
         ended = None
 
