@@ -3,6 +3,7 @@ workers sharing a study, failed trials, an interrupted study, the report."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -36,6 +37,7 @@ from overlapkit.tuning.study import (
     enqueue,
     open_storage,
     open_study,
+    search_done,
     trial_metrics,
 )
 
@@ -525,6 +527,7 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh interpreter"])
 def test_a_trial_process_dies_with_the_tune_that_started_it(fork, tmp_path):
     """A tune killed (SIGKILL, the OOM killer) left its running trial behind, in a
@@ -562,7 +565,8 @@ def test_a_trial_process_dies_with_the_tune_that_started_it(fork, tmp_path):
             time.sleep(0.1)
         assert not running(pid), "the trial outlived the tune that started it"
     finally:
-        os.killpg(tune.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(tune.pid, signal.SIGKILL)
         tune.wait()
         if started.exists() and started.read_text() and running(int(started.read_text())):
             os.kill(int(started.read_text()), signal.SIGKILL)
@@ -1122,7 +1126,14 @@ def test_two_machines_starting_trials_at_once_never_both_take_the_last_search_pl
     job = TuneJob(base, TuneConfig(trials=1), tmp_path, default_storage(tmp_path), "tiny")
     study = optuna.create_study(study_name="tiny", storage=open_storage(job.storage_url))
     first = study.ask()  # machine A's trial: made, its role not said yet
-    says = threading.Timer(0.3, first.set_user_attr, ("role", "search"))
+
+    def say_the_role() -> None:
+        deadline = time.monotonic() + 60
+        while len(study.get_trials(deepcopy=False)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # machine B's trial is made (and waits for `first`'s role)
+        first.set_user_attr("role", "search")
+
+    says = threading.Thread(target=say_the_role, daemon=True)
     says.start()
 
     def refuse(*_):
@@ -1130,7 +1141,7 @@ def test_two_machines_starting_trials_at_once_never_both_take_the_last_search_pl
 
     machine_b = optuna.load_study(study_name="tiny", storage=open_storage(job.storage_url))
     machine_b.optimize(Objective(job, runner=refuse), n_trials=1)  # its trial 1, at once
-    says.join()
+    says.join(timeout=60)
     second = machine_b.trials[1]
     assert (second.state, second.user_attrs["role"]) == (TrialState.PRUNED, "unused")
 
@@ -1151,12 +1162,13 @@ def test_a_search_trial_queued_again_counts_against_the_budget_until_it_runs_aga
     other = study.ask()  # a trial of machine A that says its role a moment later
 
     def queue_the_lost_setting_again() -> None:
-        while len(study.get_trials(deepcopy=False)) < 3:  # machine B's trial is made
-            time.sleep(0.01)  # (and waits for `other` to say its role)
+        deadline = time.monotonic() + 60
+        while len(study.get_trials(deepcopy=False)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # machine B's trial is made (and waits for `other`'s role)
         study.enqueue_trial(lost.params, user_attrs={"role": "search", "retry": True})
         other.set_user_attr("role", "unused")
 
-    later = threading.Thread(target=queue_the_lost_setting_again)
+    later = threading.Thread(target=queue_the_lost_setting_again, daemon=True)
     later.start()
 
     def refuse(*_):
@@ -1168,6 +1180,37 @@ def test_a_search_trial_queued_again_counts_against_the_budget_until_it_runs_aga
     trials = machine_b.trials
     assert (trials[2].state, trials[2].user_attrs["role"]) == (TrialState.PRUNED, "unused")
     assert trials[3].state == TrialState.WAITING  # the lost setting, still to run
+
+
+def test_a_trial_whose_worker_stopped_beating_runs_again_once_and_counts_once(tmp_path):
+    """Optuna fails a running trial whose worker stopped beating (its machine died) and
+    retried it with a copy of every attribute: the failed trial still counted against
+    the search budget, and so did its copy."""
+    storage = open_storage(f"sqlite:///{tmp_path / 'study.db'}")
+    storage.grace_period = 0  # stale once a second passed
+    study = optuna.create_study(study_name="s", storage=storage)
+    lost = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    for key, value in {"role": "search", "host": "gone", "pid": 1}.items():
+        lost.set_user_attr(key, value)
+    storage.record_heartbeat(lost._trial_id)
+    time.sleep(1.1)
+    optuna.storages.fail_stale_trials(study)  # as any worker does before its next trial
+    first = study.trials[lost.number]
+    assert first.state == TrialState.FAIL and first.user_attrs["failure"] == "interrupted"
+    assert "no heartbeat" in first.user_attrs["reason"]
+    (again,) = study.get_trials(states=(TrialState.WAITING,))
+    assert again.system_attrs["fixed_params"] == first.params
+    assert again.user_attrs == {"role": "search", "retry": True}
+    assert search_done(study) == 0  # the setting counts once, when it runs again
+    # Its worker stops beating again: failed for good, and it counts.
+    retried = study.ask()
+    assert retried.number == again.number
+    storage.record_heartbeat(retried._trial_id)
+    time.sleep(1.1)
+    optuna.storages.fail_stale_trials(study)
+    assert study.trials[retried.number].user_attrs["failure"] == "lost"
+    assert not study.get_trials(states=(TrialState.WAITING,))
+    assert search_done(study) == 1
 
 
 def test_a_report_of_a_study_tuned_with_a_plugin_not_loaded_here_is_one_line(tmp_path):

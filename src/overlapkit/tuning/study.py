@@ -143,30 +143,52 @@ def _own_storage(url: str | None, folder: Path) -> str:
     return url
 
 
-class _OnePopAtATime(optuna.storages.RDBStorage):
-    """Optuna's database storage, taking queued trials one at a time. A queued trial
-    is taken by setting it running where it still waits, under a row lock that SQLite
-    does not have: two of tune's threads taking trials at once both took the same one
-    (and its second run found the first's folder in use), and so did two tune
-    commands on one SQLite file. Here a lock of this process and, for a SQLite file,
-    a lock on a file beside it make the taking one at a time. PostgreSQL's row lock
-    holds across processes and machines by itself."""
+class _OneChangeAtATime(optuna.storages.RDBStorage):
+    """Optuna's database storage, changing trials' states one at a time. A queued trial
+    is taken by setting it running where it still waits, a running one failed where
+    it still runs, under a row lock that SQLite does not have: two of tune's threads
+    taking trials at once both took the same one (and its second run found the
+    first's folder in use), and so did two tune commands on one SQLite file. Here a
+    lock of this process and, for a SQLite file, a lock on a file beside it make the
+    changes one at a time. PostgreSQL's row lock holds across processes and machines
+    by itself. A trial whose worker stopped beating is marked interrupted before
+    Optuna fails it, and its setting is queued again once (`_run_again`)."""
 
-    _taking = threading.Lock()  # one for every storage of this process
+    _changing = threading.Lock()  # one for every storage of this process
 
     def __init__(self, url: str, **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
         database = sqlalchemy.engine.make_url(url).database if url.startswith("sqlite") else None
         on_disk = database not in (None, "", ":memory:")
-        self.taking_lock = f"{database}.taking.lock" if on_disk else None
+        self.changing_lock = f"{database}.taking.lock" if on_disk else None
 
     def set_trial_state_values(
         self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
     ) -> bool:
-        if state != TrialState.RUNNING:
+        with self._changing, _file_lock(self.changing_lock):
             return super().set_trial_state_values(trial_id, state, values)
-        with self._taking, _file_lock(self.taking_lock):
-            return super().set_trial_state_values(trial_id, state, values)
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        stale = super()._get_stale_trial_ids(study_id)
+        for trial_id in stale:
+            again = not self.get_trial(trial_id).user_attrs.get("retry")
+            reason = f"its worker stopped (no heartbeat for {self.grace_period:g} s)"
+            marks = {"failure": "interrupted", "reason": reason}
+            if not again:
+                marks = {"failure": "lost", "reason": f"{reason}, twice: not run again"}
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                for key, value in marks.items():  # (another process may have failed it)
+                    self.set_trial_user_attr(trial_id, key, value)
+        return stale
+
+
+def _run_again(study: optuna.Study, trial: FrozenTrial) -> None:
+    """Queue again, once, the setting of a trial whose worker stopped beating: with its
+    role only (Optuna's own retry copied every attribute, its failure too, so that the
+    copy never counted against the search budget)."""
+    role = trial.user_attrs.get("role")
+    if trial.user_attrs.get("failure") == "interrupted" and role is not None:
+        study.enqueue_trial(trial.params, user_attrs={"role": role, "retry": True})
 
 
 @contextlib.contextmanager
@@ -196,14 +218,12 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return _OnePopAtATime(
+                return _OneChangeAtATime(
                     url,
                     engine_kwargs=engine_kwargs,
                     heartbeat_interval=15,
                     grace_period=60,
-                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-                        max_retry=1
-                    ),
+                    heartbeat_stale_trial_callback=_run_again,
                 )
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError) as error:
             # Two processes creating a new storage's tables at once (a driver and a
@@ -341,14 +361,14 @@ class Objective:
             trial.study.stop()
             raise optuna.TrialPruned("the queue was empty")
         trial.set_user_attr("role", trial.user_attrs.get("role", "search"))
+        trial.set_user_attr("host", socket.gethostname())  # its worker, alive
+        trial.set_user_attr("pid", os.getpid())
         if trial.user_attrs["role"] == "search" and _over_budget(trial, job.tune.trials):
             # Workers on other machines filled the budget while this one started.
             trial.set_user_attr("role", UNUSED)
             trial.study.stop()
             raise optuna.TrialPruned("the search budget is spent")
         params = self.space.suggest(trial)
-        trial.set_user_attr("host", socket.gethostname())
-        trial.set_user_attr("pid", os.getpid())
         folder = job.folder / "trials" / f"{trial.number:05d}"
         trial.set_user_attr("folder", str(folder))
         data = trial_scenario(
@@ -508,11 +528,17 @@ def fail_orphans(study: optuna.Study) -> list[int]:
         elif trial.user_attrs.get("host") != host or alive(pid):
             continue
         storage = study._storage
-        storage.set_trial_user_attr(trial._trial_id, "failure", "interrupted")
-        storage.set_trial_user_attr(trial._trial_id, "reason", f"its worker (pid {pid}) is gone")
-        storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-        study.enqueue_trial(trial.params, user_attrs={"role": trial.user_attrs.get("role")})
+        try:
+            storage.set_trial_user_attr(trial._trial_id, "failure", "interrupted")
+            storage.set_trial_user_attr(
+                trial._trial_id, "reason", f"its worker (pid {pid}) is gone"
+            )
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # failed meanwhile elsewhere (its heartbeat stale), and queued there
         orphans.append(trial.number)
+        if (role := trial.user_attrs.get("role")) is not None:  # else it never ran a setting
+            study.enqueue_trial(trial.params, user_attrs={"role": role})
     return orphans
 
 
