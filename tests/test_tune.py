@@ -40,6 +40,7 @@ from overlapkit.tuning.study import (
     search_done,
     trial_metrics,
 )
+from overlapkit.tuning.trial import TrialFailed
 
 
 def scenario_with(tiny_scenario, optimizations: str, tune: str):
@@ -1146,10 +1147,11 @@ def test_two_machines_starting_trials_at_once_never_both_take_the_last_search_pl
     assert (second.state, second.user_attrs["role"]) == (TrialState.PRUNED, "unused")
 
 
-def test_a_search_trial_queued_again_counts_against_the_budget_until_it_runs_again(tmp_path):
+def test_a_setting_queued_again_holds_its_trials_place_in_the_search_budget(tmp_path):
     """A trial lost with its machine is not counted (its setting runs again), and the
     setting queued again was not counted either while it waited: a trial another
-    machine started meanwhile ran too, one search trial beyond the budget."""
+    machine started meanwhile ran too, one search trial beyond the budget. The copy
+    itself runs in the place it holds."""
     import threading
 
     base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
@@ -1165,7 +1167,8 @@ def test_a_search_trial_queued_again_counts_against_the_budget_until_it_runs_aga
         deadline = time.monotonic() + 60
         while len(study.get_trials(deepcopy=False)) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)  # machine B's trial is made (and waits for `other`'s role)
-        study.enqueue_trial(lost.params, user_attrs={"role": "search", "retry": True})
+        attrs = {"role": "search", "retry": True, "again_of": lost.number}
+        study.enqueue_trial(lost.params, user_attrs=attrs)
         other.set_user_attr("role", "unused")
 
     later = threading.Thread(target=queue_the_lost_setting_again, daemon=True)
@@ -1180,6 +1183,12 @@ def test_a_search_trial_queued_again_counts_against_the_budget_until_it_runs_aga
     trials = machine_b.trials
     assert (trials[2].state, trials[2].user_attrs["role"]) == (TrialState.PRUNED, "unused")
     assert trials[3].state == TrialState.WAITING  # the lost setting, still to run
+
+    def ran(*_):
+        raise TrialFailed("crashed", "it ran")
+
+    study.optimize(Objective(job, runner=ran), n_trials=1, catch=(TrialFailed,))
+    assert study.trials[3].user_attrs["failure"] == "crashed"  # it ran, in its place
 
 
 def test_a_trial_whose_worker_stopped_beating_runs_again_once_and_counts_once(tmp_path):
@@ -1200,7 +1209,7 @@ def test_a_trial_whose_worker_stopped_beating_runs_again_once_and_counts_once(tm
     assert "no heartbeat" in first.user_attrs["reason"]
     (again,) = study.get_trials(states=(TrialState.WAITING,))
     assert again.system_attrs["fixed_params"] == first.params
-    assert again.user_attrs == {"role": "search", "retry": True}
+    assert again.user_attrs == {"role": "search", "again_of": lost.number, "retry": True}
     assert search_done(study) == 0  # the setting counts once, when it runs again
     # Its worker stops beating again: failed for good, and it counts.
     retried = study.ask()

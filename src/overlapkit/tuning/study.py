@@ -186,9 +186,8 @@ def _run_again(study: optuna.Study, trial: FrozenTrial) -> None:
     """Queue again, once, the setting of a trial whose worker stopped beating: with its
     role only (Optuna's own retry copied every attribute, its failure too, so that the
     copy never counted against the search budget)."""
-    role = trial.user_attrs.get("role")
-    if trial.user_attrs.get("failure") == "interrupted" and role is not None:
-        study.enqueue_trial(trial.params, user_attrs={"role": role, "retry": True})
+    if trial.user_attrs.get("failure") == "interrupted" and trial.user_attrs.get("role"):
+        queue_again(study, trial, trial.params, retry=True)
 
 
 @contextlib.contextmanager
@@ -363,7 +362,9 @@ class Objective:
         trial.set_user_attr("role", trial.user_attrs.get("role", "search"))
         trial.set_user_attr("host", socket.gethostname())  # its worker, alive
         trial.set_user_attr("pid", os.getpid())
-        if trial.user_attrs["role"] == "search" and _over_budget(trial, job.tune.trials):
+        # A setting queued again holds the place of the trial it copies.
+        searching = trial.user_attrs["role"] == "search" and "again_of" not in trial.user_attrs
+        if searching and _over_budget(trial, job.tune.trials):
             # Workers on other machines filled the budget while this one started.
             trial.set_user_attr("role", UNUSED)
             trial.study.stop()
@@ -394,8 +395,8 @@ class Objective:
         except (KeyboardInterrupt, RayClusterError) as stop:
             # Ctrl-C, or a cluster with no room for the trial: not the setting's fault;
             # it runs again when the study continues.
-            # Queued before it is marked so: in between, the search budget counts both.
-            trial.study.enqueue_trial(params, user_attrs={"role": trial.user_attrs["role"]})
+            # Queued first: from then on its copy holds its place in the search budget.
+            queue_again(trial.study, trial, params)
             room = isinstance(stop, RayClusterError)
             trial.set_user_attr("failure", "no_room" if room else "interrupted")
             trial.set_user_attr("reason", str(stop) if room else "tune was stopped while it ran")
@@ -407,8 +408,7 @@ class Objective:
             trial.set_user_attr("reason", failure.reason)
             if failure.kind == NODE_LOST and not trial.user_attrs.get("retry"):
                 # Not the setting's fault: run it once more, on machines still there.
-                role = trial.user_attrs["role"]
-                trial.study.enqueue_trial(params, user_attrs={"role": role, "retry": True})
+                queue_again(trial.study, trial, params, retry=True)
                 trial.set_user_attr("queued_again", True)
             raise
         metrics = trial_metrics(summary, job.tune)
@@ -422,14 +422,14 @@ ROLE_WAIT_S = 10.0  # a trial says its role milliseconds after it is made; longe
 
 
 def _over_budget(trial: optuna.Trial, budget: int) -> bool:
-    """Whether ``budget`` search trials numbered before this one were started (and not
-    interrupted), or are queued to run again (a trial stopped with its machine): of
-    trials started at once, the lower numbers go first. An earlier trial that has not
-    said its role yet (made a moment ago, on this machine or another) is waited for:
-    counted as nothing, two trials started at once would both take the budget's last
-    place."""
+    """Whether ``budget`` search trials numbered before this one were started: of
+    trials started at once, the lower numbers go first. A trial stopped before its end
+    whose setting was queued again still holds its place (its copy runs in it), one
+    marked so with no copy does not. An earlier trial that has not said its role yet
+    (made a moment ago, on this machine or another) is waited for: counted as nothing,
+    two trials started at once would both take the budget's last place."""
     deadline = time.monotonic() + ROLE_WAIT_S
-    while True:  # one read of the study: a trial moving on is seen in one state
+    while True:
         trials = trial.study.get_trials(deepcopy=False)
         earlier = [t for t in trials if t.number < trial.number and t.state != TrialState.WAITING]
         unsaid = [
@@ -438,10 +438,29 @@ def _over_budget(trial: optuna.Trial, budget: int) -> bool:
         if not unsaid or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    searched = [t for t in earlier if t.user_attrs.get("role") == "search" and not queued_again(t)]
-    waiting = [t for t in trials if t.state == TrialState.WAITING]
-    again = [t for t in waiting if t.user_attrs.get("role") == "search"]
-    return len(searched) + len(again) >= budget
+    copied = {t.user_attrs.get("again_of") for t in trials}
+    places = [
+        t
+        for t in earlier
+        if t.user_attrs.get("role") == "search"
+        and "again_of" not in t.user_attrs
+        and (t.number in copied or not queued_again(t))
+    ]
+    return len(places) >= budget
+
+
+def queue_again(
+    study: optuna.Study,
+    trial: FrozenTrial | optuna.Trial,
+    params: dict[str, Any],
+    retry: bool = False,
+) -> None:
+    """Queue the setting ``params`` of ``trial``, stopped before its end, to run again:
+    the copy names it, and holds its place in the search budget."""
+    attrs: dict[str, Any] = {"role": trial.user_attrs.get("role"), "again_of": trial.number}
+    if retry:
+        attrs["retry"] = True
+    study.enqueue_trial(params, user_attrs=attrs)
 
 
 def queued_again(trial: FrozenTrial) -> bool:
@@ -537,8 +556,8 @@ def fail_orphans(study: optuna.Study) -> list[int]:
         except optuna.exceptions.UpdateFinishedTrialError:
             continue  # failed meanwhile elsewhere (its heartbeat stale), and queued there
         orphans.append(trial.number)
-        if (role := trial.user_attrs.get("role")) is not None:  # else it never ran a setting
-            study.enqueue_trial(trial.params, user_attrs={"role": role})
+        if trial.user_attrs.get("role") is not None:  # else it never ran a setting
+            queue_again(study, trial, trial.params)
     return orphans
 
 
