@@ -143,8 +143,6 @@ def command_main(
     with process ``tune``: a trial left running by a killed tune would slow the next
     one's trials (the server it was forked from lives as long as it does)."""
     os.setsid()  # its own process group: the watcher kills it with all its ranks
-    if tune is not None:
-        die_with(tune)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignored it
     for fd, path in ((1, stdout), (2, stderr)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -152,6 +150,8 @@ def command_main(
         os.close(opened)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    if tune is not None:
+        die_with(tune)
     if cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)  # torch's threads start later, and inherit it
     os.environ.clear()
