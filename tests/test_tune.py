@@ -37,6 +37,7 @@ from overlapkit.tuning.study import (
     enqueue,
     open_storage,
     open_study,
+    queue_again,
     search_done,
     trial_metrics,
 )
@@ -1194,19 +1195,26 @@ def test_a_setting_queued_again_holds_its_trials_place_in_the_search_budget(tmp_
 def test_a_trial_whose_worker_stopped_beating_runs_again_once_and_counts_once(tmp_path):
     """Optuna fails a running trial whose worker stopped beating (its machine died) and
     retried it with a copy of every attribute: the failed trial still counted against
-    the search budget, and so did its copy."""
+    the search budget, and so did its copy. A trial that had no setting yet is not
+    run again (its copy would sample a new one outside the budget), and a setting is
+    never queued twice (its worker queued it as it stopped, another found it gone)."""
     storage = open_storage(f"sqlite:///{tmp_path / 'study.db'}")
     storage.grace_period = 0  # stale once a second passed
     study = optuna.create_study(study_name="s", storage=storage)
-    lost = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
-    for key, value in {"role": "search", "host": "gone", "pid": 1}.items():
+    x = {"x": optuna.distributions.FloatDistribution(0, 1)}
+    lost, unset = study.ask(x), study.ask()
+    for key, value in {"role": "search", "host": "gone", "pid": 1, "folder": "t"}.items():
         lost.set_user_attr(key, value)
-    storage.record_heartbeat(lost._trial_id)
+    unset.set_user_attr("role", "search")  # its worker died as it waited on the budget
+    for trial in (lost, unset):
+        storage.record_heartbeat(trial._trial_id)
     time.sleep(1.1)
     optuna.storages.fail_stale_trials(study)  # as any worker does before its next trial
     first = study.trials[lost.number]
     assert first.state == TrialState.FAIL and first.user_attrs["failure"] == "interrupted"
     assert "no heartbeat" in first.user_attrs["reason"]
+    assert study.trials[unset.number].user_attrs["failure"] == "interrupted"
+    queue_again(study, lost, lost.params)  # its worker, late
     (again,) = study.get_trials(states=(TrialState.WAITING,))
     assert again.system_attrs["fixed_params"] == first.params
     assert again.user_attrs == {"role": "search", "again_of": lost.number, "retry": True}
@@ -1214,12 +1222,34 @@ def test_a_trial_whose_worker_stopped_beating_runs_again_once_and_counts_once(tm
     # Its worker stops beating again: failed for good, and it counts.
     retried = study.ask()
     assert retried.number == again.number
+    retried.set_user_attr("folder", "t2")
     storage.record_heartbeat(retried._trial_id)
     time.sleep(1.1)
     optuna.storages.fail_stale_trials(study)
     assert study.trials[retried.number].user_attrs["failure"] == "lost"
     assert not study.get_trials(states=(TrialState.WAITING,))
     assert search_done(study) == 1
+
+
+def test_a_setting_queued_twice_from_two_machines_runs_once(tmp_path):
+    """Two machines finding one trial's worker gone at once each queue its setting
+    (PostgreSQL takes no lock for that): the copy taken second is dropped."""
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    job = TuneJob(base, TuneConfig(trials=4), tmp_path, default_storage(tmp_path), "tiny")
+    study = optuna.create_study(study_name="tiny", storage=open_storage(job.storage_url))
+    lost = study.ask()
+    study.tell(lost, state=TrialState.FAIL)
+    for _ in range(2):
+        study.enqueue_trial({}, user_attrs={"role": "search", "again_of": lost.number})
+    ran = []
+
+    def run(*_):
+        ran.append(1)
+        raise TrialFailed("crashed", "it ran")
+
+    study.optimize(Objective(job, queued=True, runner=run), n_trials=2, catch=(TrialFailed,))
+    assert len(ran) == 1
+    assert study.trials[2].user_attrs["role"] == "unused"
 
 
 def test_a_report_of_a_study_tuned_with_a_plugin_not_loaded_here_is_one_line(tmp_path):

@@ -201,14 +201,16 @@ def _phase(
             if shown.progress is not None:
                 shown.progress.phase(name, trials)
         first = False
-        lost = _queued_again_count(study)
+        copies = _copies(study)
         _round(job, study, trials, pool, deadline, shown, queued=name != "search")
-        if _queued_again_count(study) == lost:
+        optuna.storages.fail_stale_trials(study)  # trials of machines gone: queued again
+        if _copies(study) == copies:
             return
 
 
-def _queued_again_count(study: optuna.Study) -> int:
-    return sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("queued_again"))
+def _copies(study: optuna.Study) -> int:
+    """The settings queued again (their trials stopped before their end)."""
+    return sum(1 for t in study.get_trials(deepcopy=False) if "again_of" in t.user_attrs)
 
 
 def _round(

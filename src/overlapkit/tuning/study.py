@@ -151,8 +151,8 @@ class _OneChangeAtATime(optuna.storages.RDBStorage):
     first's folder in use), and so did two tune commands on one SQLite file. Here a
     lock of this process and, for a SQLite file, a lock on a file beside it make the
     changes one at a time. PostgreSQL's row lock holds across processes and machines
-    by itself. A trial whose worker stopped beating is marked interrupted before
-    Optuna fails it, and its setting is queued again once (`_run_again`)."""
+    by itself. A trial whose worker stopped beating has its setting queued again
+    (once) and is marked interrupted before Optuna fails it."""
 
     _changing = threading.Lock()  # one for every storage of this process
 
@@ -162,32 +162,77 @@ class _OneChangeAtATime(optuna.storages.RDBStorage):
         on_disk = database not in (None, "", ":memory:")
         self.changing_lock = f"{database}.taking.lock" if on_disk else None
 
+    @contextlib.contextmanager
+    def one_at_a_time(self) -> Iterator[None]:
+        with self._changing, _file_lock(self.changing_lock):
+            yield
+
     def set_trial_state_values(
         self, trial_id: int, state: TrialState, values: Sequence[float] | None = None
     ) -> bool:
-        with self._changing, _file_lock(self.changing_lock):
+        with self.one_at_a_time():
             return super().set_trial_state_values(trial_id, state, values)
 
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
         stale = super()._get_stale_trial_ids(study_id)
         for trial_id in stale:
-            again = not self.get_trial(trial_id).user_attrs.get("retry")
+            trial = self.get_trial(trial_id)
             reason = f"its worker stopped (no heartbeat for {self.grace_period:g} s)"
-            marks = {"failure": "interrupted", "reason": reason}
-            if not again:
-                marks = {"failure": "lost", "reason": f"{reason}, twice: not run again"}
             with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
-                for key, value in marks.items():  # (another process may have failed it)
-                    self.set_trial_user_attr(trial_id, key, value)
+                # (another process may have failed it meanwhile, and queued it)
+                stopped_before_its_end(self, study_id, trial, reason, once=True)
         return stale
 
 
-def _run_again(study: optuna.Study, trial: FrozenTrial) -> None:
-    """Queue again, once, the setting of a trial whose worker stopped beating: with its
-    role only (Optuna's own retry copied every attribute, its failure too, so that the
-    copy never counted against the search budget)."""
-    if trial.user_attrs.get("failure") == "interrupted" and trial.user_attrs.get("role"):
-        queue_again(study, trial, trial.params, retry=True)
+def stopped_before_its_end(
+    storage: optuna.storages.BaseStorage, study_id: int, trial: FrozenTrial, reason: str, once: bool
+) -> None:
+    """Mark a running ``trial`` whose worker is gone, after queuing its setting again
+    (its copy holds its place in the search budget from then on): unless it never got
+    a setting, or, with ``once``, it was run again once already (failed for good)."""
+    role, retried = trial.user_attrs.get("role"), bool(trial.user_attrs.get("retry"))
+    ran = "folder" in trial.user_attrs and role not in (None, UNUSED)  # a setting, running
+    if ran and not (once and retried):
+        _queue_copy(storage, study_id, trial, trial.params, retry=once)
+        marks = {"failure": "interrupted", "reason": reason}
+    elif ran:
+        marks = {"failure": "lost", "reason": f"{reason}, for the second time: not run again"}
+    else:
+        marks = {"failure": "interrupted", "reason": f"{reason} before it ran"}
+    for key, value in marks.items():
+        storage.set_trial_user_attr(trial._trial_id, key, value)
+
+
+def queue_again(
+    study: optuna.Study, trial: optuna.Trial, params: dict[str, Any], retry: bool = False
+) -> None:
+    """Queue the setting ``params`` of ``trial``, stopped before its end, to run again:
+    the copy names it, and holds its place in the search budget."""
+    _queue_copy(study._storage, study._study_id, trial, params, retry)
+
+
+def _queue_copy(
+    storage: optuna.storages.BaseStorage,
+    study_id: int,
+    trial: FrozenTrial | optuna.Trial,
+    params: dict[str, Any],
+    retry: bool,
+) -> None:
+    """Queue a copy of ``trial`` (its setting ``params``), unless one is queued already
+    (its worker queued it as it stopped, and another machine found it gone)."""
+    backend = getattr(storage, "_backend", storage)  # Optuna's cache wraps it
+    lock = backend.one_at_a_time() if isinstance(backend, _OneChangeAtATime) else None
+    with lock or contextlib.nullcontext():
+        trials = storage.get_all_trials(study_id, deepcopy=False)
+        if any(t.user_attrs.get("again_of") == trial.number for t in trials):
+            return
+        attrs: dict[str, Any] = {"role": trial.user_attrs.get("role"), "again_of": trial.number}
+        if retry:
+            attrs["retry"] = True
+        copy = optuna.trial.create_trial(
+            state=TrialState.WAITING, system_attrs={"fixed_params": params}, user_attrs=attrs
+        )
+        storage.create_new_trial(study_id, template_trial=copy)
 
 
 @contextlib.contextmanager
@@ -222,7 +267,6 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
                     engine_kwargs=engine_kwargs,
                     heartbeat_interval=15,
                     grace_period=60,
-                    heartbeat_stale_trial_callback=_run_again,
                 )
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError) as error:
             # Two processes creating a new storage's tables at once (a driver and a
@@ -359,6 +403,10 @@ class Objective:
             trial.set_user_attr("role", UNUSED)
             trial.study.stop()
             raise optuna.TrialPruned("the queue was empty")
+        origin = trial.user_attrs.get("again_of")
+        if origin is not None and _copied_twice(trial, origin):
+            trial.set_user_attr("role", UNUSED)
+            raise optuna.TrialPruned("its setting runs in the copy queued first")
         trial.set_user_attr("role", trial.user_attrs.get("role", "search"))
         trial.set_user_attr("host", socket.gethostname())  # its worker, alive
         trial.set_user_attr("pid", os.getpid())
@@ -449,18 +497,11 @@ def _over_budget(trial: optuna.Trial, budget: int) -> bool:
     return len(places) >= budget
 
 
-def queue_again(
-    study: optuna.Study,
-    trial: FrozenTrial | optuna.Trial,
-    params: dict[str, Any],
-    retry: bool = False,
-) -> None:
-    """Queue the setting ``params`` of ``trial``, stopped before its end, to run again:
-    the copy names it, and holds its place in the search budget."""
-    attrs: dict[str, Any] = {"role": trial.user_attrs.get("role"), "again_of": trial.number}
-    if retry:
-        attrs["retry"] = True
-    study.enqueue_trial(params, user_attrs=attrs)
+def _copied_twice(trial: optuna.Trial, origin: int) -> bool:
+    """Whether a copy of trial ``origin`` numbered before this one exists (two machines
+    found its worker gone at once, and each queued it)."""
+    trials = trial.study.get_trials(deepcopy=False)
+    return any(t.user_attrs.get("again_of") == origin and t.number < trial.number for t in trials)
 
 
 def queued_again(trial: FrozenTrial) -> bool:
@@ -546,18 +587,13 @@ def fail_orphans(study: optuna.Study) -> list[int]:
                 continue
         elif trial.user_attrs.get("host") != host or alive(pid):
             continue
-        storage = study._storage
+        storage, reason = study._storage, f"its worker (pid {pid}) is gone"
         try:
-            storage.set_trial_user_attr(trial._trial_id, "failure", "interrupted")
-            storage.set_trial_user_attr(
-                trial._trial_id, "reason", f"its worker (pid {pid}) is gone"
-            )
+            stopped_before_its_end(storage, study._study_id, trial, reason, once=False)
             storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
         except optuna.exceptions.UpdateFinishedTrialError:
             continue  # failed meanwhile elsewhere (its heartbeat stale), and queued there
         orphans.append(trial.number)
-        if trial.user_attrs.get("role") is not None:  # else it never ran a setting
-            queue_again(study, trial, trial.params)
     return orphans
 
 
