@@ -14,14 +14,16 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
 import pytest
 import sqlalchemy
 import yaml
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 from pg_server import throwaway_postgres
 
 from conftest import ROOT, TINY_SCENARIO, cli_here, dashboard_get, most_at_once, run_cli
@@ -1080,7 +1082,6 @@ def test_tune_commands_and_threads_taking_queued_trials_at_once_never_take_the_s
     two processes (as two tune commands) of two threads each."""
     import collections
     import multiprocessing
-    import threading
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
     study = optuna.create_study(study_name="s", storage=open_storage(url))
@@ -1116,35 +1117,53 @@ def test_tune_commands_and_threads_taking_queued_trials_at_once_never_take_the_s
     assert not {n: times for n, times in taken.items() if times > 1}
 
 
+def budget_of_one(tmp_path: Path) -> tuple[TuneJob, optuna.Study]:
+    """A tune job whose search budget is one trial, and its new study."""
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    job = TuneJob(base, TuneConfig(trials=1), tmp_path, default_storage(tmp_path), "tiny")
+    return job, optuna.create_study(study_name="tiny", storage=open_storage(job.storage_url))
+
+
+def once_the_study_holds(study: optuna.Study, trials: int, then: Callable[[], None]):
+    """Calls ``then()`` from a thread once ``study`` holds ``trials`` trials (another
+    machine's trial was made, and waits on the earlier ones); returns the thread."""
+
+    def wait_then() -> None:
+        deadline = time.monotonic() + 60
+        while len(study.get_trials(deepcopy=False)) < trials and time.monotonic() < deadline:
+            time.sleep(0.01)
+        then()
+
+    thread = threading.Thread(target=wait_then, daemon=True)
+    thread.start()
+    return thread
+
+
+def machine_b_starts_a_search_trial(job: TuneJob) -> FrozenTrial:
+    """Another machine's worker starts one trial of the study, which must not run."""
+
+    def refuse(*_):
+        raise AssertionError("a second search trial ran in a budget of one")
+
+    machine_b = optuna.load_study(study_name="tiny", storage=open_storage(job.storage_url))
+    ended: list[FrozenTrial] = []
+    machine_b.optimize(
+        Objective(job, runner=refuse), n_trials=1, callbacks=[lambda _, t: ended.append(t)]
+    )
+    return ended[0]
+
+
 def test_two_machines_starting_trials_at_once_never_both_take_the_last_search_place(
     tmp_path,
 ):
     """Each trial counts the search trials numbered before it; one made a moment
     earlier elsewhere had not said its role yet and counted as nothing, so both ran:
     7 search trials in a study of 6 (CI, two machines on PostgreSQL)."""
-    import threading
-
-    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
-    job = TuneJob(base, TuneConfig(trials=1), tmp_path, default_storage(tmp_path), "tiny")
-    study = optuna.create_study(study_name="tiny", storage=open_storage(job.storage_url))
+    job, study = budget_of_one(tmp_path)
     first = study.ask()  # machine A's trial: made, its role not said yet
-
-    def say_the_role() -> None:
-        deadline = time.monotonic() + 60
-        while len(study.get_trials(deepcopy=False)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)  # machine B's trial is made (and waits for `first`'s role)
-        first.set_user_attr("role", "search")
-
-    says = threading.Thread(target=say_the_role, daemon=True)
-    says.start()
-
-    def refuse(*_):
-        raise AssertionError("a second search trial ran in a budget of one")
-
-    machine_b = optuna.load_study(study_name="tiny", storage=open_storage(job.storage_url))
-    machine_b.optimize(Objective(job, runner=refuse), n_trials=1)  # its trial 1, at once
+    says = once_the_study_holds(study, 2, lambda: first.set_user_attr("role", "search"))
+    second = machine_b_starts_a_search_trial(job)  # its trial 1, made at once
     says.join(timeout=60)
-    second = machine_b.trials[1]
     assert (second.state, second.user_attrs["role"]) == (TrialState.PRUNED, "unused")
 
 
@@ -1153,11 +1172,7 @@ def test_a_setting_queued_again_holds_its_trials_place_in_the_search_budget(tmp_
     setting queued again was not counted either while it waited: a trial another
     machine started meanwhile ran too, one search trial beyond the budget. The copy
     itself runs in the place it holds."""
-    import threading
-
-    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
-    job = TuneJob(base, TuneConfig(trials=1), tmp_path, default_storage(tmp_path), "tiny")
-    study = optuna.create_study(study_name="tiny", storage=open_storage(job.storage_url))
+    job, study = budget_of_one(tmp_path)
     lost = study.ask()  # machine A's only search trial: its machine is lost
     for key, value in {"role": "search", "failure": "node_lost", "queued_again": True}.items():
         lost.set_user_attr(key, value)
@@ -1165,25 +1180,15 @@ def test_a_setting_queued_again_holds_its_trials_place_in_the_search_budget(tmp_
     other = study.ask()  # a trial of machine A that says its role a moment later
 
     def queue_the_lost_setting_again() -> None:
-        deadline = time.monotonic() + 60
-        while len(study.get_trials(deepcopy=False)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)  # machine B's trial is made (and waits for `other`'s role)
         attrs = {"role": "search", "retry": True, "again_of": lost.number}
         study.enqueue_trial(lost.params, user_attrs=attrs)
         other.set_user_attr("role", "unused")
 
-    later = threading.Thread(target=queue_the_lost_setting_again, daemon=True)
-    later.start()
-
-    def refuse(*_):
-        raise AssertionError("a second search trial ran in a budget of one")
-
-    machine_b = optuna.load_study(study_name="tiny", storage=open_storage(job.storage_url))
-    machine_b.optimize(Objective(job, runner=refuse), n_trials=1)
+    later = once_the_study_holds(study, 3, queue_the_lost_setting_again)
+    second = machine_b_starts_a_search_trial(job)  # its trial 2, waiting on `other`
     later.join(timeout=60)
-    trials = machine_b.trials
-    assert (trials[2].state, trials[2].user_attrs["role"]) == (TrialState.PRUNED, "unused")
-    assert trials[3].state == TrialState.WAITING  # the lost setting, still to run
+    assert (second.state, second.user_attrs["role"]) == (TrialState.PRUNED, "unused")
+    assert study.trials[3].state == TrialState.WAITING  # the lost setting, still to run
 
     def ran(*_):
         raise TrialFailed("crashed", "it ran")
