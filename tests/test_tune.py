@@ -1206,21 +1206,28 @@ def test_a_trial_whose_worker_stopped_beating_runs_again_once_and_counts_once(tm
     storage = open_storage(f"sqlite:///{tmp_path / 'study.db'}")
     storage.grace_period = 0  # stale once a second passed
     study = optuna.create_study(study_name="s", storage=storage)
+    study.enqueue_trial({"x": 0.25}, user_attrs={"role": "repeat"})
+    taken = study.ask()  # its worker died as it took this queued setting
     x = {"x": optuna.distributions.FloatDistribution(0, 1)}
     lost, unset = study.ask(x), study.ask()
     for key, value in {"role": "search", "host": "gone", "pid": 1, "folder": "t"}.items():
         lost.set_user_attr(key, value)
     unset.set_user_attr("role", "search")  # its worker died as it waited on the budget
-    for trial in (lost, unset):
+    for trial in (taken, lost, unset):
         storage.record_heartbeat(trial._trial_id)
     time.sleep(1.1)
     optuna.storages.fail_stale_trials(study)  # as any worker does before its next trial
     first = study.trials[lost.number]
     assert first.state == TrialState.FAIL and first.user_attrs["failure"] == "interrupted"
     assert "no heartbeat" in first.user_attrs["reason"]
-    assert study.trials[unset.number].user_attrs["failure"] == "interrupted"
+    assert "before it ran" in study.trials[unset.number].user_attrs["reason"]
     queue_again(study, lost, lost.params)  # its worker, late
-    (again,) = study.get_trials(states=(TrialState.WAITING,))
+    copies = {t.user_attrs["again_of"]: t for t in study.get_trials(states=(TrialState.WAITING,))}
+    assert sorted(copies) == [taken.number, lost.number]  # the one with no setting: not
+    assert copies[taken.number].system_attrs["fixed_params"] == {"x": 0.25}
+    assert copies[taken.number].user_attrs["role"] == "repeat"
+    study.tell(study.ask(), state=TrialState.FAIL)  # the repeat's copy, out of the way
+    again = copies[lost.number]
     assert again.system_attrs["fixed_params"] == first.params
     assert again.user_attrs == {"role": "search", "again_of": lost.number, "retry": True}
     assert search_done(study) == 0  # the setting counts once, when it runs again

@@ -209,8 +209,13 @@ def _phase(
 
 
 def _copies(study: optuna.Study) -> int:
-    """The settings queued again (their trials stopped before their end)."""
-    return sum(1 for t in study.get_trials(deepcopy=False) if "again_of" in t.user_attrs)
+    """The settings queued again (their trials stopped before their end), less those
+    queued twice and dropped (each took a trial of the round)."""
+    return sum(
+        1
+        for t in study.get_trials(deepcopy=False)
+        if "again_of" in t.user_attrs and t.user_attrs.get("role") != UNUSED
+    )
 
 
 def _round(

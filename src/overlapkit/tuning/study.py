@@ -191,9 +191,12 @@ def stopped_before_its_end(
     (its copy holds its place in the search budget from then on): unless it never got
     a setting, or, with ``once``, it was run again once already (failed for good)."""
     role, retried = trial.user_attrs.get("role"), bool(trial.user_attrs.get("retry"))
-    ran = "folder" in trial.user_attrs and role not in (None, UNUSED)  # a setting, running
+    # Its setting: chosen and running, or queued for it (its worker died as it took it).
+    params = trial.params if "folder" in trial.user_attrs else None
+    params = params or trial.system_attrs.get("fixed_params")
+    ran = params is not None and role not in (None, UNUSED)
     if ran and not (once and retried):
-        _queue_copy(storage, study_id, trial, trial.params, retry=once)
+        _queue_copy(storage, study_id, trial, params, retry=once)
         marks = {"failure": "interrupted", "reason": reason}
     elif ran:
         marks = {"failure": "lost", "reason": f"{reason}, for the second time: not run again"}
@@ -218,11 +221,14 @@ def _queue_copy(
     params: dict[str, Any],
     retry: bool,
 ) -> None:
-    """Queue a copy of ``trial`` (its setting ``params``), unless one is queued already
-    (its worker queued it as it stopped, and another machine found it gone)."""
+    """Queue a copy of ``trial`` (its setting ``params``), unless it is no longer
+    running (it ended as another machine found it late to beat) or a copy is queued
+    already (its worker queued it as it stopped, and another found it gone)."""
     backend = getattr(storage, "_backend", storage)  # Optuna's cache wraps it
     lock = backend.one_at_a_time() if isinstance(backend, _OneChangeAtATime) else None
     with lock or contextlib.nullcontext():
+        if storage.get_trial(trial._trial_id).state != TrialState.RUNNING:
+            return
         trials = storage.get_all_trials(study_id, deepcopy=False)
         if any(t.user_attrs.get("again_of") == trial.number for t in trials):
             return
