@@ -742,8 +742,10 @@ def test_a_grid_study_visits_every_point_then_confirms_its_finalists(tiny_scenar
         tiny_scenario,
         tmp_path,
         "{toy_sleep: {intensity: 1}}",
+        # 4 measured steps: the finalists (0 and 125 ms of sleep a step, against 200) are
+        # ranked on one trial each, which a stall of 150 ms in 2 steps could reorder.
         "{trials: 100, sampler: grid, references: false, policy: false, intensity_step: 0.5,"
-        " finalists: 2, repeats: 2, steps: 2, warmup_steps: 1}",
+        " finalists: 2, repeats: 2, steps: 4, warmup_steps: 1}",
     )
     study = load(out)
     assert all(t.state == TrialState.COMPLETE for t in study.trials)
