@@ -130,6 +130,15 @@ def cli_here(*args: Any, cwd: Path | None = None) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (ended, or a zombie nobody reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

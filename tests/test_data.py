@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import running
 from overlapkit.data import (
     Cifar10,
     DataError,
@@ -303,12 +304,6 @@ def test_a_killed_scripts_loader_workers_end_with_it(tmp_path):
     assert any(map(writing, workers)), "the workers never filled their result pipe"
     os.kill(started.pid, signal.SIGKILL)
     started.wait()
-
-    def running(pid: int) -> bool:  # ended, or a zombie nobody reaped
-        try:
-            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
 
     deadline = time.monotonic() + 60
     while any(map(running, workers)) and time.monotonic() < deadline:

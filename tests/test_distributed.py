@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY_SCENARIO, cli_here, free_port, run_cli
+from conftest import ROOT, TINY_SCENARIO, cli_here, free_port, run_cli, running
 from overlapkit.runtime.distributed import init_world
 
 # How long a rank waits in a collective for a peer that is gone: the process group's timeout.
@@ -94,10 +94,7 @@ def test_a_failing_rank_fails_the_run_promptly_with_its_error(tiny_scenario, tmp
     time.sleep(0.5)
     for rank in (0, 1):
         pid = int((out / f"pid-rank{rank}.txt").read_text())
-        assert (
-            not os.path.exists(f"/proc/{pid}")
-            or "zombie" in open(f"/proc/{pid}/status").read().lower()
-        )
+        assert not running(pid)
 
 
 @pytest.mark.slow

@@ -26,7 +26,15 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 from pg_server import throwaway_postgres
 
-from conftest import ROOT, TINY_SCENARIO, cli_here, dashboard_get, most_at_once, run_cli
+from conftest import (
+    ROOT,
+    TINY_SCENARIO,
+    cli_here,
+    dashboard_get,
+    most_at_once,
+    run_cli,
+    running,
+)
 from overlapkit.tuning import TuneConfig, TuneError
 from overlapkit.tuning.analysis import Analysis
 from overlapkit.tuning.goodput import checkpoint_figures, checkpoints_taken, efficiency, goodput
@@ -520,15 +528,6 @@ def test_a_trial_process_that_dies_before_writing_anything_fails_only_that_trial
         trial.run_trial({"name": "x"}, tmp_path / "t", timeout_s=30)
     assert failed.value.kind == "crashed"
     assert "exit status 3" in failed.value.reason and "(nothing on stderr)" in failed.value.reason
-
-
-def running(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie nobody reaped does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
