@@ -192,8 +192,9 @@ def stopped_before_its_end(
     a setting, or, with ``once``, it was run again once already (failed for good)."""
     role, retried = trial.user_attrs.get("role"), bool(trial.user_attrs.get("retry"))
     # Its setting: chosen and running, or queued for it (its worker died as it took it).
-    params = trial.params if "folder" in trial.user_attrs else None
-    params = params or trial.system_attrs.get("fixed_params")
+    params = (
+        trial.params if "folder" in trial.user_attrs else trial.system_attrs.get("fixed_params")
+    )
     ran = params is not None and role not in (None, UNUSED)
     if ran and not (once and retried):
         _queue_copy(storage, study_id, trial, params, retry=once)
