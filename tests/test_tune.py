@@ -41,6 +41,7 @@ from overlapkit.tuning.goodput import checkpoint_figures, checkpoints_taken, eff
 from overlapkit.tuning.space import SpaceError, apply_params, build_space
 from overlapkit.tuning.study import (
     Objective,
+    TrialTakenWarning,
     TuneJob,
     confirm_settings,
     default_storage,
@@ -50,6 +51,8 @@ from overlapkit.tuning.study import (
     queue_again,
     search_done,
     trial_metrics,
+    waiting,
+    worker_main,
 )
 from overlapkit.tuning.trial import TrialFailed
 
@@ -1263,6 +1266,66 @@ def test_a_setting_queued_twice_from_two_machines_runs_once(tmp_path):
     study.optimize(Objective(job, queued=True, runner=run), n_trials=2, catch=(TrialFailed,))
     assert len(ran) == 1
     assert study.trials[2].user_attrs["role"] == "unused"
+
+
+@pytest.mark.parametrize("ends", ["measured", "failed"])
+def test_a_trial_taken_for_lost_while_its_worker_ran_on_does_not_stop_tune(tmp_path, ends):
+    """A worker whose heartbeat was late (its machine paused, the database out of
+    reach for a minute) had its trial failed by another machine, which queued the
+    setting again. When the trial then ended here, Optuna refused to record it
+    ("Cannot tell a FAIL trial") and tune stopped with that error."""
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    job = TuneJob(base, TuneConfig(trials=4), tmp_path, default_storage(tmp_path), "tiny")
+    ran: list[dict] = []
+
+    def run(data, folder, *_):
+        ran.append(data)
+        if len(ran) == 1:  # another machine finds this trial's heartbeat late
+            elsewhere = open_storage(job.storage_url)
+            elsewhere.grace_period = 0  # stale once a second passed
+            time.sleep(1.1)
+            optuna.storages.fail_stale_trials(
+                optuna.load_study(study_name="tiny", storage=elsewhere)
+            )
+            if ends == "measured":
+                return {}  # its summary: never read, the trial being taken
+        raise TrialFailed("crashed", "it ran")
+
+    with pytest.warns(TrialTakenWarning, match=r"trial 0 ended here .* runs again as trial 1"):
+        worker_main(job, 2, None, runner=run)
+    study = optuna.load_study(study_name="tiny", storage=open_storage(job.storage_url))
+    first, again = study.trials
+    assert first.user_attrs["failure"] == "interrupted", first.user_attrs
+    assert again.user_attrs["again_of"] == 0 and again.user_attrs["failure"] == "crashed"
+    assert ran[1] == ran[0]  # its setting, run again
+
+
+def test_a_phase_runs_the_setting_a_lost_machine_left_while_it_ran(tmp_path):
+    """A machine lost while a phase ran here: its trial's setting is queued again
+    when a worker finds its heartbeat late, in the middle of the phase's round. The
+    phase must run another round for it, or it waits in the queue while the study
+    goes on without it."""
+    from rich.console import Console
+
+    from overlapkit.tuning.runner import Pool, Shown, _phase
+
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    job = TuneJob(base, TuneConfig(trials=4), tmp_path, default_storage(tmp_path), "tiny")
+    study = open_study(job, queued=True)
+    lost = study.ask()  # machine B's search trial, running as its machine went
+    params = job.space.suggest(lost)
+    for key, value in {"role": "search", "host": "b", "pid": 1, "folder": "t"}.items():
+        lost.set_user_attr(key, value)
+    study._storage.record_heartbeat(lost._trial_id)
+    with sqlalchemy.create_engine(job.storage_url).begin() as db:  # its last beat, long ago
+        db.execute(sqlalchemy.text("UPDATE trial_heartbeats SET heartbeat = '2000-01-01'"))
+    study.enqueue_trial(params, user_attrs={"role": "repeat"})  # this phase's one trial
+    console = Console(file=io.StringIO(), width=120)
+    _phase("queued", job, study, lambda: waiting(study), Pool(), None, Shown(set(), console))
+    trials = study.get_trials(deepcopy=False)
+    assert [t.user_attrs.get("again_of") for t in trials] == [None, None, lost.number]
+    assert trials[0].user_attrs["failure"] == "interrupted"
+    assert [t.state for t in trials[1:]] == [TrialState.COMPLETE] * 2, console.file.getvalue()
 
 
 def test_a_report_of_a_study_tuned_with_a_plugin_not_loaded_here_is_one_line(tmp_path):

@@ -393,6 +393,15 @@ def trial_metrics(summary: dict[str, Any], tune: TuneConfig) -> dict[str, Any]:
 Runner = Callable[..., dict[str, Any]]  # `trial.run_trial`'s shape: (data, folder, timeout, watch)
 
 
+class TrialTakenWarning(UserWarning):
+    """A trial ended here after another machine took it for lost."""
+
+
+class TakenElsewhere(RuntimeError):
+    """This worker's trial was failed meanwhile by another machine (or thread) that
+    found its heartbeat late: Optuna refuses to record its end."""
+
+
 class Objective:
     def __init__(
         self,
@@ -402,8 +411,44 @@ class Objective:
     ) -> None:
         self.job, self.space, self.queued = job, job.space, queued
         self.runner = runner or run_trial
+        self.calls = 0  # trials started
+        self.taken: list[int] = []  # those another machine took for lost as they ran here
+        self._counting = threading.Lock()
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, ...]:
+        with self._counting:
+            self.calls += 1
+        try:
+            return self._measure(trial)
+        except Exception:
+            self._unless_taken(trial)
+            raise
+
+    def _unless_taken(self, trial: optuna.Trial) -> None:
+        """Raise `TakenElsewhere` (and say so) when ``trial`` is no longer running in
+        the study: its worker's heartbeat was late (a machine paused, a database out
+        of reach for a minute), so it was failed and its setting queued again."""
+        now = trial.study._storage.get_trial(trial._trial_id)
+        if now.state == TrialState.RUNNING:
+            return
+        with self._counting:
+            self.taken.append(trial.number)
+        copies = [
+            t.number
+            for t in trial.study.get_trials(deepcopy=False)
+            if t.user_attrs.get("again_of") == trial.number
+        ]
+        again = f"its setting runs again as trial {copies[0]}" if copies else "not run again"
+        reason = now.user_attrs.get("reason", "its heartbeat was late")
+        warnings.warn(
+            f"trial {trial.number} ended here after it was taken for lost ({reason}): "
+            f"what it measured is dropped, {again}",
+            TrialTakenWarning,
+            stacklevel=2,
+        )
+        raise TakenElsewhere(f"trial {trial.number} was taken for lost")
+
+    def _measure(self, trial: optuna.Trial) -> float | tuple[float, ...]:
         job = self.job
         if self.queued and "role" not in trial.user_attrs:
             # Another machine took the last queued setting after this worker looked.
@@ -466,6 +511,7 @@ class Objective:
                 queue_again(trial.study, trial, params, retry=True)
                 trial.set_user_attr("queued_again", True)
             raise
+        self._unless_taken(trial)
         metrics = trial_metrics(summary, job.tune)
         for key, value in metrics.items():
             trial.set_user_attr(key, value)
@@ -556,23 +602,37 @@ def worker_main(
     study = open_study(job, queued)
     if stop_asked():  # Ctrl-C as the phase started
         return
-    timeout = None if deadline is None else max(1.0, deadline - time.time())
     budget = job.tune.trials
 
+    def done() -> bool:
+        if stop_asked() or (deadline is not None and time.time() >= deadline):
+            return True  # Ctrl-C as a trial ended, or out of time: start no other
+        return (waiting(study) == 0) if queued else (search_done(study, running=True) >= budget)
+
     def enough(study: optuna.Study, trial: FrozenTrial) -> None:
-        if stop_asked():  # Ctrl-C as this trial ended: start no other
-            study.stop()
-        elif (waiting(study) == 0) if queued else (search_done(study, running=True) >= budget):
+        if done():
             study.stop()
 
-    study.optimize(
-        Objective(job, queued, runner),
-        n_trials=n_trials,
-        n_jobs=in_flight,
-        timeout=timeout,
-        catch=(TrialFailed,),
-        callbacks=[*(callbacks or []), enough],
-    )
+    objective = Objective(job, queued, runner)
+    while objective.calls < n_trials:
+        taken = len(objective.taken)
+        try:
+            study.optimize(
+                objective,
+                n_trials=n_trials - objective.calls,
+                n_jobs=in_flight,
+                timeout=None if deadline is None else max(1.0, deadline - time.time()),
+                catch=(TrialFailed,),
+                callbacks=[*(callbacks or []), enough],
+            )
+            return
+        except Exception:
+            # Optuna refuses to record the end of a trial failed meanwhile elsewhere,
+            # and stops: go on with the others (that trial's copy among them).
+            if len(objective.taken) == taken:
+                raise
+        if done():
+            return
 
 
 # --------------------------------------------------------------------- phases
