@@ -4,10 +4,13 @@ group that carries CPU and CUDA collectives, and the refusals before any rank st
 from __future__ import annotations
 
 import os
+import traceback
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import TINY_SCENARIO
 from overlapkit.optimizations import get_optimization
 from overlapkit.runtime.distributed import init_world, pick_device, process_group_backend
 from overlapkit.runtime.gpus import (
@@ -327,3 +330,106 @@ def test_fp16_with_an_unfused_optimizer_is_told_the_scaler_waits_for_the_gpu():
         torch.optim.Adam(params, fused=True),
     ):
         assert scaler_wait_note(fused) is None
+
+
+# ------------------------------------- no value read on the host (a CPU stand-in)
+
+HOST_READS = {
+    torch.ops.aten._local_scalar_dense.default,  # .item(), float(t), int(t), bool(t)
+    torch.ops.aten.equal.default,
+    torch.ops.aten.nonzero.default,  # a shape that depends on the values
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten._unique2.default,
+}
+# Values that are on the host on a GPU too: data loading's, and torch.optim's step
+# counts (host tensors unless the optimizer is fused or capturable).
+HOST_SIDE = (
+    f"{os.sep}overlapkit{os.sep}data{os.sep}",
+    f"{os.sep}torch{os.sep}utils{os.sep}data",
+    f"{os.sep}torch{os.sep}optim{os.sep}",
+)
+
+
+class HostReads(TorchDispatchMode):
+    """Each read of a tensor's value by the host (``.item()``, ``float()``, ``bool()``,
+    ``torch.equal``, a value-dependent shape) in this thread and its backward passes:
+    on a GPU each one makes the host wait for the device, which is what
+    `torch.cuda.set_sync_debug_mode` refuses there (tests/test_on_gpu.py). Here, on a
+    CPU, every tensor is on the host, so reads of what is on the host on a GPU too are
+    left out (`HOST_SIDE`, and a loss read through `AsyncScalar`: its pinned copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_steps: list[str] = []
+        self.in_evaluation: list[str] = []
+        self.reading_a_copy = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS and not self.reading_a_copy:
+            frames = traceback.extract_stack()[:-1]
+            if not any(part in f.filename for f in frames for part in HOST_SIDE):
+                ours = [f for f in frames if f"{os.sep}overlapkit{os.sep}" in f.filename]
+                where = f"{func}: " + " <- ".join(
+                    f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in ours[::-1]
+                )
+                evaluating = any(f.name == "_evaluate" for f in ours)
+                (self.in_evaluation if evaluating else self.in_steps).append(where)
+        return func(*args, **(kwargs or {}))
+
+
+TINY_BERT = """
+name: tinybert
+model: {name: bert, vocab_size: 200, hidden: 16, layers: 2, heads: 2, max_len: 32, num_classes: 2}
+data: {name: synthetic-tokens, seq_len: 16, vocab_size: 200, num_classes: 2, num_samples: 64, eval_samples: 16}
+train: {batch_size: 4, steps: 4, warmup_steps: 1, optimizer: {name: adamw, lr: 0.001}, seed: 0}
+world: {nprocs: 1}
+"""
+
+
+@pytest.mark.parametrize(
+    ("model", "overrides"),
+    [
+        ("resnet", ["optimizations.checkpoint.every=2"]),
+        ("resnet", ["optimizations.prefetch.intensity=1", "optimizations.prefetch.workers=1"]),
+        (
+            "bert",
+            [
+                "optimizations.checkpoint.every=2",
+                "train.precision=bf16",
+                "train.lr_schedule.name=linear",
+                "train.lr_schedule.warmup_steps=2",
+            ],
+        ),
+    ],
+)
+def test_no_step_reads_a_tensors_value_on_the_host(
+    tiny_scenario, tmp_path, monkeypatch, model, overrides
+):
+    """The built-in loop, its `Session` and the optimizations' per-step hooks never read
+    a value of the step's tensors on the host (the built-in BERT asked at every forward
+    whether its batch held padding: on a GPU, a wait for the device each time). The
+    evaluation reads its sums once."""
+    from overlapkit.run import run_scenario
+    from overlapkit.scenarios import load_scenario
+
+    reads = HostReads()
+    value = AsyncScalar.value
+
+    def copied(scalar):  # on a GPU, a pinned host copy whose event has completed
+        reads.reading_a_copy += 1
+        try:
+            return value(scalar)
+        finally:
+            reads.reading_a_copy -= 1
+
+    monkeypatch.setattr(AsyncScalar, "value", copied)
+    text = TINY_BERT if model == "bert" else TINY_SCENARIO
+    sets = [*overrides, "train.eval.at_end=true", f"optimizations.checkpoint.dir={tmp_path}/ck"]
+    if not any(o.startswith("optimizations.checkpoint") for o in overrides):
+        sets.pop()
+    scenario = load_scenario(tiny_scenario(text), sets)
+    with reads:
+        summary = run_scenario(scenario, tmp_path / "run", progress=False, print_summary=False)
+    assert summary["steps"] == scenario.train.steps and "accuracy" in summary["eval"]
+    assert reads.in_steps == [], "\n".join(reads.in_steps[:5])
+    assert len(reads.in_evaluation) <= 1, "\n".join(reads.in_evaluation[:5])

@@ -60,8 +60,9 @@ class BertClassifier(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         x = self.dropout(self.embedding_norm(x))
+        # Always masked: asking whether a batch holds padding (`padding.any()`) would
+        # make the host wait for the device at every forward.
         padding = tokens == PAD_ID
-        padding = padding if bool(padding.any()) else None
         for layer in self.layers:
             x = layer(x, padding)
         return self.classifier(self.pooler(x[:, 0]))
