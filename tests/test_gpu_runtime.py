@@ -91,6 +91,38 @@ def test_cpu_marks_and_losses_are_host_values():
     assert loss.ready() and loss.value() == 2.5
 
 
+def test_the_records_hold_the_losses_the_script_computed(tmp_path):
+    """The loss of each step reaches steps.jsonl through `AsyncScalar` (on a GPU a
+    pinned copy read steps later): the numbers are the script's, for every step."""
+    import json
+
+    from torch import nn
+
+    from overlapkit import Session
+    from overlapkit.data import ResumableLoader, ShardedSampler, SyntheticImages
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 4))
+    data = SyntheticImages((3, 8, 8), num_classes=4, num_samples=64, seed=0)
+    loader = ResumableLoader(data, batch_size=8, sampler=ShardedSampler(len(data), seed=0))
+    session = Session(run_dir=tmp_path, warmup_steps=1)
+    model, optimizer, loader = session.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loader
+    )
+    losses = []
+    for inputs, targets in session.steps(10):
+        with session.forward():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        session.backward(loss)
+        session.optimizer_step()
+        losses.append(float(loss.detach()))
+    session.finish()
+    written = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in written] == list(range(10))
+    assert [r["loss"] for r in written] == losses
+    assert len(set(losses)) == 10  # (steps the test can tell apart)
+
+
 # ------------------------------------------------------------ process group
 
 
@@ -99,11 +131,34 @@ def test_nccl_runs_in_a_group_that_also_carries_cpu_collectives():
     assert process_group_backend("gloo") == "gloo"
 
 
-def test_the_environment_is_set_before_the_group_starts(monkeypatch):
-    monkeypatch.delenv("OVERLAPKIT_TEST_BACKEND", raising=False)
-    world = init_world("cpu", environment=lambda backend: {"OVERLAPKIT_TEST_BACKEND": backend})
-    assert world.backend == "gloo"
-    assert os.environ["OVERLAPKIT_TEST_BACKEND"] == "gloo"
+def test_a_gpu_rank_joins_one_group_bound_to_its_gpu_with_the_environment_set_first(
+    monkeypatch,
+):
+    """Rank 1 of 2 on a machine with 2 GPUs (faked): `init_process_group` gets the group
+    that carries CPU collectives too, the rank's own GPU as ``device_id``, and finds
+    NCCL's variables already set (a communicator reads them as it starts)."""
+    from overlapkit.runtime import distributed
+
+    seen: dict = {}
+
+    def init_process_group(backend, **kwargs):
+        seen.update(kwargs, backend=backend, nccl_algo=os.environ.get("NCCL_ALGO"))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: seen.update(current=device))
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
+    monkeypatch.setattr(distributed, "settle_at_exit", lambda: None)
+    for name, value in {"RANK": 1, "WORLD_SIZE": 2, "LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 2}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("NCCL_ALGO", "unset")  # (restored afterwards)
+    world = init_world("auto", environment=lambda b: {"NCCL_ALGO": "Ring"} if b == "nccl" else {})
+    assert world.backend == "nccl" and world.device == torch.device("cuda", 1)
+    assert seen["backend"] == "cpu:gloo,cuda:nccl"
+    assert seen["device_id"] == torch.device("cuda", 1) == seen["current"]
+    assert (seen["rank"], seen["world_size"]) == (1, 2)
+    assert seen["nccl_algo"] == "Ring"  # set before the group started
 
 
 def test_ddp_overlap_asks_for_nccl_variables_only_on_nccl():
@@ -128,9 +183,14 @@ def test_more_ranks_than_gpus_is_refused_with_both_counts():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
-def test_pick_device_never_shares_or_invents_a_gpu():
+def test_pick_device_never_shares_or_invents_a_gpu(monkeypatch):
     with pytest.raises(GPUSetupError, match="no CUDA device"):
         pick_device("cuda", 0)
+    # Local rank 1 on a machine with one GPU: refused (local_rank % count shared GPU 0).
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert pick_device("cuda", 0) == torch.device("cuda", 0)
+    with pytest.raises(GPUSetupError, match="2 ranks on this machine but 1 visible GPU"):
+        pick_device("cuda", 1)
 
 
 def test_bf16_below_compute_capability_8_is_refused_naming_fp16():
