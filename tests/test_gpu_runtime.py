@@ -4,13 +4,14 @@ group that carries CPU and CUDA collectives, and the refusals before any rank st
 from __future__ import annotations
 
 import os
+import re
 import traceback
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import TINY_SCENARIO
+from conftest import TINY_SCENARIO, cli_here
 from overlapkit.optimizations import get_optimization
 from overlapkit.runtime.distributed import init_world, pick_device, process_group_backend
 from overlapkit.runtime.gpus import (
@@ -171,6 +172,9 @@ def test_ddp_overlap_asks_for_nccl_variables_only_on_nccl():
 # ------------------------------------------------------- refusals before start
 
 V100 = GPUFacts(8, "Tesla V100-SXM2-16GB", (7, 0), ("sm_75", "sm_80", "sm_86", "sm_90"))
+V100_CU126 = GPUFacts(
+    8, "Tesla V100-SXM2-16GB", (7, 0), ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80")
+)
 H100 = GPUFacts(1, "NVIDIA H100", (9, 0), ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100"))
 
 
@@ -230,6 +234,35 @@ def test_a_build_without_the_gpus_kernels_is_refused_naming_gpu_capability_and_a
     assert "Tesla V100-SXM2-16GB" in message and "7.0" in message
     assert "sm_75, sm_80" in message and "cu126" in message
     check_gpu_setup(1, "fp32", H100)
+
+
+@pytest.mark.parametrize(
+    ("facts", "overrides", "message"),
+    [
+        (
+            V100_CU126,
+            ["train.precision=bf16"],
+            r"bf16 needs .* Tesla V100-SXM2-16GB has 7\.0: use fp16",
+        ),
+        (V100_CU126, ["world.nprocs=9"], r"9 ranks on this machine but 8 visible GPU\(s\)"),
+        (V100, [], r"no kernels for Tesla V100-SXM2-16GB \(compute capability 7\.0\): .*sm_75"),
+    ],
+)
+def test_check_and_run_refuse_what_this_gpu_machine_cannot_run_before_any_rank_starts(
+    tiny_scenario, tmp_path, monkeypatch, facts, overrides, message
+):
+    """The rules above, as `check` and `run` apply them to what torch finds (faked
+    here: a machine of 8 V100s, with or without a build that has their kernels)."""
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(GPUFacts, "probe", classmethod(lambda cls: facts))
+    sets = [a for o in ["world.device=cuda", *overrides] for a in ("--set", o)]
+    for command in (["check"], ["run", "--out", str(tmp_path / "run")]):
+        done = cli_here(command[0], tiny_scenario(), *command[1:], *sets)
+        said = " ".join(done.stderr.split())
+        assert done.returncode == 2 and re.search(message, said), said
+        assert "Traceback" not in said and "internal error" not in said
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
