@@ -71,6 +71,47 @@ def test_step_log_never_lags_more_than_max_lag_steps():
     assert len(log) == 2
 
 
+def test_a_stopped_run_writes_the_steps_the_device_finishes_and_gives_up_on_the_rest(
+    tmp_path, monkeypatch
+):
+    """On a GPU the last few steps' records wait for their events; a run stopped by
+    Ctrl-C or SIGTERM wrote none of them to live-steps.jsonl, which `export` and the
+    tuner's pruner read. Now it waits for them, a bounded time: a step whose collective
+    waits for a peer that is gone never finishes. (Steps here are made to look
+    unfinished on the device, then to finish as the stop waits, or never.)"""
+    import json
+
+    from torch import nn
+
+    from overlapkit import Session
+    from overlapkit.runtime import session as sessions
+
+    def stopped_after_3_steps(run_dir, finishing):
+        device = {"done": False}
+        monkeypatch.setattr(PendingStep, "ready", lambda self: device["done"])
+        session = Session(run_dir=run_dir, warmup_steps=0)
+        model = nn.Linear(4, 2)
+        batches = [(torch.randn(8, 4), torch.randint(2, (8,))) for _ in range(3)]
+        model, optimizer, batches = session.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), batches
+        )
+        for inputs, targets in session.steps(3):
+            with session.forward():
+                loss = nn.functional.cross_entropy(model(inputs), targets)
+            session.backward(loss)
+            session.optimizer_step()
+        live = run_dir / "live-steps.jsonl"
+        assert not live.exists()  # all three "on the device"
+        device["done"] = finishing
+        assert session.stopped() == (3, None)
+        return [json.loads(line)["step"] for line in live.read_text().splitlines()]
+
+    assert stopped_after_3_steps(tmp_path / "a", finishing=True) == [0, 1, 2]
+    monkeypatch.setattr(sessions, "STOP_WAIT_S", 0.2)
+    with pytest.raises(FileNotFoundError):  # no step written, and the stop went on
+        stopped_after_3_steps(tmp_path / "b", finishing=False)
+
+
 def test_a_cpu_clock_is_read_at_once_and_its_phases_sum_to_the_step():
     clock = PhaseClock(torch.device("cpu"))
     clock.start_step()

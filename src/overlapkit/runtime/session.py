@@ -75,6 +75,10 @@ from .steplog import PendingStep, StepLog
 from .tensorboard import TensorBoardSteps
 from .timing import AsyncScalar
 
+# At a stop, how long the last steps' records may wait for the device (a step whose
+# collective waits for a peer that is gone never finishes).
+STOP_WAIT_S = 2.0
+
 
 class Session(EpochLoop, SavedState):
     """Runs the user's loop under the scheduler: events, phase times, metrics,
@@ -703,8 +707,15 @@ class Session(EpochLoop, SavedState):
 
     # ---------------------------------------------------------------- finish
     def stopped(self) -> tuple[int, int | None]:
-        """After an interrupt: close the progress display; return the step reached and
-        the step of the newest complete checkpoint (None: none)."""
+        """After an interrupt: write the steps still on their way from the device (on a
+        GPU the last few, waited for up to `STOP_WAIT_S`), close the progress display;
+        return the step reached and the step of the newest complete checkpoint (None:
+        none)."""
+        try:
+            for record in self._step_log.settle(STOP_WAIT_S):
+                self._record(record)
+        except Exception:  # a device in error has no times to give: the stop goes on
+            pass
         self._close_displays()
         checkpoint = self.checkpoint
         return self.state.step, checkpoint.newest_step() if checkpoint is not None else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from time import monotonic, sleep
 from typing import Any
 
 from .metrics import StepTiming, step_record
@@ -68,3 +69,15 @@ class StepLog:
         """Every remaining record, waiting for the device if need be (at the end)."""
         while self._pending:
             yield self._pending.popleft().record()
+
+    def settle(self, seconds: float) -> Iterator[dict[str, Any]]:
+        """The records of the steps the device finishes within ``seconds``, in order (at
+        a stop: a step whose collective waits for a peer that is gone never finishes)."""
+        deadline = monotonic() + seconds
+        while self._pending:
+            if self._pending[0].ready():
+                yield self._pending.popleft().record()
+            elif monotonic() < deadline:
+                sleep(0.001)
+            else:
+                return
