@@ -405,6 +405,46 @@ def test_on_a_gpu_the_clock_never_waits_for_the_device_and_records_arrive_later(
     assert clock.marks.created <= 16
 
 
+def test_on_nccl_a_buckets_all_reduce_is_timed_on_the_device_without_a_wait(monkeypatch):
+    """NCCL's hook future completes as soon as the all-reduce is queued, and its
+    callback runs at once: a host clock there would time the queueing. The bucket
+    timer's marks are CUDA events, which time the work on the device, read once the
+    device did it. (Here a simulated device, each all-reduce taking it 10 ms.)"""
+    from overlapkit.optimizations.ddp_overlap.hooks import BucketTimer, SyncTiming
+
+    device = FakeDevice()
+    FakeEvent.device = device
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    marks = Marks(torch.device("cuda", 0))
+
+    class Bucket:
+        def __init__(self, index: int, numel: int) -> None:
+            self._index, self._buffer = index, torch.zeros(numel)
+
+        def index(self) -> int:
+            return self._index
+
+        def buffer(self) -> torch.Tensor:
+            return self._buffer
+
+    def nccl_like(state, bucket):  # its future is done when the work is queued
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    timer = BucketTimer(nccl_like, marks)
+    for index, numel in enumerate((1000, 250)):
+        timer.hook(None, Bucket(index, numel)).wait()
+    timing = SyncTiming(timer.calls, marks)
+    assert not timing.ready()  # queued, not done: nothing to read yet
+    device.run(0.010)  # the device runs each queued all-reduce, in order
+    assert timing.ready()
+    exposed, busy, calls = timing.values()
+    assert exposed == pytest.approx(0.010) and busy == pytest.approx(0.030)
+    assert calls == [(4000, pytest.approx(0.010)), (1000, pytest.approx(0.010))]
+    assert device.waits == 0
+
+
 def test_every_summary_records_the_machines_it_ran_on():
     from overlapkit.runtime.hardware import describe_node, nodes_of
 
