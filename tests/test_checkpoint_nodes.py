@@ -1,6 +1,6 @@
 """Checkpoints across machines without a shared file system: each machine's ranks write
 their own folder, the checksums travel by collectives, resume is agreed by a collective.
-Two ranks, each with a folder of its own, stand in for two machines."""
+Ranks given folders of their own stand in for machines (two of one rank, or of two)."""
 
 import json
 import os
@@ -22,19 +22,6 @@ def roots(tmp_path, name):
     return [str(tmp_path / name / f"node{rank}") for rank in (0, 1)]
 
 
-def test_each_machine_holds_a_whole_checkpoint_of_its_own_ranks(tmp_path):
-    nodes = roots(tmp_path, "run")
-    launch_local(node_local_checkpoints, 2, nodes, 6, {"every": 2, "keep": 5})
-    for rank in (0, 1):
-        entries = manifest(tmp_path / "run" / f"node{rank}")
-        assert [e["step"] for e in entries] == [2, 4, 6]
-        # Its own rank's file and the replicated state, nothing it cannot read.
-        assert all(sorted(e["files"]) == [f"rank0000{rank}.ckpt", "shared.ckpt"] for e in entries)
-        for entry in entries:
-            folder = tmp_path / "run" / f"node{rank}" / "checkpoints" / f"step-{entry['step']:08d}"
-            assert sorted(p.name for p in folder.iterdir()) == sorted(entry["files"])
-
-
 def test_resume_from_separate_folders_matches_an_uninterrupted_run(tmp_path):
     straight = launch_local(node_local_checkpoints, 2, roots(tmp_path, "a"), 8, {"every": 2})
     nodes = roots(tmp_path, "b")
@@ -45,6 +32,30 @@ def test_resume_from_separate_folders_matches_an_uninterrupted_run(tmp_path):
         assert torch.equal(resumed[rank]["params"], straight[rank]["params"])
         assert sorted(resumed[rank]["losses"]) == [4, 5, 6, 7]
         assert all(resumed[rank]["losses"][s] == straight[rank]["losses"][s] for s in range(4, 8))
+
+
+def test_two_machines_of_two_ranks_each_hold_their_own_ranks_and_resume_exactly(tmp_path):
+    """Two groups of ranks, each group with a folder of its own (two machines of two
+    ranks): each machine's manifest lists its own ranks' files and the replicated
+    state once, and all four ranks resume from them exactly."""
+    machines = [tmp_path / "run" / "machine0", tmp_path / "run" / "machine1"]
+    folders = [str(machines[rank // 2]) for rank in range(4)]
+    first = launch_local(node_local_checkpoints, 4, folders, 5, {"every": 2, "final": False})
+    for machine, ranks in zip(machines, ((0, 1), (2, 3)), strict=True):
+        entries = manifest(machine)
+        assert [e["step"] for e in entries] == [2, 4]
+        files = sorted([f"rank0000{r}.ckpt" for r in ranks] + ["shared.ckpt"])
+        for entry in entries:
+            assert sorted(entry["files"]) == files
+            step = machine / "checkpoints" / f"step-{entry['step']:08d}"
+            assert sorted(p.name for p in step.iterdir()) == files
+    resumed = launch_local(node_local_checkpoints, 4, folders, 7, {"every": 2})
+    for rank in range(4):
+        assert resumed[rank]["checkpoint"]["resumed_from_step"] == 4
+        assert sorted(resumed[rank]["losses"]) == [4, 5, 6]
+        # Step 4 ran in both: from the checkpoint, bit for bit as the first time.
+        assert resumed[rank]["losses"][4] == first[rank]["losses"][4]
+    assert len({resumed[rank]["params"].sum().item() for rank in range(4)}) == 1  # replicas
 
 
 def test_resume_agrees_on_the_newest_step_every_machine_holds(tmp_path):
