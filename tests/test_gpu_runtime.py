@@ -488,6 +488,20 @@ def test_the_grad_scalers_state_is_saved_as_tensors_and_resumes_exactly():
     assert resumed.scaler.state_dict() == expected
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_the_built_in_loops_optimizer_is_fused_on_a_gpu(name):
+    """Fused, its step takes fp16's inf check on the device (an unfused one makes
+    `GradScaler.step` read it on the host every step), and is one kernel a group."""
+    from overlapkit.runtime.loop import OptimizerConfig, build_optimizer
+    from overlapkit.runtime.precision import scaler_wait_note
+
+    model = torch.nn.Linear(3, 2)
+    on_gpu = build_optimizer(OptimizerConfig(name=name), model, torch.device("cuda", 0))
+    assert on_gpu.defaults["fused"] is True and scaler_wait_note(on_gpu) is None
+    on_cpu = build_optimizer(OptimizerConfig(name=name), model, torch.device("cpu"))
+    assert not on_cpu.defaults.get("fused")
+
+
 def test_fp16_with_an_unfused_optimizer_is_told_the_scaler_waits_for_the_gpu():
     """GradScaler.step reads the inf check on the host (``.item()``) unless the
     optimizer takes it on the device (a fused one): a ported script's own SGD made
