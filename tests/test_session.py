@@ -496,8 +496,9 @@ def test_a_script_under_mp_spawn_starting_its_own_group(tmp_path, session_first)
     # The script's thread count is kept: a share of the cores (1 each) computed other
     # last bits than the script (the imagenet port parted from it by 1e-8 in 3 epochs).
     assert [rank["threads"] for rank in ranks] == [2, 2]
-    # With no LOCAL_RANK, each rank's place on its machine comes from the host names
-    # (the global rank was taken for it: rank 1 alone on a second machine got GPU 1).
+    # With no LOCAL_RANK, each rank's place on its machine comes from the machines' host
+    # names and boot ids (the global rank was taken for it: rank 1 alone on a second
+    # machine got GPU 1). Here one host name, two boots: VMs cloned from one image.
     assert [rank["place"] for rank in ranks] == [(0, 1), (0, 1)]
 
 

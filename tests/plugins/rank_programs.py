@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -794,7 +795,12 @@ def spawned_worker(rank: int, init_method: str, session_first: bool, out: str) -
     try:
         torch.set_num_threads(2)  # torch's default on 2 cores: each rank all of them
         if session is None:  # as if on two machines: rank 1's GPU would be its machine's 0
-            socket.gethostname = lambda: f"vm{rank}"
+            # VMs cloned from one image: the same host name, booted apart.
+            from overlapkit.runtime import distributed
+
+            socket.gethostname = lambda: "localhost"
+            distributed.BOOT_ID = Path(out) / f"boot-id-{rank}"
+            distributed.BOOT_ID.write_text(f"boot {rank}\n")
         session = session or Session()
         place = (session.world.local_rank, session.world.local_world_size)
         threads = torch.get_num_threads()

@@ -14,6 +14,7 @@ import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,15 +121,29 @@ def init_world(
     )
 
 
+# The kernel's id of this boot: machines that share a host name (VMs cloned from one
+# image) still differ here.
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def this_machine() -> str:
+    """This machine as the ranks of a group tell machines apart: host name and boot id."""
+    try:
+        boot = BOOT_ID.read_text().strip()
+    except OSError:  # not Linux
+        boot = ""
+    return f"{socket.gethostname()} {boot}"
+
+
 def _place_on_host(rank: int, world_size: int) -> tuple[int, int]:
     """(this rank's place among the ranks on its machine, how many there are) in a
     group the script started without LOCAL_RANK (mp.spawn's workers, one machine or
-    several): from the ranks' host names. The global rank is no GPU index on a second
-    machine. Gathered on a gloo group of its own: the script's may be NCCL's, which
-    carries no CPU objects."""
+    several): from `this_machine` of every rank. The global rank is no GPU index on a
+    second machine. Gathered on a gloo group of its own: the script's may be NCCL's,
+    which carries no CPU objects."""
     group = dist.new_group(backend="gloo")
     hosts: list[Any] = [None] * world_size
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    dist.all_gather_object(hosts, this_machine(), group=group)
     dist.destroy_process_group(group)
     mine = [r for r, host in enumerate(hosts) if host == hosts[rank]]
     return mine.index(rank), len(mine)
