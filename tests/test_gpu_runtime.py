@@ -75,10 +75,11 @@ def test_a_stopped_run_writes_the_steps_the_device_finishes_and_gives_up_on_the_
     tmp_path, monkeypatch
 ):
     """On a GPU the last few steps' records wait for their events; a run stopped by
-    Ctrl-C or SIGTERM wrote none of them to live-steps.jsonl, which `export` and the
-    tuner's pruner read. Now it waits for them, a bounded time: a step whose collective
-    waits for a peer that is gone never finishes. (Steps here are made to look
-    unfinished on the device, then to finish as the stop waits, or never.)"""
+    Ctrl-C or SIGTERM wrote none of them to live-steps.jsonl (which `export` reads to
+    say how far a stopped run trained). Now it waits for them, a bounded time: a step
+    whose collective waits for a peer that is gone never finishes, and a device in
+    error has no times to give. (Steps here are made to look unfinished on the device,
+    then to finish as the stop waits, or some never, or the device fails.)"""
     import json
 
     from torch import nn
@@ -86,9 +87,15 @@ def test_a_stopped_run_writes_the_steps_the_device_finishes_and_gives_up_on_the_
     from overlapkit import Session
     from overlapkit.runtime import session as sessions
 
-    def stopped_after_3_steps(run_dir, finishing):
-        device = {"done": False}
-        monkeypatch.setattr(PendingStep, "ready", lambda self: device["done"])
+    def stopped_after_3_steps(run_dir, device_done):
+        finished = {"through": -1}
+
+        def ready(step: PendingStep) -> bool:
+            if finished["through"] == "error":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return step.step <= finished["through"]
+
+        monkeypatch.setattr(PendingStep, "ready", ready)
         session = Session(run_dir=run_dir, warmup_steps=0)
         model = nn.Linear(4, 2)
         batches = [(torch.randn(8, 4), torch.randint(2, (8,))) for _ in range(3)]
@@ -102,14 +109,17 @@ def test_a_stopped_run_writes_the_steps_the_device_finishes_and_gives_up_on_the_
             session.optimizer_step()
         live = run_dir / "live-steps.jsonl"
         assert not live.exists()  # all three "on the device"
-        device["done"] = finishing
+        finished["through"] = device_done
         assert session.stopped() == (3, None)
+        assert session.stopped() == (3, None)  # (a second call, as run.py makes, at once)
+        if not live.exists():
+            return []
         return [json.loads(line)["step"] for line in live.read_text().splitlines()]
 
-    assert stopped_after_3_steps(tmp_path / "a", finishing=True) == [0, 1, 2]
+    assert stopped_after_3_steps(tmp_path / "a", device_done=2) == [0, 1, 2]
     monkeypatch.setattr(sessions, "STOP_WAIT_S", 0.2)
-    with pytest.raises(FileNotFoundError):  # no step written, and the stop went on
-        stopped_after_3_steps(tmp_path / "b", finishing=False)
+    assert stopped_after_3_steps(tmp_path / "b", device_done=0) == [0]  # 1 and 2 never
+    assert stopped_after_3_steps(tmp_path / "c", device_done="error") == []
 
 
 def test_a_cpu_clock_is_read_at_once_and_its_phases_sum_to_the_step():

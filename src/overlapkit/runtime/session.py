@@ -712,11 +712,13 @@ class Session(EpochLoop, SavedState):
         return the step reached and the step of the newest complete checkpoint (None:
         none)."""
         try:
-            for record in self._step_log.settle(STOP_WAIT_S):
-                self._record(record)
-        except Exception:  # a device in error has no times to give: the stop goes on
-            pass
-        self._close_displays()
+            if self._progress is not None or self._logs:  # (not closed by an earlier call)
+                for record in self._step_log.settle(STOP_WAIT_S):
+                    self._record(record)
+        except (RuntimeError, KeyboardInterrupt):
+            pass  # a device in error has no times to give; a second Ctrl-C ends the wait
+        finally:
+            self._close_displays()
         checkpoint = self.checkpoint
         return self.state.step, checkpoint.newest_step() if checkpoint is not None else None
 

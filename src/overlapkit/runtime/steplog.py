@@ -76,7 +76,9 @@ class StepLog:
         deadline = monotonic() + seconds
         while self._pending:
             if self._pending[0].ready():
-                yield self._pending.popleft().record()
+                record = self._pending[0].record()  # (kept if the read is interrupted)
+                self._pending.popleft()
+                yield record
             elif monotonic() < deadline:
                 sleep(0.001)
             else:
