@@ -8,6 +8,7 @@ import os
 import re
 import threading
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,8 +147,9 @@ def test_cpu_marks_and_losses_are_host_values():
 
 
 def test_the_records_hold_the_losses_the_script_computed(tmp_path):
-    """The loss of each step reaches steps.jsonl through `AsyncScalar` (on a GPU a
-    pinned copy read steps later): the numbers are the script's, for every step."""
+    """The loss of each step reaches steps.jsonl through `AsyncScalar` and the lagged
+    step log: the numbers are the script's, step for step. (On a CPU the scalar is the
+    loss itself; tests/test_on_gpu.py checks the GPU's pinned copies the same way.)"""
     import json
 
     from torch import nn
@@ -421,7 +423,8 @@ def test_on_nccl_a_buckets_all_reduce_is_timed_on_the_device_without_a_wait(monk
     """NCCL's hook future completes as soon as the all-reduce is queued, and its
     callback runs at once: a host clock there would time the queueing. The bucket
     timer's marks are CUDA events, which time the work on the device, read once the
-    device did it. (Here a simulated device, each all-reduce taking it 10 ms.)"""
+    device did it. (Here a simulated device whose clock moves 10 ms at each event it
+    reaches, launch marks included: busy spans four of them.)"""
     from overlapkit.optimizations.ddp_overlap.hooks import BucketTimer, SyncTiming
 
     device = FakeDevice()
@@ -457,15 +460,30 @@ def test_on_nccl_a_buckets_all_reduce_is_timed_on_the_device_without_a_wait(monk
     assert device.waits == 0
 
 
-def test_every_summary_records_the_machines_it_ran_on():
-    from overlapkit.runtime.hardware import describe_node, nodes_of
+def test_every_summary_records_the_machines_it_ran_on(tmp_path, monkeypatch):
+    """Machines are told apart by host name and boot id: VMs cloned from one image
+    share a host name (its ranks' GPUs, and the summary's machines, were taken as
+    one machine's)."""
+    import socket
 
+    from overlapkit.runtime import hardware
+    from overlapkit.runtime.hardware import describe_node, nodes_of, this_machine
+
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    if boot.exists():  # the same machine in every process: no per-process part
+        assert this_machine() == f"{socket.gethostname()} {boot.read_text().strip()}"
     node = describe_node(torch.device("cpu"))
     assert node["cpu_cores"] >= 1 and node["torch"] == torch.__version__
     assert node["device"] == "cpu" and node["gpus"] == []
-    other = {**node, "host": "elsewhere"}
-    nodes = nodes_of([node, node, other])
-    assert [n["ranks"] for n in nodes] == [[0, 1], [2]]
+    monkeypatch.setattr(hardware, "BOOT_ID", tmp_path / "boot_id")
+    hardware.BOOT_ID.write_text("booted elsewhere\n")
+    clone = describe_node(torch.device("cpu"))  # the same host name, another machine
+    assert clone["host"] == node["host"] and clone["machine"] != node["machine"]
+    other = {**node, "host": "elsewhere", "machine": "elsewhere 1"}
+    nodes = nodes_of([node, node, other, clone])
+    assert [n["ranks"] for n in nodes] == [[0, 1], [2], [3]]
+    assert [n["host"] for n in nodes] == [node["host"], "elsewhere", node["host"]]
+    assert all("machine" not in n for n in nodes)
 
 
 def test_the_grad_scalers_state_is_saved_as_tensors_and_resumes_exactly():

@@ -711,8 +711,8 @@ def pipeline_script_mistakes() -> dict[str, str]:
 def node_local_checkpoints(
     roots: list[str], steps: int, knobs: dict[str, Any], overheads: list[float] | None = None
 ) -> dict[str, Any]:
-    """Two data-parallel ranks, each checkpointing into its own folder ``roots[rank]``, as
-    ranks on machines without a shared file system do; ``overheads[rank]`` gives each rank
+    """Data-parallel ranks, each checkpointing into the folder ``roots[rank]`` (ranks given
+    one folder share it), as ranks on machines without a shared file system do; ``overheads[rank]`` gives each rank
     its own auto-mode bound, so that left alone they would checkpoint at different steps."""
     world = init_world("cpu", "gloo")
     try:
@@ -796,11 +796,11 @@ def spawned_worker(rank: int, init_method: str, session_first: bool, out: str) -
         torch.set_num_threads(2)  # torch's default on 2 cores: each rank all of them
         if session is None:  # as if on two machines: rank 1's GPU would be its machine's 0
             # VMs cloned from one image: the same host name, booted apart.
-            from overlapkit.runtime import distributed
+            from overlapkit.runtime import hardware
 
             socket.gethostname = lambda: "localhost"
-            distributed.BOOT_ID = Path(out) / f"boot-id-{rank}"
-            distributed.BOOT_ID.write_text(f"boot {rank}\n")
+            hardware.BOOT_ID = Path(out) / f"boot-id-{rank}"
+            hardware.BOOT_ID.write_text(f"boot {rank}\n")
         session = session or Session()
         place = (session.world.local_rank, session.world.local_world_size)
         threads = torch.get_num_threads()

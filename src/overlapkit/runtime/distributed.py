@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +21,7 @@ import torch.distributed as dist
 from .background import settle_at_exit
 from .cores import available
 from .gpus import GPUSetupError, check_rank_count
+from .hardware import this_machine
 
 
 @dataclass(frozen=True)
@@ -119,20 +118,6 @@ def init_world(
     return World(
         rank, world_size, local_rank, local_world_size, torch_device, backend, adopted, threads
     )
-
-
-# The kernel's id of this boot: machines that share a host name (VMs cloned from one
-# image) still differ here.
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
-
-def this_machine() -> str:
-    """This machine as the ranks of a group tell machines apart: host name and boot id."""
-    try:
-        boot = BOOT_ID.read_text().strip()
-    except OSError:  # not Linux
-        boot = ""
-    return f"{socket.gethostname()} {boot}"
 
 
 def _place_on_host(rank: int, world_size: int) -> tuple[int, int]:

@@ -5,13 +5,27 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 from importlib import metadata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 NODE_TYPE_ENV = "OVERLAPKIT_NODE_TYPE"  # set by the Ray actor that started this machine's ranks
+# The kernel's id of this boot: machines that share a host name (VMs cloned from one
+# image) still differ here.
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def this_machine() -> str:
+    """This machine as ranks tell machines apart: its host name and boot id."""
+    try:
+        boot = BOOT_ID.read_text().strip()
+    except OSError:  # not Linux
+        boot = ""
+    return f"{socket.gethostname()} {boot}"
 
 
 def describe_node(device: torch.device) -> dict[str, Any]:
@@ -19,6 +33,7 @@ def describe_node(device: torch.device) -> dict[str, Any]:
     import torch  # here: the Ray actor that sets NODE_TYPE_ENV imports no torch
 
     node: dict[str, Any] = {
+        "machine": this_machine(),  # (not kept: `nodes_of` groups by it)
         "host": platform.node(),
         "cpu_model": _cpu_model(),
         "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -49,11 +64,12 @@ def describe_node(device: torch.device) -> dict[str, Any]:
 
 
 def nodes_of(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per machine (by host name), with the ranks that ran there."""
+    """One entry per machine (by `this_machine`), with the ranks that ran there."""
     nodes: dict[str, dict[str, Any]] = {}
     for rank, node in enumerate(per_rank):
-        entry = nodes.setdefault(node["host"], {**node, "ranks": []})
-        entry["ranks"].append(rank)
+        machine = node.get("machine", node["host"])
+        entry = nodes.setdefault(machine, {k: v for k, v in node.items() if k != "machine"})
+        entry.setdefault("ranks", []).append(rank)
     return list(nodes.values())
 
 
