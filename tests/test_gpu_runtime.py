@@ -3,16 +3,13 @@ group that carries CPU and CUDA collectives, and the refusals before any rank st
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
 import re
-import threading
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import TINY_SCENARIO, cli_here
 from overlapkit.optimizations import get_optimization
@@ -83,7 +80,6 @@ def test_a_stopped_run_writes_the_steps_the_device_finishes_and_gives_up_on_the_
     whose collective waits for a peer that is gone never finishes, and a device in
     error has no times to give. (Steps here are made to look unfinished on the device,
     then to finish as the stop waits, or some never, or the device fails.)"""
-    import json
 
     from torch import nn
 
@@ -150,7 +146,6 @@ def test_the_records_hold_the_losses_the_script_computed(tmp_path):
     """The loss of each step reaches steps.jsonl through `AsyncScalar` and the lagged
     step log: the numbers are the script's, step for step. (On a CPU the scalar is the
     loss itself; tests/test_on_gpu.py checks the GPU's pinned copies the same way.)"""
-    import json
 
     from torch import nn
 
@@ -552,95 +547,6 @@ def test_fp16_with_an_unfused_optimizer_is_told_the_scaler_waits_for_the_gpu():
 
 # ------------------------------------- no value read on the host (a CPU stand-in)
 
-HOST_READS = {
-    torch.ops.aten._local_scalar_dense.default,  # .item(), float(t), int(t), bool(t)
-    torch.ops.aten.equal.default,
-    torch.ops.aten.nonzero.default,  # a shape that depends on the values
-    torch.ops.aten.masked_select.default,
-    torch.ops.aten._unique2.default,
-}
-BOOL_INDEXED = {  # x[mask], x[mask] = y: a nonzero inside the kernel, below the mode
-    torch.ops.aten.index.Tensor,
-    torch.ops.aten.index_put.default,
-    torch.ops.aten.index_put_.default,
-}
-TORCH = f"{os.sep}torch{os.sep}"
-# Code whose reads are of values on the host on a GPU too: data loading, and
-# torch.optim's step counts (host tensors unless the optimizer is fused or capturable).
-HOST_SIDE = (
-    f"{os.sep}overlapkit{os.sep}data{os.sep}",
-    f"{TORCH}utils{os.sep}data{os.sep}",
-    f"{TORCH}optim{os.sep}",
-)
-
-
-class HostReads(TorchDispatchMode):
-    """Each read of a tensor's value by the host (``.item()``, ``float()``, ``bool()``,
-    ``.tolist()``, ``.numpy()``, ``.cpu()``, ``torch.equal``, a boolean mask, a
-    value-dependent shape) in this thread and its backward passes: on a GPU each one
-    makes the host wait for the device, which is what `torch.cuda.set_sync_debug_mode`
-    refuses there (tests/test_on_gpu.py). Here, on a CPU, every tensor is on the host,
-    so a read is left out when the code that made it, the innermost frame outside
-    torch's own, reads what is on the host on a GPU too (`HOST_SIDE`), and so is a
-    loss read through `AsyncScalar` (on a GPU its pinned copy)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.in_steps: list[str] = []
-        self.in_evaluation: list[str] = []
-        self.reading_a_copy = 0
-        self.thread = threading.get_ident()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        bool_index = func in BOOL_INDEXED and any(
-            i is not None and i.dtype == torch.bool for i in args[1]
-        )
-        if func in HOST_READS or bool_index:
-            self.read(str(func))
-        return func(*args, **(kwargs or {}))
-
-    def read(self, what: str) -> None:
-        if self.reading_a_copy or threading.get_ident() != self.thread:
-            return
-        frames = traceback.extract_stack()[:-2]
-        for frame in reversed(frames):  # the innermost code that is not torch's own
-            if any(part in frame.filename for part in HOST_SIDE):
-                return
-            if TORCH not in frame.filename:
-                break
-        ours = [f for f in frames if f"{os.sep}overlapkit{os.sep}" in f.filename]
-        where = f"{what}: " + " <- ".join(
-            f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in ours[::-1]
-        )
-        evaluating = any(f.name == "_evaluate" for f in ours)
-        (self.in_evaluation if evaluating else self.in_steps).append(where)
-
-    @contextlib.contextmanager
-    def watching(self, monkeypatch):
-        """The mode, with the reads that reach no op on a CPU (a CPU tensor's
-        ``.tolist()``, ``.numpy()`` and ``.cpu()`` read its memory) told too."""
-        for name in ("tolist", "numpy", "cpu"):
-            method = getattr(torch.Tensor, name)
-
-            def told(tensor, *args, _name=name, _method=method, **kwargs):
-                self.read(f"Tensor.{_name}")
-                return _method(tensor, *args, **kwargs)
-
-            monkeypatch.setattr(torch.Tensor, name, told)
-        value = AsyncScalar.value
-
-        def copied(scalar):  # on a GPU, a pinned host copy whose event has completed
-            self.reading_a_copy += 1
-            try:
-                return value(scalar)
-            finally:
-                self.reading_a_copy -= 1
-
-        monkeypatch.setattr(AsyncScalar, "value", copied)
-        with self:
-            yield self
-        monkeypatch.undo()
-
 
 TINY_BERT = """
 name: tinybert
@@ -652,12 +558,13 @@ world: {nprocs: 1}
 
 
 @pytest.mark.parametrize(
-    ("model", "overrides"),
+    ("model", "ranks", "overrides"),
     [
-        ("resnet", ["optimizations.checkpoint.every=2"]),
-        ("resnet", ["optimizations.prefetch.intensity=1", "optimizations.prefetch.workers=1"]),
+        ("resnet", 1, ["optimizations.checkpoint.every=2"]),
+        ("resnet", 1, ["optimizations.prefetch.intensity=1", "optimizations.prefetch.workers=1"]),
         (
             "bert",
+            1,
             [
                 "optimizations.checkpoint.every=2",
                 "train.precision=bf16",
@@ -665,25 +572,41 @@ world: {nprocs: 1}
                 "train.lr_schedule.warmup_steps=2",
             ],
         ),
+        pytest.param(
+            "resnet",
+            2,
+            ["optimizations.ddp_overlap.intensity=1", "optimizations.checkpoint.every=2"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "resnet",
+            2,
+            ["optimizations.pipeline.stages=2", "optimizations.pipeline.microbatches=2"],
+            marks=pytest.mark.slow,
+        ),
     ],
 )
-def test_no_step_reads_a_tensors_value_on_the_host(
-    tiny_scenario, tmp_path, monkeypatch, model, overrides
-):
+def test_no_step_reads_a_tensors_value_on_the_host(tmp_path, model, ranks, overrides):
     """The built-in loop, its `Session` and the optimizations' per-step hooks never read
-    a value of the step's tensors on the host (the built-in BERT asked at every forward
-    whether its batch held padding: on a GPU, a wait for the device each time). The
-    evaluation reads its sums once."""
-    from overlapkit.run import run_scenario
-    from overlapkit.scenarios import load_scenario
+    a value of the step's tensors on the host, on any rank (the built-in BERT asked at
+    every forward whether its batch held padding: on a GPU, a wait for the device each
+    time). The evaluation reads its sums once. (tests/plugins/host_reads.py)"""
+    from host_reads import reads_of_a_run
 
-    text = TINY_BERT if model == "bert" else TINY_SCENARIO
+    from overlapkit.launch.local import launch_local
+
+    text = (TINY_BERT if model == "bert" else TINY_SCENARIO).replace(
+        "world: {nprocs: 1}", f"world: {{nprocs: {ranks}}}"
+    )
     sets = [*overrides, "train.eval.at_end=true", f"optimizations.checkpoint.dir={tmp_path}/ck"]
     if not any(o.startswith("optimizations.checkpoint") for o in overrides):
         sets.pop()
-    scenario = load_scenario(tiny_scenario(text), sets)
-    with HostReads().watching(monkeypatch) as reads:
-        summary = run_scenario(scenario, tmp_path / "run", progress=False, print_summary=False)
-    assert summary["steps"] == scenario.train.steps and "accuracy" in summary["eval"]
-    assert reads.in_steps == [], "\n".join(reads.in_steps[:5])
-    assert len(reads.in_evaluation) == 1, "\n".join(reads.in_evaluation[:5])  # its sums
+    if ranks == 1:
+        each = {0: reads_of_a_run(text, sets, str(tmp_path))}
+    else:
+        each = launch_local(reads_of_a_run, ranks, text, sets, str(tmp_path))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == (4 if model == "bert" else 6) and "accuracy" in summary["eval"]
+    for rank, reads in each.items():
+        assert reads["in_steps"] == [], f"rank {rank}: " + "\n".join(reads["in_steps"][:5])
+        assert len(reads["in_evaluation"]) == 1, reads["in_evaluation"][:5]  # its sums
