@@ -80,7 +80,6 @@ def test_a_stopped_run_writes_the_steps_the_device_finishes_and_gives_up_on_the_
     whose collective waits for a peer that is gone never finishes, and a device in
     error has no times to give. (Steps here are made to look unfinished on the device,
     then to finish as the stop waits, or some never, or the device fails.)"""
-
     from torch import nn
 
     from overlapkit import Session
@@ -146,7 +145,6 @@ def test_the_records_hold_the_losses_the_script_computed(tmp_path):
     """The loss of each step reaches steps.jsonl through `AsyncScalar` and the lagged
     step log: the numbers are the script's, step for step. (On a CPU the scalar is the
     loss itself; tests/test_on_gpu.py checks the GPU's pinned copies the same way.)"""
-
     from torch import nn
 
     from overlapkit import Session

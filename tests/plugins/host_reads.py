@@ -9,6 +9,7 @@ import os
 import threading
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,8 +148,6 @@ class HostReads(TorchDispatchMode):
 
 def reads_of_a_run(text: str, overrides: list[str], folder: str) -> dict[str, list[str]]:
     """The scenario ``text`` run in this rank (under the launcher, or alone), watched."""
-    from pathlib import Path
-
     from overlapkit.run import rank_main
     from overlapkit.scenarios import load_scenario
 

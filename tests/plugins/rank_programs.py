@@ -712,8 +712,9 @@ def node_local_checkpoints(
     roots: list[str], steps: int, knobs: dict[str, Any], overheads: list[float] | None = None
 ) -> dict[str, Any]:
     """Data-parallel ranks, each checkpointing into the folder ``roots[rank]`` (ranks given
-    one folder share it), as ranks on machines without a shared file system do; ``overheads[rank]`` gives each rank
-    its own auto-mode bound, so that left alone they would checkpoint at different steps."""
+    one folder share it), as ranks on machines without a shared file system do;
+    ``overheads[rank]`` gives each rank its own auto-mode bound, so that left alone they
+    would checkpoint at different steps."""
     world = init_world("cpu", "gloo")
     try:
         model, loader = seeded_mlp_and_shard(world.rank, world.world_size, 256, 8)
