@@ -162,6 +162,23 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (index - low)
 
 
+SE_BATCHES = 8  # contiguous batches of steps whose means give a run's standard error
+
+
+def mean_se_rel(step_times: list[float]) -> float | None:
+    """The relative standard error of a run's mean step time (so of its throughput),
+    from the means of `SE_BATCHES` contiguous batches of its steps: neighbouring steps
+    are not independent (a checkpoint or a slow spell slows several), so the spread of
+    batch means holds what the spread of single steps would understate. None below
+    two steps a batch."""
+    size = len(step_times) // SE_BATCHES
+    if size < 2:
+        return None
+    means = [statistics.fmean(step_times[i * size : (i + 1) * size]) for i in range(SE_BATCHES)]
+    mean = statistics.fmean(means)
+    return statistics.stdev(means) / SE_BATCHES**0.5 / mean if mean > 0 else None
+
+
 def _mean_or_none(values: list[float | None]) -> float | None:
     return None if None in values else statistics.fmean(values)
 
@@ -240,6 +257,7 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
             "mean": statistics.fmean(step_times) if step_times else None,
             "p50": _percentile(step_times, 0.5) if step_times else None,
             "p90": _percentile(step_times, 0.9) if step_times else None,
+            "se_rel": mean_se_rel(step_times),
         },
         "phases_s": phases,
         "phase_shares": {

@@ -3,19 +3,20 @@ optimization's contention curve and point, pairwise interactions, knob
 importances, the policy's effect and (with two objectives) the Pareto front.
 
 Measurements are looked up by their parameters, whichever phase ran them, so
-a setting measured once serves every row that needs it. A setting measured
-more than once counts by its median; the best setting is chosen among those
-measured `repeats` times (the confirmed ones), so that one lucky measurement
-cannot win.
+a setting measured once serves every row that needs it. Settings measured side
+by side in rounds (the confirm phase's race, the analysis round around the
+pick) are valued and compared by their paired fit (`paired`): a round that ran
+slow moves every setting in it alike. Any other comparison falls back to the
+settings' medians and the study's noise across time (`measured`), after the
+drift the search's control measurements found (`drift`), when there is one
+beyond the noise. The tuned best is the race's pick: the simplest setting
+within noise of the race's best (`race`).
 
-Nothing is claimed that the study's own noise does not support. The noise is
-estimated from every setting measured more than once, in a way that holds at
-2-3 repeats: each setting's range of log-values divided by d2(n), the
-range-to-sigma constant of n samples (1.128 at 2, 1.693 at 3), and the median
-over settings, so one setting with a wild repeat does not set it. Two settings
-differ when their medians are more than `Z` standard errors apart; a setting
-whose own repeats disagree by more than `DISAGREE` times the noise is flagged
-and judged by its own spread.
+Nothing is claimed that the noise does not support: two settings differ when
+their paired log-ratio exceeds Student's t (97.5 %) standard errors, or, not
+measured side by side, when their medians are more than `Z` standard errors
+apart; a setting whose own repeats disagree by more than `DISAGREE` times the
+noise is flagged and judged by its own spread.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import combinations
 from typing import Any
@@ -31,70 +32,30 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from .checkpoint_model import CheckpointPlan
 from .config import TuneConfig
+from .drift import Drift, drift_of
 from .goodput import goodput, priced_efficiency
+from .measured import (  # noqa: F401  (the study's roles, for its other modules)
+    ANALYSIS_ROLES,
+    CONTROL,
+    DISAGREE,
+    FLAT,
+    NOISE_METHOD,
+    PROBE,
+    QUEUED_AGAIN,
+    RACE,
+    UNUSED,
+    Measurement,
+    Spread,
+    Z,
+    setting_key,
+)
+from .paired import PairedFit
+from .race import RaceStatus, complexity, race_status
 from .space import SearchSpace
 
-UNUSED = "unused"  # the role of a trial that found the queue empty (pruned at once)
-QUEUED_AGAIN = ("interrupted", "no_room")  # failures whose setting runs again
-# Trials of the analysis phase (around the center) and their repeats.
-ANALYSIS_ROLES = ("sweep:", "pair:", "policy", "repeat:analysis")
-FLAT = 0.02  # with no noise estimate (nothing measured twice), closer than 2 % is "equal"
-Z = 2.0  # a difference is claimed beyond this many standard errors
-DISAGREE = 3.0  # a setting whose own spread is this many times the noise: its repeats disagree
-# d2(n): the expected range of n normal samples in standard deviations.
-D2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
-NOISE_METHOD = (
-    "each setting measured 2+ times: the range of its log-values / d2(n) "
-    "(1.128 at n=2, 1.693 at n=3); the median over those settings"
-)
-
-
-def setting_key(params: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(sorted((k, round(v, 9) if isinstance(v, float) else v) for k, v in params.items()))
-
-
-@dataclass(frozen=True)
-class Spread:
-    """One setting's measurements of one metric: median, range, n and own sigma."""
-
-    values: tuple[float, ...]  # sorted
-
-    @property
-    def n(self) -> int:
-        return len(self.values)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values)
-
-    @property
-    def low(self) -> float:
-        return self.values[0]
-
-    @property
-    def high(self) -> float:
-        return self.values[-1]
-
-    @property
-    def sigma(self) -> float | None:
-        """Relative standard deviation from this setting's own range (None below n=2)."""
-        if self.n < 2 or self.low <= 0:
-            return None
-        return math.log(self.high / self.low) / D2.get(self.n, D2[10])
-
-
-@dataclass
-class Measurement:
-    number: int
-    role: str
-    params: dict[str, Any]
-    throughput: float
-    goodput: float
-    attrs: dict[str, Any] = field(default_factory=dict)
-
-    def value(self, metric: str) -> float:
-        return self.throughput if metric == "throughput" else self.goodput
+RACE_ATTR = "race"  # the study's attribute naming the race's settings and its rows
 
 
 @dataclass
@@ -107,10 +68,11 @@ class Analysis:
     pruned: int
     study: optuna.Study
     tune: TuneConfig  # repeats, and the figures goodput is priced at
+    probes: list[Measurement]  # the checkpoint's cost probes (not settings' measurements)
 
     @property
     def repeats(self) -> int:
-        """How many measurements make a setting confirmed."""
+        """How many measurements make a setting confirmed (without a race)."""
         return self.tune.repeats
 
     @classmethod
@@ -121,16 +83,23 @@ class Analysis:
         at, when they differ from the study's own (``overlapkit report --mtbf-hours``)."""
         objectives = study.user_attrs.get("objectives", ["throughput"])
         tune = tune or TuneConfig(**study.user_attrs.get("tune", {}))
-        measured, failed, pruned = [], [], 0
+        plan = plan_at(study, tune)
+        measured, probes, failed, pruned = [], [], [], 0
         for t in study.get_trials(deepcopy=False):
             role = t.user_attrs.get("role", "search")
             if t.state == TrialState.COMPLETE:
                 a = t.user_attrs
-                measured.append(
-                    Measurement(
-                        t.number, role, dict(t.params), a["throughput"], _goodput(a, tune), a
-                    )
+                started = t.datetime_start.timestamp() if t.datetime_start else None
+                m = Measurement(
+                    t.number,
+                    role,
+                    dict(t.params),
+                    a["throughput"],
+                    _goodput(a, tune, plan),
+                    a,
+                    started,
                 )
+                (probes if role == PROBE else measured).append(m)
             elif t.state == TrialState.FAIL:
                 failed.append(
                     {
@@ -144,7 +113,13 @@ class Analysis:
             elif t.state == TrialState.PRUNED and role != UNUSED:
                 pruned += 1
         metric = "throughput" if objectives == ["throughput"] else "goodput"
-        return cls(space, metric, objectives, measured, failed, pruned, study, tune)
+        return cls(space, metric, objectives, measured, failed, pruned, study, tune, probes)
+
+    @cached_property
+    def plan(self) -> CheckpointPlan | None:
+        """The checkpoint interval the model chose (None: the study searched it, or had
+        no checkpoints), at this analysis' goodput figures."""
+        return plan_at(self.study, self.tune)
 
     # ---------------------------------------------------------------- lookups
     @cached_property
@@ -165,20 +140,30 @@ class Analysis:
         same = self.measurements(params)
         return _median(same) if same else None
 
-    def spread(self, params: dict[str, Any], metric: str | None = None) -> Spread | None:
-        """``params``' measurements of ``metric`` (the study's by default)."""
+    def spread(
+        self, params: dict[str, Any], metric: str | None = None, corrected: bool = False
+    ) -> Spread | None:
+        """``params``' measurements of ``metric`` (the study's by default); ``corrected``:
+        each outside the side-by-side rounds divided by the machine's drift then."""
         same = self.measurements(params)
         if not same:
             return None
-        return Spread(tuple(sorted(m.value(metric or self.metric) for m in same)))
+        metric = metric or self.metric
+        values = (self._corrected(m, metric) if corrected else m.value(metric) for m in same)
+        return Spread(tuple(sorted(values)))
 
-    def value(self, params: dict[str, Any]) -> float | None:
-        """The median of ``params``' measurements."""
-        spread = self.spread(params)
+    def value(self, params: dict[str, Any], metric: str | None = None) -> float | None:
+        """``params``' value: from the paired fit when it was measured side by side
+        (in an average round), else the median of its measurements (after drift)."""
+        metric = metric or self.metric
+        fit, key = self.paired_fit(metric), setting_key(params)
+        if fit is not None and key in fit:
+            return fit.level(key)
+        spread = self.spread(params, metric, corrected=True)
         return None if spread is None else spread.median
 
     def ranked(self) -> list[Measurement]:
-        """Each setting's median measurement, best median first."""
+        """Each setting's median measurement, best value first."""
         medians = [_median(same) for same in self.groups.values()]
         return sorted(medians, key=lambda m: self.value(m.params), reverse=True)
 
@@ -190,15 +175,35 @@ class Analysis:
 
     @cached_property
     def best(self) -> Measurement | None:
-        """The tuned best: it may be a setting the analysis phase found and confirmed."""
+        """The tuned best: the race's pick (the simplest setting within noise of the
+        race's best); without a race, the best median among confirmed settings."""
+        if self.race is not None:
+            pick = self.race.pick(self._complexity)
+            return next(_median(same) for key, same in self.groups.items() if key == pick)
         return self._best_of(self.ranked())
+
+    def _complexity(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
+        return complexity(self.space, dict(key))
+
+    @cached_property
+    def race(self) -> RaceStatus | None:
+        """The race of the confirm phase, judged on every round it ran (None: no race)."""
+        fit = self.paired
+        candidates = [
+            setting_key(p) for p in self.study.user_attrs.get(RACE_ATTR, {}).get("candidates", [])
+        ]
+        racing = [k for k in candidates if fit is not None and k in fit and k in self.groups]
+        return race_status(fit, racing) if racing else None
+
+    def equivalent(self) -> list[dict[str, Any]]:
+        """The settings of the race within noise of its best (the best first)."""
+        return [dict(k) for k in self.race.equivalent] if self.race else []
 
     @cached_property
     def center(self) -> Measurement | None:
-        """The best setting of the references and the search, judged by their own
-        measurements: the analysis phase sweeps each level around it, and neither a
-        better setting it finds nor its repeats of a sweep point move the center off
-        the curves it measured."""
+        """The setting the analysis phase sweeps each level around: the tuned best
+        before that phase (the race's pick), so that neither a setting it finds nor
+        its measurements move the center off the curves it measured."""
         return self.searched.best
 
     @cached_property
@@ -207,22 +212,65 @@ class Analysis:
         kept = [m for m in self.measured if not m.role.startswith(ANALYSIS_ROLES)]
         return replace(self, measured=kept)
 
+    # ------------------------------------------------------------------ noise
+    def paired_fit(self, metric: str | None = None) -> PairedFit | None:
+        """The fit of every setting measured side by side, in rounds (see `paired`)."""
+        return self._paired_fits.get(metric or self.metric)
+
+    @property
+    def paired(self) -> PairedFit | None:
+        return self.paired_fit()
+
+    @cached_property
+    def _paired_fits(self) -> dict[str, PairedFit | None]:
+        blocked = [m for m in self.measured if m.block]
+        return {
+            metric: PairedFit.of((setting_key(m.params), m.block, m.value(metric)) for m in blocked)
+            for metric in ("throughput", "goodput")
+        }
+
+    @cached_property
+    def drift(self) -> Drift | None:
+        """The machine's drift: the control setting's measurements outside the rounds
+        (the reference baseline, then the search's controls) against time."""
+        control = setting_key(self.space.setting({"scheduler.policy": "free"}))
+        points = [
+            (m.started, m.value(self.metric))
+            for m in self.measured
+            if m.block is None and m.started is not None and setting_key(m.params) == control
+        ]
+        return drift_of(points)
+
+    def _corrected(self, m: Measurement, metric: str) -> float:
+        value = m.value(metric)
+        if m.block is not None or m.started is None or self.drift is None:
+            return value
+        return value / self.drift.factor(m.started)
+
     @cached_property
     def _sigmas(self) -> list[float]:
         """Each setting measured more than once: its own relative standard deviation."""
-        spreads = (self.spread(same[0].params) for same in self.groups.values())
+        spreads = (self.spread(same[0].params, corrected=True) for same in self.groups.values())
         return [spread.sigma for spread in spreads if spread.sigma is not None]
 
     @property
     def noise(self) -> float | None:
-        """One measurement's relative standard deviation (0.05: about +-5 %), from the
-        settings measured more than once (see `NOISE_METHOD`); None when none was."""
+        """One measurement's relative standard deviation across the study (0.05: about
+        +-5 %), from the settings measured more than once (see `NOISE_METHOD`); None
+        when none was."""
         return statistics.median(self._sigmas) if self._sigmas else None
 
     @property
     def noise_settings(self) -> int:
         """How many settings the noise was estimated from."""
         return len(self._sigmas)
+
+    @property
+    def paired_noise(self) -> float | None:
+        """One measurement's noise within the side-by-side rounds (the rounds' own
+        drift taken out; log scale, about relative)."""
+        fit = self.paired
+        return None if fit is None else fit.sigma
 
     def flagged(self, spread: Spread | None) -> bool:
         """Its repeats disagree by more than the noise explains."""
@@ -237,24 +285,36 @@ class Analysis:
             return spread.sigma or 0.0
         return self.noise if self.noise is not None else FLAT / Z / math.sqrt(2)
 
-    def differs(self, a: Spread | None, b: Spread | None) -> bool:
-        """Whether the medians of ``a`` and ``b`` are further apart than the noise allows
-        (more than `Z` standard errors of the difference of their log-medians)."""
+    def differs(self, a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+        """Whether settings ``a`` and ``b`` differ beyond the noise: paired, when both
+        were measured side by side; else their medians (after drift) are more than `Z`
+        standard errors of the difference of their log-medians apart."""
+        if a is None or b is None:
+            return False
+        fit, ka, kb = self.paired, setting_key(a), setting_key(b)
+        if fit is not None and fit.sigma is not None and ka in fit and kb in fit:
+            return fit.differs(ka, kb)
+        return self._medians_differ(self.spread(a, corrected=True), self.spread(b, corrected=True))
+
+    def _medians_differ(self, a: Spread | None, b: Spread | None) -> bool:
         if a is None or b is None or a.median <= 0 or b.median <= 0:
             return False
         error = math.sqrt(self._sigma(a) ** 2 / a.n + self._sigma(b) ** 2 / b.n)
         return abs(math.log(a.median / b.median)) > Z * error
 
     def ties(self, of: Measurement | None) -> list[Measurement]:
-        """The other settings whose median cannot be told apart from ``of``'s."""
+        """The other settings that cannot be told apart from ``of``: of the race, when
+        ``of`` is its pick; else every setting whose value is within noise of it."""
         if of is None:
             return []
-        mine = self.spread(of.params)
+        mine = setting_key(of.params)
+        if self.race is not None and mine in self.race.equivalent:
+            keys = [k for k in self.race.equivalent if k != mine]
+            return [_median(self.groups[k]) for k in keys]
         return [
             m
             for m in self.ranked()
-            if setting_key(m.params) != setting_key(of.params)
-            and not self.differs(mine, self.spread(m.params))
+            if setting_key(m.params) != mine and not self.differs(of.params, m.params)
         ]
 
     @property
@@ -275,14 +335,19 @@ class Analysis:
         ]
 
     def alone_best(self) -> dict[str, Any]:
+        """Each optimization's best level alone: the race's row once a race chose it,
+        else the best value among the levels measured `repeats` times (if any is)."""
+        raced = self.study.user_attrs.get(RACE_ATTR, {}).get("alone", {})
         out = {}
         for name in self.space.optimizations:
+            if name in raced:
+                out[name] = raced[name]
+                continue
             on = [
                 (v, m)
                 for v, m in self.alone(name)
                 if m is not None and not _is_off(self.space, name, v)
             ]
-            # Like the best: among the levels measured `repeats` times, if any is.
             confirmed = [vm for vm in on if len(self.measurements(vm[1].params)) >= self.repeats]
             if on:
                 out[name] = max(confirmed or on, key=lambda vm: self.value(vm[1].params))[0]
@@ -318,14 +383,15 @@ class Analysis:
         return rows
 
     def comparison(self) -> list[dict[str, Any]]:
-        """The reference rows and the tuned best: each with its median, range and n,
-        its ratio to the baseline and whether that ratio exceeds the noise, and a
-        flag when its own repeats disagree."""
+        """The reference rows and the tuned best: each with its value (paired, when
+        measured side by side; else its median), range and n, its ratio to the baseline
+        and whether that ratio exceeds the noise, and a flag when its own repeats
+        disagree."""
         base = self.baseline
-        base_spread = None if base is None else self.spread(base.params)
         best = self.best
         rows = [(label, self.lookup(s) if s else None, d) for label, s, d in self.reference_rows()]
         rows.append(("tuned best", best, _describe(best.params) if best else ""))
+        fit = self.paired
         out = []
         for label, m, setting in rows:
             row = {
@@ -339,28 +405,32 @@ class Analysis:
                 "beyond_noise": None,
                 "disagree": False,
                 "measured": 0,
+                "side_by_side": 0,
                 "low": None,
                 "high": None,
             }
             if m is not None:
                 spread = self.spread(m.params)
+                key = setting_key(m.params)
                 row.update(
                     trial=m.number,
-                    throughput=self.spread(m.params, "throughput").median,
-                    goodput=self.spread(m.params, "goodput").median,
+                    throughput=self.value(m.params, "throughput"),
+                    goodput=self.value(m.params, "goodput"),
                     measured=spread.n,
+                    side_by_side=fit.counts.get(key, 0) if fit is not None else 0,
                     low=spread.low,
                     high=spread.high,
-                    disagree=self.flagged(spread),
+                    disagree=self.flagged(spread) and not (fit is not None and key in fit),
                 )
-                if base_spread is not None and base_spread.median > 0:
-                    row["vs_baseline"] = spread.median / base_spread.median
-                    row["beyond_noise"] = self.differs(spread, base_spread)
+                base_value = None if base is None else self.value(base.params)
+                if base_value:
+                    row["vs_baseline"] = self.value(m.params) / base_value
+                    row["beyond_noise"] = self.differs(m.params, base.params)
             out.append(row)
         return out
 
     def _curve(self, settings: list[tuple[Any, dict[str, Any]]]) -> list[dict[str, Any]]:
-        """(level, setting) pairs -> the measured points: level, median, range, n."""
+        """(level, setting) pairs -> the measured points: level, value, range, n."""
         points = []
         for level, params in settings:
             spread = self.spread(params)
@@ -368,12 +438,13 @@ class Analysis:
                 points.append(
                     {
                         "level": level,
-                        "median": spread.median,
+                        "median": self.value(params),
                         "low": spread.low,
                         "high": spread.high,
                         "n": spread.n,
                         "disagree": self.flagged(spread),
                         "values": list(spread.values),
+                        "params": params,
                     }
                 )
         return points
@@ -445,8 +516,8 @@ class Analysis:
         level is within the noise of the peak)."""
         if not points:
             return None, False
-        peak = _spread_of(max(points, key=lambda p: p["median"]))
-        equal = [p for p in points if not self.differs(_spread_of(p), peak)]
+        peak = max(points, key=lambda p: p["median"])
+        equal = [p for p in points if not self.differs(p["params"], peak["params"])]
         flat = len(equal) == len(points) and len(points) > 1
         ordered = sorted(equal, key=lambda p: _order(p["level"]))
         return ordered[0]["level"], flat
@@ -460,7 +531,7 @@ class Analysis:
         peak = max(numeric, key=lambda p: p["median"])
         last = max(numeric, key=lambda p: p["level"])
         drop = 1 - last["median"] / peak["median"] if peak["median"] > 0 else None
-        beyond = self.differs(_spread_of(last), _spread_of(peak))
+        beyond = self.differs(last["params"], peak["params"])
         return {"drop_at_max": drop, "drop_beyond_noise": beyond}
 
     def interactions(self) -> list[dict[str, Any]]:
@@ -468,11 +539,12 @@ class Analysis:
         baseline alone, their gain together, and the interaction
         (together / (gain A x gain B) - 1: below 0, turning one on takes from the
         other), claimed (``beyond_noise``) only where it exceeds the noise of the four
-        medians it is made of."""
+        values it is made of (paired, when all four were measured side by side)."""
         base, best_alone, out = self.baseline, self.alone_best(), []
-        if base is None or self.value(base.params) <= 0:
+        if base is None or not self.value(base.params):
             return out
         free = {"scheduler.policy": "free"}
+        fit = self.paired
         for first, second in combinations(self.space.optimizations, 2):
             if first not in best_alone or second not in best_alone:
                 continue
@@ -482,12 +554,22 @@ class Analysis:
                 self.space.setting(free, **{second: best_alone[second]}),
                 self.space.setting(free, **{first: best_alone[first], second: best_alone[second]}),
             ]
-            spreads = [self.spread(p) for p in settings]
-            if any(sp is None or sp.median <= 0 for sp in spreads):
+            values = [self.value(p) for p in settings]
+            if any(not v or v <= 0 for v in values):
                 continue
-            b, one, two, both = (sp.median for sp in spreads)
+            b, one, two, both = values
             interaction = both * b / (one * two)
-            error = math.sqrt(sum(self._sigma(sp) ** 2 / sp.n for sp in spreads))
+            keys = [setting_key(p) for p in settings]
+            if fit is not None and fit.sigma is not None and all(k in fit for k in keys):
+                weights: dict[Any, float] = {}
+                for key, weight in zip(keys, (1.0, -1.0, -1.0, 1.0), strict=True):
+                    weights[key] = weights.get(key, 0.0) + weight
+                estimate, se = fit.contrast(weights)
+                beyond = se is not None and abs(estimate) > fit.bound * se
+            else:
+                spreads = [self.spread(p, corrected=True) for p in settings]
+                error = math.sqrt(sum(self._sigma(sp) ** 2 / sp.n for sp in spreads))
+                beyond = abs(math.log(interaction)) > Z * error
             out.append(
                 {
                     "a": first,
@@ -496,7 +578,7 @@ class Analysis:
                     "gain_b": two / b,
                     "gain_together": both / b,
                     "interaction": interaction - 1,
-                    "beyond_noise": abs(math.log(interaction)) > Z * error,
+                    "beyond_noise": beyond,
                 }
             )
         return out
@@ -543,13 +625,35 @@ class Analysis:
         return [m for m in self.measured if not any(_dominates(o, m) for o in self.measured)]
 
 
-def _goodput(attrs: dict[str, Any], tune: TuneConfig) -> float:
-    """A trial's goodput at ``tune``'s figures, from its throughput, checkpoint
-    interval and persist time (the recorded value if it lacks those)."""
+def _goodput(attrs: dict[str, Any], tune: TuneConfig, plan: CheckpointPlan | None) -> float:
+    """A trial's goodput at ``tune``'s figures: from its throughput and either the
+    model's checkpoint interval and cost (a trial too short to take a checkpoint at
+    that interval: ``checkpoint_model``) or its own checkpoint interval and persist
+    time (the recorded value if it lacks those)."""
+    if attrs.get("checkpoint_model") and plan is not None:
+        every = plan.every if plan.on else None
+        interval = None if every is None else every * attrs["step_time_s"]
+        cost = plan.cost_s if every is not None else 0.0
+        share = priced_efficiency(interval, plan.persist_s, tune, cost)
+        return goodput(attrs["throughput"], share)
     if "checkpoint_interval_s" not in attrs:
         return attrs["goodput"]
     share = priced_efficiency(attrs["checkpoint_interval_s"], attrs["persist_s"], tune)
     return goodput(attrs["throughput"], share)
+
+
+def plan_at(study: optuna.Study, tune: TuneConfig) -> CheckpointPlan | None:
+    """The study's checkpoint plan (None: none), its goodput figures those of ``tune``
+    (the interval follows the MTBF; the measured cost stays)."""
+    recorded = study.user_attrs.get("checkpoint_plan")
+    if not recorded:
+        return None
+    return replace(
+        CheckpointPlan.from_dict(recorded),
+        mtbf_s=tune.mtbf_hours * 3600,
+        restart_s=tune.restart_s,
+        job_s=tune.job_hours * 3600,
+    )
 
 
 def _dominates(a: Measurement, b: Measurement) -> bool:
@@ -599,10 +703,6 @@ def _order(value: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool)
         else (1, str(value))
     )
-
-
-def _spread_of(point: dict[str, Any]) -> Spread:
-    return Spread(tuple(point["values"]))
 
 
 def _is_number(value: Any) -> bool:

@@ -27,28 +27,43 @@ from .config import TuneConfig
 
 
 def efficiency(
-    interval_s: float | None, persist_s: float, restart_s: float, mtbf_s: float, job_s: float
+    interval_s: float | None,
+    persist_s: float,
+    restart_s: float,
+    mtbf_s: float,
+    job_s: float,
+    cost_s: float = 0.0,
 ) -> float:
     """The share of the throughput that survives failures; ``interval_s`` None: no
-    checkpoints (the whole job is one segment)."""
-    segment = job_s if interval_s is None else interval_s
+    checkpoints (the whole job is one segment). ``cost_s``: what each checkpoint adds
+    to a segment's time, when the throughput does not already carry it (a trial too
+    short to take a checkpoint at the interval: the model's cost, measured apart)."""
+    segment = job_s if interval_s is None else interval_s + cost_s
+    work = job_s if interval_s is None else interval_s
     extra = restart_s + (0.0 if interval_s is None else persist_s)
     rate = 1.0 / mtbf_s
     try:
         expected = (mtbf_s + extra) * math.expm1(rate * segment)
     except OverflowError:
         return 0.0
-    return segment / expected if expected > 0 else 1.0
+    return work / expected if expected > 0 else 1.0
 
 
 def goodput(throughput: float, efficiency_: float) -> float:
     return throughput * efficiency_
 
 
-def priced_efficiency(interval_s: float | None, persist_s: float, tune: TuneConfig) -> float:
+def priced_efficiency(
+    interval_s: float | None, persist_s: float, tune: TuneConfig, cost_s: float = 0.0
+) -> float:
     """`efficiency` at ``tune``'s MTBF, restart time and job length."""
     return efficiency(
-        interval_s, persist_s, tune.restart_s, tune.mtbf_hours * 3600, tune.job_hours * 3600
+        interval_s,
+        persist_s,
+        tune.restart_s,
+        tune.mtbf_hours * 3600,
+        tune.job_hours * 3600,
+        cost_s,
     )
 
 

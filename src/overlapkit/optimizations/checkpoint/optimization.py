@@ -34,7 +34,7 @@ from ...runtime.script import warn
 from ...runtime.timing import Marks
 from .coordination import Collectives, Domains, probe_domains
 from .persister import Persister, split_state
-from .policy import AutoInterval
+from .policy import AutoInterval, CheckpointCost
 from .restore import check_rank_count, load, newest_common_step, valid_steps
 from .setup import setup_changes
 from .snapshot import Snapshot, Snapshotter, tensor_layout
@@ -140,6 +140,10 @@ class Checkpoint(Optimization):
         self._told_starved = False
         self._updated = False  # an optimizer step since the step began
         self._step_started = 0.0
+        self._cost = CheckpointCost()
+        # The step under way, for the cost: (measured, busy as it started, a checkpoint
+        # started at it); None before the first.
+        self._under_way: tuple[bool, bool, bool] | None = None
         # Each checkpoint's stalls, as marks (on a GPU: CUDA events, so that a stall is
         # the time the device waited, read later): its snapshot and its wait before the
         # optimizer step, whether or not an earlier checkpoint is still being persisted.
@@ -381,7 +385,10 @@ class Checkpoint(Optimization):
         self._raise_if_failed()
         now = perf_counter()
         self._observe_previous_step(now)
+        self._measure_previous_step(now)
         self._step_started = now
+        busy = self._persister is not None and self._persister.in_flight > 0
+        self._under_way = (not state.is_warmup, busy, False)
         updated, self._updated = self._updated, False
         due = self._due(state)
         if not (due or self._owed):
@@ -399,6 +406,8 @@ class Checkpoint(Optimization):
             self._deferred += due
             return
         self._owed = False
+        measured, busy, _ = self._under_way
+        self._under_way = (measured, busy, True)
         if self.policy_auto is not None:
             self.policy_auto.checkpoint_started()
         with state.clock.phase("ckpt_stall"):
@@ -511,6 +520,14 @@ class Checkpoint(Optimization):
         self.policy_auto.record_step(now - self._step_started)
         self._feed_persists()
 
+    def _measure_previous_step(self, now: float) -> None:
+        """Record the step that just ended for the cost of a checkpoint (`CheckpointCost`)."""
+        if self._under_way is not None:
+            measured, busy, starts = self._under_way
+            if measured:
+                self._cost.record(now - self._step_started, starts, busy)
+        self._under_way = None
+
     def _feed_persists(self) -> None:
         persister = self._persister
         while persister and self._persists_seen < len(persister.persist_s):
@@ -561,6 +578,7 @@ class Checkpoint(Optimization):
                 if persister and persister.persist_s
                 else 0.0
             ),
+            **self._cost.estimate(),
             "bytes_written": persister.bytes_written if persister else 0,  # all ranks' files
             "host_buffer_bytes": self._snapshotter.buffer_bytes if self._snapshotter else 0,
             # Pinned on a GPU, as the host allocator holds it (0 on a CPU: nothing pinned).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from typing import Any
 
 
 class AutoInterval:
@@ -118,3 +119,62 @@ class AutoInterval:
                 "run_overhead": self.overhead,
             }
         )
+
+
+class CheckpointCost:
+    """What a checkpoint costs the steps, measured in the run itself (at any interval,
+    auto or fixed): what the goodput model's interval (Young/Daly) is computed from.
+
+    A step is *busy* when a checkpoint starts at it (its snapshot) or a persist is
+    still in flight as it starts; otherwise it is *clean*. A window is a checkpoint's
+    run of busy steps (two checkpoints whose busy steps touch share one). Its cost is
+    the time its steps took beyond as many clean steps (the clean steps' mean): the
+    stall plus the slow-down of the steps that shared the cores, the memory bus and
+    the disk with the copy and the persist. Means, not medians: step times are skewed,
+    and a median would find a cost where there is none. Only measured steps count
+    (not the warm-up, where the first checkpoint pays its host buffers once), and only
+    windows that closed before the run ended.
+    """
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[float, bool, bool]] = []  # (seconds, a checkpoint starts, busy)
+
+    def record(self, seconds: float, starts: bool, busy: bool) -> None:
+        self._steps.append((seconds, starts, busy or starts))
+
+    def estimate(self) -> dict[str, Any]:
+        """cost_s_mean (seconds a checkpoint adds to the steps), cost_s_se (its standard
+        error, from the windows' spread; None from one window), the windows measured and
+        the clean steps' mean time; the cost is None when no window closed or no step
+        ran clean (a persist outlasting the interval), with the reason."""
+        clean = [s for s, _, busy in self._steps if not busy]
+        windows: list[tuple[list[float], int]] = []
+        current: tuple[list[float], int] | None = None
+        for seconds, starts, busy in self._steps:
+            if not busy:
+                if current is not None:
+                    windows.append(current)  # closed by a clean step
+                current = None
+            elif starts or current is not None:  # (busy steps before the first start: none)
+                steps, count = current or ([], 0)
+                current = ([*steps, seconds], count + starts)
+        out: dict[str, Any] = {
+            "cost_s_mean": None,
+            "cost_s_se": None,
+            "cost_windows": len(windows),
+            "clean_step_s": statistics.fmean(clean) if clean else None,
+        }
+        if not clean or not windows:
+            out["cost_note"] = (
+                "no measured step ran without a checkpoint in flight (a persist outlasts "
+                "the interval)"
+                if not clean
+                else "no checkpoint's steps fell (whole) inside the measured steps"
+            )
+            return out
+        base = statistics.fmean(clean)
+        costs = [(sum(steps) - len(steps) * base) / count for steps, count in windows]
+        out["cost_s_mean"] = statistics.fmean(costs)
+        if len(costs) > 1:
+            out["cost_s_se"] = statistics.stdev(costs) / math.sqrt(len(costs))
+        return out
