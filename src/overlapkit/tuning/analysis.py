@@ -187,11 +187,11 @@ class Analysis:
 
     @cached_property
     def race(self) -> RaceStatus | None:
-        """The race of the confirm phase, judged on every round it ran (None: no race)."""
-        fit = self.paired
-        candidates = [
-            setting_key(p) for p in self.study.user_attrs.get(RACE_ATTR, {}).get("candidates", [])
-        ]
+        """The race of the confirm phase, judged on every round it ran (not on the
+        analysis phase's round, which does not move the pick); None: no race."""
+        fit = self.searched.paired
+        chosen = self.study.user_attrs.get(RACE_ATTR, {}).get("candidates", [])
+        candidates = [setting_key(p) for p in chosen]
         racing = [k for k in candidates if fit is not None and k in fit and k in self.groups]
         return race_status(fit, racing) if racing else None
 
@@ -600,7 +600,7 @@ class Analysis:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "achieve low target": negated
                 return optuna.importance.get_param_importances(
-                    self.study, params=varied, target=lambda t: -value[t.number]
+                    self.study, params=varied, target=lambda t: -value.get(t.number, math.nan)
                 )
         except (RuntimeError, ValueError, ZeroDivisionError):
             return {}  # too few trials, or a parameter that never varied

@@ -17,7 +17,7 @@ from ..runtime.progress import ProgressBar
 from .config import TuneConfig
 from .space import SearchSpace
 
-PHASES = ("references", "search", "confirm", "analysis", "confirm curves")
+PHASES = ("probe: a checkpoint's cost", "references", "search", "confirm round 1", "analysis")
 
 
 @dataclass
@@ -28,26 +28,29 @@ class StudyPlan:
     exact: set[str] = field(default_factory=set)
 
     @classmethod
-    def of(cls, space: SearchSpace, tune: TuneConfig) -> StudyPlan:
+    def of(cls, space: SearchSpace, tune: TuneConfig, probes: bool = False) -> StudyPlan:
+        """``probes``: the checkpoint's interval comes from the model, whose cost
+        probes run first (and once more with the pick)."""
         optimizations = space.optimizations
         references = 2 + sum(  # baseline, each alone at each level it is on, all on
             len([v for v in space.level(n).values() if v != space.level(n).off_value])
             for n in optimizations
         )
-        rows = 2 + len(optimizations)  # the comparison rows the confirm phase repeats
-        again = max(0, tune.repeats - 1)
+        rows = 2 + len(optimizations)  # the comparison rows that race with the finalists
+        racing = tune.finalists + (rows if tune.references else 0)
         sweeps = sum(
             len(space.level(n).values()) + (space.level(n).off_value is None) for n in optimizations
         )
         pairs = math.comb(len(optimizations), 2)
         policies = sum(len(d.choices) - 1 for d in space.dimensions if d.name == "scheduler.policy")
-        analysis = sweeps + pairs + policies if tune.references else 0
+        search = cls.search_trials(space, tune)
+        controls = (search - 1) // tune.control_every if tune.control_every else 0
         counts = {
+            PHASES[0]: 2 * tune.probes if probes else 0,
             "references": references if tune.references else 0,
-            "search": cls.search_trials(space, tune),
-            "confirm": (tune.finalists + (rows if tune.references else 0)) * again,
-            "analysis": analysis,
-            "confirm curves": analysis * again,
+            "search": search + controls,
+            PHASES[3]: racing * tune.max_repeats if tune.repeats > 1 else 0,
+            "analysis": 1 + sweeps + pairs + policies if tune.references else 0,
         }
         return cls(counts)
 
@@ -67,11 +70,13 @@ class StudyPlan:
 
     def describe(self) -> str:
         """E.g. "up to 35 trials: 9 references, 4 search, then up to 12 confirm, ..."."""
-        first = [p for p in PHASES[:2] if self.counts[p]]
-        later = [p for p in PHASES[2:] if self.counts[p]]
-        text = f"up to {self.total} trials: " + ", ".join(f"{self.counts[p]} {p}" for p in first)
+        names = {PHASES[0]: "probes", PHASES[3]: "confirm"}
+        first = [p for p in PHASES[:3] if self.counts[p]]
+        later = [p for p in PHASES[3:] if self.counts[p]]
+        said = lambda p: f"{self.counts[p]} {names.get(p, p)}"  # noqa: E731
+        text = f"up to {self.total} trials: " + ", ".join(map(said, first))
         if later:
-            text += ", then up to " + ", ".join(f"{self.counts[p]} {p}" for p in later)
+            text += ", then up to " + ", ".join(map(said, later))
         return text + " (each later phase depends on what the search finds)"
 
 
@@ -114,9 +119,11 @@ class StudyProgress:
             )
             self._progress.start()
 
-    def phase(self, name: str, trials: int) -> None:
-        if name in self.plan.counts:  # trials queued earlier are in their phase's bound
-            self.plan.started(name, trials)
+    def phase(self, name: str, trials: int, counted: bool = True) -> None:
+        """``name`` starts with ``trials`` to run; ``counted``: it is a phase of the plan,
+        whose count is now exact (a later round of a phase keeps the phase's bound)."""
+        if counted and name in self.plan.counts and name not in (PHASES[0], PHASES[3]):
+            self.plan.started(name, trials)  # (the probes and the race: bounds to the end)
         self._update(description=name)
 
     def finished(self, duration_s: float | None) -> None:

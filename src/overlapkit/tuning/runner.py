@@ -20,25 +20,19 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 
-from ..launch.interrupt import threads_stopping
+from ..launch.interrupt import stop_asked, threads_stopping
 from .analysis import UNUSED, Analysis
+from .phases import run_phases
 from .progress import StudyPlan, StudyProgress
 from .space import short_setting
 from .study import (
     FINISHED,
     Runner,
     TuneJob,
-    analysis_settings,
-    confirm_settings,
-    enqueue,
     fail_orphans,
     open_study,
     queued_again,
     quiet_optuna,
-    reference_settings,
-    repeat_settings,
-    search_done,
-    waiting,
     worker_main,
 )
 from .trial import run_trial, trials_on_cpu
@@ -58,27 +52,28 @@ def tune(
     gpus: list[list[str]] | None = None,
     ray: RayTrials | None = None,
     cores: list[list[int]] | None = None,
+    trial: Runner | None = None,
 ) -> Analysis:
     """Run (or continue) the study of ``job``; return its analysis. ``gpus``: one list
     of GPU ids per worker (`gpus.split_gpus`), the only GPUs its trials see; ``cores``:
     likewise, the cores (`cores.split_cores`). ``ray``: run the trials on a Ray
-    cluster instead (``workers``, ``gpus`` and ``cores`` unused)."""
+    cluster instead (``workers``, ``gpus`` and ``cores`` unused). ``trial``: what runs
+    one trial on a worker (default `run_trial`; tests give a simulated machine)."""
     console = console or Console(stderr=True)
     quiet_optuna()
     job.folder.mkdir(parents=True, exist_ok=True)
     study = open_study(job)  # refuses a study of another scenario before tune.json changes
     job.save()
     deadline = None if timeout_s is None else time.time() + timeout_s
-    pool = Pool(workers, gpus, ray, cores)
-    if ray is None and gpus is None and trials_on_cpu(job.base):
+    pool = Pool(workers, gpus, ray, cores, trial)
+    if trial is None and ray is None and gpus is None and trials_on_cpu(job.base):
         start_server()  # here, before the workers' threads: it changes the environment
-    queue = lambda: waiting(study)  # noqa: E731
     orphans = fail_orphans(study)
     if orphans:
         console.print(f"trials {orphans} were interrupted: marked failed and queued again")
     finished = study.get_trials(deepcopy=False, states=FINISHED)
     shown = Shown({t.number for t in finished}, console)
-    plan = StudyPlan.of(job.space, job.tune)
+    plan = StudyPlan.of(job.space, job.tune, job.checkpoint_by_model)
     console.print(f"study {job.study_name}: {plan.describe()}")
     rare = job.rare_checkpoints() if "goodput" in job.objectives else []
     if rare:
@@ -95,7 +90,7 @@ def tune(
     done = sum(1 for t in finished if t.user_attrs.get("role") != UNUSED)
     shown.progress = StudyProgress(plan, done, pool.at_once, console)
     try:
-        _phases(job, study, queue, pool, deadline, shown)
+        _phases(job, study, pool, deadline, shown)
     finally:
         shown.progress.close()
     return Analysis.of(study, job.space, job.tune)
@@ -104,37 +99,19 @@ def tune(
 def _phases(
     job: TuneJob,
     study: optuna.Study,
-    queue: Callable[[], int],
     pool: Pool,
     deadline: float | None,
     shown: Shown,
 ) -> None:
-    # Trials queued before this run that never ran (a run stopped in a queued phase):
-    # under a heading of their own, not the next phase's (or, with no references and
-    # the search done, not at all).
-    _phase("queued earlier", job, study, queue, pool, deadline, shown)
-    if job.tune.references:
-        enqueue(study, reference_settings(job.space))
-        _phase("references", job, study, queue, pool, deadline, shown)
-    searched = StudyPlan.search_trials(job.space, job.tune)  # as the plan above said
-    budget = lambda: searched - search_done(study)  # noqa: E731
-    _phase("search", job, study, budget, pool, deadline, shown)
-    if job.tune.repeats > 1:
-        repeats = confirm_settings(study, Analysis.of(study, job.space, job.tune), job.tune)
-        enqueue(study, repeats, again=True)
-        _phase("confirm", job, study, queue, pool, deadline, shown)
-    if job.tune.references:
-        analysis = Analysis.of(study, job.space, job.tune)
-        if analysis.center is not None:
-            around = analysis_settings(job.space, analysis.center.params, analysis.alone_best())
-            enqueue(study, around)
-            _phase("analysis", job, study, queue, pool, deadline, shown)
-            if job.tune.repeats > 1:  # the curves from medians too
-                measured = Analysis.of(study, job.space, job.tune).measurements
-                again = [params for _, params in around if measured(params)]
-                repeats = repeat_settings(study, again, job.tune.repeats, "repeat:analysis")
-                enqueue(study, repeats, again=True)
-                _phase("confirm curves", job, study, queue, pool, deadline, shown)
+    """The study's phases (`phases.run_phases`), each phase's trials run here."""
+
+    def run(heading: str, todo: Callable[[], int], counted: bool = True) -> bool:
+        if stop_asked() or (deadline is not None and time.time() >= deadline):
+            return False
+        _phase(heading, job, study, todo, pool, deadline, shown, counted)
+        return not stop_asked() and (deadline is None or time.time() < deadline)
+
+    run_phases(job, study, run)
 
 
 @dataclass
@@ -169,6 +146,7 @@ class Pool:
     gpus: list[list[str]] | None = None
     ray: RayTrials | None = None
     cores: list[list[int]] | None = None
+    trial: Runner | None = None  # what runs one trial on a local worker (`run_trial`)
 
     @property
     def at_once(self) -> int:
@@ -188,18 +166,21 @@ def _phase(
     pool: Pool,
     deadline: float | None,
     shown: Shown,
+    counted: bool = True,
 ) -> None:
     """Run the phase's ``todo()`` trials; again while ``todo()`` says trials are left
     and the last round lost a machine under a trial (its setting was queued again and
     it does not count), until the deadline. Not otherwise: a grid sampler ends the
-    search when its grid is done, and other machines may have filled the budget."""
+    search when its grid is done, and other machines may have filled the budget.
+    ``counted``: ``name`` is a phase of the study's plan, whose count is now known
+    (else one round of a phase: the plan keeps its bound)."""
     first = True
     while (trials := todo()) > 0 and (deadline is None or time.time() < deadline):
         if first:
             count = f"{trials} trial{'s' if trials != 1 else ''}"
             shown.console.print(f"[bold]{name}[/]: {count} {pool.describe(trials)}")
             if shown.progress is not None:
-                shown.progress.phase(name, trials)
+                shown.progress.phase(name, trials, counted)
         first = False
         copies = _copies(study)
         _round(job, study, trials, pool, deadline, shown, queued=name != "search")
@@ -245,6 +226,7 @@ class Workers:
     phase a Python, torch and Optuna to import and a forkserver of its own."""
 
     def __init__(self, pool: Pool) -> None:
+        self.trial = pool.trial or run_trial
         self.free: queue.SimpleQueue[tuple[list[str] | None, list[int] | None]]
         self.free = queue.SimpleQueue()
         for i in range(pool.workers):
@@ -261,7 +243,7 @@ class Workers:
     ) -> dict[str, Any]:
         gpus, cores = self.free.get()  # one is free: no more trials run than workers
         try:
-            return run_trial(data, folder, timeout_s, on_step, gpus=gpus, cores=cores)
+            return self.trial(data, folder, timeout_s, on_step, gpus=gpus, cores=cores)
         finally:
             self.free.put((gpus, cores))
 

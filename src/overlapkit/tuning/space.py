@@ -148,6 +148,15 @@ def build_space(
     TensorFlow, nothing inside the compiled step says when it waits on communication:
     ``priority`` runs as ``free``)."""
     search = tune.search if tune.search is not None else {name: None for name in optimizations}
+    if checkpoint_by_model(optimizations, tune):
+        search = {name: knobs for name, knobs in search.items() if name != MODELLED}
+        if not any(name != SCHEDULER for name in search):
+            raise SpaceError(
+                "tune.search",
+                "nothing to search: with goodput in the objective the checkpoint's interval "
+                "comes from the model (tune.checkpoint_interval: model) and nothing else is "
+                "searched; add an optimization, or set tune.checkpoint_interval: search",
+            )
     dims: list[Dimension] = []
     policy_knobs = search.get(SCHEDULER)
     for name, knobs in search.items():
@@ -187,6 +196,21 @@ def build_space(
         )
         raise SpaceError("tune.search", f"nothing to search: {said}")
     return SearchSpace(tuple(dims))
+
+
+MODELLED = "checkpoint"  # the optimization whose level a model sets (see `checkpoint_model`)
+
+
+def checkpoint_by_model(optimizations: dict[str, Any], tune: TuneConfig) -> bool:
+    """Whether the checkpoint's interval comes from the goodput model, not the search:
+    goodput is (one of) the objective(s), the search would include the checkpoint, and
+    ``tune.checkpoint_interval`` is ``model``."""
+    searched = tune.search if tune.search is not None else optimizations
+    return (
+        tune.checkpoint_interval == "model"
+        and tune.objective in ("goodput", "both")
+        and MODELLED in searched
+    )
 
 
 def runnable_search(

@@ -35,7 +35,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import combinations
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +49,19 @@ from ..optimizations import get_optimization
 from ..runtime.hardware import hardware_label
 from ..runtime.plain_data import first_difference
 from . import TuneError
-from .analysis import QUEUED_AGAIN, UNUSED, Analysis, setting_key
+from .checkpoint_model import CheckpointPlan, probe_cost
 from .config import TuneConfig
 from .goodput import checkpoint_figures, checkpoints_taken, goodput, priced_efficiency
-from .space import SearchSpace, apply_params, build_space
-from .trial import NODE_LOST, TrialFailed, TrialStopped, run_trial, trial_scenario
+from .measured import PROBE, QUEUED_AGAIN, UNUSED
+from .space import SearchSpace, apply_params, build_space, checkpoint_by_model
+from .trial import (
+    NODE_LOST,
+    TrialFailed,
+    TrialStopped,
+    run_trial,
+    trial_scenario,
+    with_checkpoints,
+)
 
 TUNE_FILE = "tune.json"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -81,6 +88,11 @@ class TuneJob:
     @property
     def objectives(self) -> list[str]:
         return list(METRICS) if self.tune.objective == "both" else [self.tune.objective]
+
+    @property
+    def checkpoint_by_model(self) -> bool:
+        """The checkpoint's interval comes from the goodput model, not the search."""
+        return checkpoint_by_model(self.base.get("optimizations") or {}, self.tune)
 
     def rare_checkpoints(self) -> list[int]:
         """The checkpoint intervals searched (in steps) that a trial is too short to
@@ -233,7 +245,11 @@ def _queue_copy(
         trials = storage.get_all_trials(study_id, deepcopy=False)
         if any(t.user_attrs.get("again_of") == trial.number for t in trials):
             return
-        attrs: dict[str, Any] = {"role": trial.user_attrs.get("role"), "again_of": trial.number}
+        attrs: dict[str, Any] = {
+            key: trial.user_attrs[key] for key in QUEUED_ATTRS if key in trial.user_attrs
+        }
+        attrs["again_of"] = trial.number
+        attrs.setdefault("role", None)
         if retry:
             attrs["retry"] = True
         copy = optuna.trial.create_trial(
@@ -356,7 +372,21 @@ def open_study(job: TuneJob, queued: bool = False) -> optuna.Study:
 # What a study's trials are and how they are measured and ranked; the rest of a tune
 # section (trials, finalists, repeats, the goodput figures a report prices at...) may
 # change when a study is continued.
-MEASURED = ("objective", "search", "intensity_step", "policy", "steps", "warmup_steps")
+MEASURED = (
+    "objective",
+    "search",
+    "intensity_step",
+    "policy",
+    "steps",
+    "warmup_steps",
+    "window_se",
+    "max_steps",
+    "checkpoint_interval",
+)
+# The attributes a queued trial carries to its copy, were it stopped before its end.
+QUEUED_ATTRS = ("role", "block", "steps", "probe_every", "probe_of")
+PLAN_ATTR = "checkpoint_plan"  # the study's attribute holding the model's interval
+SEARCH_STEPS_ATTR = "search_steps"  # the study's attribute: the search trials' window
 
 
 def _measured(tune: dict[str, Any]) -> dict[str, Any]:
@@ -371,23 +401,51 @@ def _trials_of(scenario: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ one trial
-def trial_metrics(summary: dict[str, Any], tune: TuneConfig) -> dict[str, Any]:
-    """The numbers a trial records: both objectives and where the step's time went."""
+def trial_metrics(
+    summary: dict[str, Any], tune: TuneConfig, plan: CheckpointPlan | None = None
+) -> dict[str, Any]:
+    """The numbers a trial records: both objectives and where the step's time went.
+    ``plan``: the model's checkpoint interval, which a trial too short to hold two
+    checkpoints at it is priced at (its throughput does not carry their cost)."""
     interval_s, persist_s = checkpoint_figures(summary)
-    share = priced_efficiency(interval_s, persist_s, tune)
     throughput = summary["samples_per_s"]
+    step_s = summary["step_time_s"]["mean"]
+    modelled = plan is not None and interval_s is not None and not _carries(summary)
+    if modelled:
+        every = plan.every if plan.on else None
+        interval = None if every is None else every * step_s
+        share = priced_efficiency(interval, plan.persist_s, tune, plan.cost_s if every else 0.0)
+    else:
+        share = priced_efficiency(interval_s, persist_s, tune)
     return {
         "throughput": throughput,
         "goodput": goodput(throughput, share),
         "checkpoint_interval_s": interval_s,
         "checkpoints": checkpoints_taken(summary),
+        "checkpoint_model": modelled,
+        "checkpoint": probe_cost(summary),  # the checkpoint's figures, its cost among them
         "persist_s": persist_s,
         "efficiency": share,
-        "step_time_s": summary["step_time_s"]["mean"],
+        "step_time_s": step_s,
+        "steps": summary["steps"],
+        "se_rel": summary["step_time_s"].get("se_rel"),
         "phase_shares": summary["phase_shares"],
         "background_chunks_yielded": summary["scheduler"].get("background_chunks_yielded", 0),
         "hardware": hardware_label(summary.get("hardware")),
     }
+
+
+def _carries(summary: dict[str, Any]) -> bool:
+    """Whether a run's measured steps held two checkpoints or more: its throughput
+    carries their cost."""
+    section = (summary.get("optimizations") or {}).get("checkpoint") or {}
+    every = section.get("every")
+    return isinstance(every, int) and 2 * every <= summary["steps"]
+
+
+def study_plan(study: optuna.Study) -> CheckpointPlan | None:
+    recorded = study.user_attrs.get(PLAN_ATTR)
+    return CheckpointPlan.from_dict(recorded) if recorded else None
 
 
 Runner = Callable[..., dict[str, Any]]  # `trial.run_trial`'s shape: (data, folder, timeout, watch)
@@ -472,9 +530,15 @@ class Objective:
         params = self.space.suggest(trial)
         folder = job.folder / "trials" / f"{trial.number:05d}"
         trial.set_user_attr("folder", str(folder))
-        data = trial_scenario(
-            apply_params(job.base, self.space, params), job.tune.steps, job.tune.warmup_steps
-        )
+        study_attrs = trial.study.user_attrs
+        steps = trial.user_attrs.get("steps") or study_attrs.get(SEARCH_STEPS_ATTR) or job.tune.steps
+        plan = study_plan(trial.study) if job.checkpoint_by_model else None
+        data = apply_params(job.base, self.space, params)
+        if trial.user_attrs["role"] == PROBE:
+            data = with_checkpoints(data, trial.user_attrs["probe_every"])
+        elif plan is not None:
+            data = with_checkpoints(data, plan.every if plan.on else None)
+        data = trial_scenario(data, steps, job.tune.warmup_steps)
         log = data.get("log") or {}
         if log.get("tensorboard"):  # each trial its own TensorBoard run
             log["tensorboard"] = str(Path(log["tensorboard"]) / f"trial-{trial.number:05d}")
@@ -512,7 +576,7 @@ class Objective:
                 trial.set_user_attr("queued_again", True)
             raise
         self._unless_taken(trial)
-        metrics = trial_metrics(summary, job.tune)
+        metrics = trial_metrics(summary, job.tune, plan)
         for key, value in metrics.items():
             trial.set_user_attr(key, value)
         values = tuple(metrics[name] for name in job.objectives)
@@ -677,92 +741,3 @@ def search_done(study: optuna.Study, running: bool = False) -> int:
         for t in study.get_trials(deepcopy=False, states=states)
         if t.user_attrs.get("role") == "search" and not queued_again(t)
     )
-
-
-def reference_settings(space: SearchSpace) -> list[tuple[str, dict[str, Any]]]:
-    """Baseline, each optimization alone along its level, and all on at full level."""
-    base = {"scheduler.policy": "free"}
-    out = [("baseline", space.setting(base))]
-    for name in space.optimizations:
-        for value in space.level(name).values():
-            params = space.setting(base, **{name: value})
-            if space.is_on(params, name):
-                out.append((f"alone:{name}", params))
-    every = {name: "max" for name in space.optimizations}
-    out.append(("all_on", space.setting(base, **every)))
-    return out
-
-
-def analysis_settings(
-    space: SearchSpace, best: dict[str, Any], alone_best: dict[str, Any]
-) -> list[tuple[str, dict[str, Any]]]:
-    """Around the best setting: each level swept with the others held; each pair at
-    its alone-best levels; the best setting under every other policy."""
-    out = []
-    for name in space.optimizations:
-        level = space.level(name)
-        for value in level.values():
-            out.append((f"sweep:{name}", {**best, level.name: value}))
-            if level.off_value is None and f"{name}.on" in best:
-                out.append((f"sweep:{name}", {**best, f"{name}.on": False}))
-    for a, b in combinations(space.optimizations, 2):
-        if a in alone_best and b in alone_best:
-            levels = {a: alone_best[a], b: alone_best[b]}
-            out.append((f"pair:{a}+{b}", space.setting({"scheduler.policy": "free"}, **levels)))
-    policy = next((d for d in space.dimensions if d.name == "scheduler.policy"), None)
-    if policy is not None:
-        for choice in policy.choices:
-            if choice != best["scheduler.policy"]:
-                out.append(("policy", {**best, "scheduler.policy": choice}))
-    return out
-
-
-def confirm_settings(
-    study: optuna.Study, analysis: Analysis, tune: TuneConfig
-) -> list[tuple[str, dict[str, Any]]]:
-    """The repeats that give the search's finalists and the reference rows
-    ``tune.repeats`` measurements each."""
-    candidates = [m.params for m in analysis.searched.ranked()[: tune.finalists]]
-    for _, params, _ in analysis.reference_rows() if tune.references else []:
-        if params is not None and analysis.measurements(params):
-            candidates.append(params)
-    return repeat_settings(study, candidates, tune.repeats, "repeat")
-
-
-def repeat_settings(
-    study: optuna.Study, settings: list[dict[str, Any]], repeats: int, role: str
-) -> list[tuple[str, dict[str, Any]]]:
-    """Trials that give each of ``settings`` ``repeats`` measurements, as rounds
-    (each setting once per round, each round starting one further along, so that a
-    slow spell of the machine hits them alike). Trials measured, queued or running
-    count, so an interrupted phase is not queued twice."""
-    candidates: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for params in settings:
-        candidates.setdefault(setting_key(params), params)
-    keys = list(candidates)
-    have = dict.fromkeys(keys, 0)
-    for trial in study.get_trials(deepcopy=False, states=COUNTED):
-        key = (
-            setting_key(trial.params)
-            if trial.params
-            else setting_key(trial.system_attrs.get("fixed_params", {}))
-        )
-        if key in have:
-            have[key] += 1
-    out = []
-    for round_ in range(repeats if keys else 0):
-        turn = round_ % len(keys)
-        for key in keys[turn:] + keys[:turn]:
-            if have[key] <= round_:
-                have[key] += 1
-                out.append((role, candidates[key]))
-    return out
-
-
-def enqueue(
-    study: optuna.Study, settings: list[tuple[str, dict[str, Any]]], again: bool = False
-) -> None:
-    """Queue ``settings`` (role, params); unless ``again``, a setting already in the
-    study is not queued."""
-    for role, params in settings:
-        study.enqueue_trial(params, user_attrs={"role": role}, skip_if_exists=not again)

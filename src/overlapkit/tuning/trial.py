@@ -57,6 +57,23 @@ def trial_scenario(data: dict[str, Any], steps: int, warmup_steps: int) -> dict[
     return data
 
 
+def with_checkpoints(data: dict[str, Any], every: int | None) -> dict[str, Any]:
+    """The scenario ``data`` checkpointing every ``every`` steps (None: not at all),
+    its other checkpoint knobs (folder, persist priority...) kept; the knobs that
+    choose an interval (intensity, auto mode) dropped."""
+    data = json.loads(json.dumps(data))
+    optimizations = data.setdefault("optimizations", {}) or {}
+    data["optimizations"] = optimizations
+    if every is None:
+        optimizations.pop("checkpoint", None)
+        return data
+    entry = dict(optimizations.get("checkpoint") or {})
+    for knob in ("intensity", "auto", "max_overhead"):
+        entry.pop(knob, None)
+    optimizations["checkpoint"] = {**entry, "every": int(every)}
+    return data
+
+
 def run_trial(
     data: dict[str, Any],
     folder: Path,
