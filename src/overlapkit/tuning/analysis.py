@@ -42,9 +42,13 @@ from .measured import (  # noqa: F401  (the study's roles, for its other modules
     DISAGREE,
     FLAT,
     NOISE_METHOD,
+    PICK_PLAN_ATTR,
+    PLAN_ATTR,
     PROBE,
     QUEUED_AGAIN,
     RACE,
+    RACE_ATTR,
+    SEARCH_STEPS_ATTR,
     UNUSED,
     Measurement,
     Spread,
@@ -54,8 +58,6 @@ from .measured import (  # noqa: F401  (the study's roles, for its other modules
 from .paired import PairedFit
 from .race import RaceStatus, complexity, race_status
 from .space import SearchSpace
-
-RACE_ATTR = "race"  # the study's attribute naming the race's settings and its rows
 
 
 @dataclass
@@ -152,6 +154,16 @@ class Analysis:
         values = (self._corrected(m, metric) if corrected else m.value(metric) for m in same)
         return Spread(tuple(sorted(values)))
 
+    def behind(self, params: dict[str, Any], metric: str | None = None) -> Spread | None:
+        """The measurements ``params``' value comes from: those side by side when it
+        was measured so (the paired fit's), else all of them."""
+        metric = metric or self.metric
+        fit, key = self.paired_fit(metric), setting_key(params)
+        if fit is None or key not in fit:
+            return self.spread(params, metric)
+        same = [m.value(metric) for m in self.measurements(params) if m.block is not None]
+        return Spread(tuple(sorted(same)))
+
     def value(self, params: dict[str, Any], metric: str | None = None) -> float | None:
         """``params``' value: from the paired fit when it was measured side by side
         (in an average round), else the median of its measurements (after drift)."""
@@ -195,9 +207,10 @@ class Analysis:
         racing = [k for k in candidates if fit is not None and k in fit and k in self.groups]
         return race_status(fit, racing) if racing else None
 
-    def equivalent(self) -> list[dict[str, Any]]:
-        """The settings of the race within noise of its best (the best first)."""
-        return [dict(k) for k in self.race.equivalent] if self.race else []
+    def params_of(self, key: tuple[Any, ...]) -> dict[str, Any]:
+        """The setting of ``key``, its parameters in the space's order."""
+        same = self.groups.get(key)
+        return dict(same[0].params) if same else dict(key)
 
     @cached_property
     def center(self) -> Measurement | None:
@@ -296,6 +309,23 @@ class Analysis:
             return fit.differs(ka, kb)
         return self._medians_differ(self.spread(a, corrected=True), self.spread(b, corrected=True))
 
+    def ratio(
+        self, a: dict[str, Any], b: dict[str, Any], metric: str | None = None
+    ) -> tuple[float, float, float] | None:
+        """a / b of ``metric`` with its interval (low, high): paired, when both were
+        measured side by side (t(df) standard errors), else from their medians and the
+        noise (`Z` standard errors); None when either is unmeasured."""
+        fit, ka, kb = self.paired_fit(metric), setting_key(a), setting_key(b)
+        if fit is not None and fit.sigma is not None and ka in fit and kb in fit:
+            ratio, half = fit.ratio(ka, kb), fit.bound * (fit.se(ka, kb) or 0.0)
+            return ratio, ratio * math.exp(-half), ratio * math.exp(half)
+        sa, sb = self.spread(a, metric, corrected=True), self.spread(b, metric, corrected=True)
+        if sa is None or sb is None or sa.median <= 0 or sb.median <= 0:
+            return None
+        ratio = sa.median / sb.median
+        half = Z * math.sqrt(self._sigma(sa) ** 2 / sa.n + self._sigma(sb) ** 2 / sb.n)
+        return ratio, ratio * math.exp(-half), ratio * math.exp(half)
+
     def _medians_differ(self, a: Spread | None, b: Spread | None) -> bool:
         if a is None or b is None or a.median <= 0 or b.median <= 0:
             return False
@@ -363,8 +393,10 @@ class Analysis:
         """(row, setting, description): baseline, each optimization alone at its
         best level, all on at full level (the naive combination)."""
         free = {"scheduler.policy": "free"}
+        # With the model's checkpoints, every row (the baseline too) checkpoints at its interval.
+        label = "baseline (all off)" if self.plan is None else "baseline (checkpoints only)"
         rows: list[tuple[str, dict[str, Any] | None, str]] = [
-            ("baseline (all off)", self.space.setting(free), "")
+            (label, self.space.setting(free), "")
         ]
         best_alone = self.alone_best()
         for name in self.space.optimizations:
@@ -402,6 +434,8 @@ class Analysis:
                 "throughput": None,
                 "goodput": None,
                 "vs_baseline": None,
+                "vs_baseline_interval": None,
+                "throughput_vs_baseline": None,  # (ratio, low, high)
                 "beyond_noise": None,
                 "disagree": False,
                 "measured": 0,
@@ -410,7 +444,7 @@ class Analysis:
                 "high": None,
             }
             if m is not None:
-                spread = self.spread(m.params)
+                spread = self.behind(m.params)
                 key = setting_key(m.params)
                 row.update(
                     trial=m.number,
@@ -422,9 +456,11 @@ class Analysis:
                     high=spread.high,
                     disagree=self.flagged(spread) and not (fit is not None and key in fit),
                 )
-                base_value = None if base is None else self.value(base.params)
-                if base_value:
-                    row["vs_baseline"] = self.value(m.params) / base_value
+                ratio = None if base is None else self.ratio(m.params, base.params)
+                if ratio is not None:
+                    row["vs_baseline"] = ratio[0]
+                    row["vs_baseline_interval"] = [ratio[1], ratio[2]]
+                    row["throughput_vs_baseline"] = self.ratio(m.params, base.params, "throughput")
                     row["beyond_noise"] = self.differs(m.params, base.params)
             out.append(row)
         return out
@@ -433,7 +469,7 @@ class Analysis:
         """(level, setting) pairs -> the measured points: level, value, range, n."""
         points = []
         for level, params in settings:
-            spread = self.spread(params)
+            spread = self.behind(params)
             if spread is not None:
                 points.append(
                     {
@@ -447,6 +483,9 @@ class Analysis:
                         "params": params,
                     }
                 )
+        for point in points:  # relative to the curve's lowest level, with its interval
+            ratio = self.ratio(point["params"], points[0]["params"])
+            point["relative"] = list(ratio) if ratio is not None else None
         return points
 
     def curves(self) -> dict[str, dict[str, Any]]:
@@ -645,7 +684,7 @@ def _goodput(attrs: dict[str, Any], tune: TuneConfig, plan: CheckpointPlan | Non
 def plan_at(study: optuna.Study, tune: TuneConfig) -> CheckpointPlan | None:
     """The study's checkpoint plan (None: none), its goodput figures those of ``tune``
     (the interval follows the MTBF; the measured cost stays)."""
-    recorded = study.user_attrs.get("checkpoint_plan")
+    recorded = study.user_attrs.get(PLAN_ATTR)
     if not recorded:
         return None
     return replace(

@@ -213,7 +213,7 @@ def _plot(document: dict[str, Any], path: Path) -> Path | None:
         ax.set_title(name)
         knobs = {s.get("levels", {}).get(name) for s in document["studies"]} - {None}
         knob = knobs.pop().removeprefix(f"{name}.") if len(knobs) == 1 else "level"
-        ax.set_xlabel(f"{knob} (the others at the search's best)")
+        ax.set_xlabel(f"{knob} (the others at the tuned best)")
         ax.set_ylim(0, 1.05)
     metric = metrics.pop() if len(metrics) == 1 else "each study's metric"
     axes[0][0].set_ylabel(f"{metric}, share of the study's peak")

@@ -24,6 +24,12 @@ ANALYSIS_ROLES = ("sweep:", "pair:", "policy", "repeat:analysis")
 RACE = "race"  # a round of the confirm phase's race
 CONTROL = "control"  # the search's re-measurement of the control setting (drift)
 PROBE = "probe"  # a trial that measures a checkpoint's cost (checkpoints every few steps)
+# The study's attributes: the race's settings and rows, the model's checkpoint plan (from
+# the probes alone; with the pick on), the search trials' window.
+RACE_ATTR = "race"
+PLAN_ATTR = "checkpoint_plan"
+PICK_PLAN_ATTR = "checkpoint_plan_pick"
+SEARCH_STEPS_ATTR = "search_steps"
 FLAT = 0.02  # with no noise estimate (nothing measured twice), closer than 2 % is "equal"
 Z = 2.0  # a difference is claimed beyond this many standard errors
 DISAGREE = 3.0  # a setting whose own spread is this many times the noise: its repeats disagree

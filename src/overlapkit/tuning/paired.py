@@ -106,6 +106,8 @@ class PairedFit:
 
     def se(self, a: Key, b: Key) -> float | None:
         """The standard error of log(a / b); None while the noise is unknown."""
+        if a == b:
+            return None if self.sigma is None else 0.0
         return self.contrast({a: 1.0, b: -1.0})[1]
 
     def contrast(self, weights: dict[Key, float]) -> tuple[float, float | None]:

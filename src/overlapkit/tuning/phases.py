@@ -32,25 +32,27 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from .analysis import CONTROL, PROBE, RACE, RACE_ATTR, Analysis, setting_key
+from .analysis import (
+    CONTROL,
+    PICK_PLAN_ATTR,
+    PLAN_ATTR,
+    PROBE,
+    RACE,
+    RACE_ATTR,
+    SEARCH_STEPS_ATTR,
+    Analysis,
+    setting_key,
+)
 from .checkpoint_model import next_probe_every, plan_of
 from .race import round_order
 from .space import SearchSpace
-from .study import (
-    COUNTED,
-    PLAN_ATTR,
-    SEARCH_STEPS_ATTR,
-    TuneJob,
-    search_done,
-    waiting,
-)
+from .study import COUNTED, TuneJob, search_done, waiting
 from .window import window
 
 # run(heading, todo, counted): run the trials ``todo()`` says are left under
 # ``heading`` (``counted``: the heading is a phase of the study's plan); False once
 # the study must stop (out of time, Ctrl-C).
 RunPhase = Callable[..., bool]
-PICK_PLAN_ATTR = "checkpoint_plan_pick"  # the checkpoint's cost with the pick on
 ANALYSIS_BLOCK = "analysis-1"
 
 

@@ -12,6 +12,7 @@ levels: off and categorical choices are points of their own.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from .analysis import Analysis  # noqa: E402
 
 STYLES = {
     "alone": ("alone (the others off)", "tab:blue", "o", -0.08),
-    "with_others": ("with the others at the search's best setting", "tab:orange", "s", 0.08),
+    "with_others": ("with the others at the tuned best", "tab:orange", "s", 0.08),
 }
 
 
@@ -33,13 +34,14 @@ def write_plots(analysis: Analysis, document: dict[str, Any], folder: Path) -> d
     files = {}
     rows = [r for r in document["comparison"] if r["measured"]]
     if rows:
-        files["overview_plot"] = save_figure(
-            overview(rows, analysis.metric), folder / "overview.png"
-        )
+        figure = overview(rows, document.get("checkpoint"))
+        files["overview_plot"] = save_figure(figure, folder / "overview.png")
     if document["curves"]:
         files["contention_plot"] = save_figure(
             contention(document["curves"], analysis.metric), folder / "contention.png"
         )
+    if document.get("drift"):
+        files["drift_plot"] = save_figure(drift(document["drift"]), folder / "drift.png")
     if analysis.measured:
         files["history_plot"] = save_figure(history(analysis), folder / "history.png")
     if document["importances"]:
@@ -51,38 +53,101 @@ def write_plots(analysis: Analysis, document: dict[str, Any], folder: Path) -> d
     return files
 
 
-def overview(rows: list[dict[str, Any]], metric: str) -> Any:
-    """Baseline, each optimization alone, the naive combination and the tuned best:
-    median bars with the repeats' range; "~" where the ratio to the baseline is
-    within noise, hatched where a row's repeats disagree."""
-    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(rows)))
-    labels = [r["row"] for r in rows][::-1]
+def overview(rows: list[dict[str, Any]], checkpoints: dict[str, Any] | None = None) -> Any:
+    """Left: each row's throughput relative to the baseline, with its interval (paired
+    where the rows raced side by side); "~" where the noise cannot tell it from 1.
+    Right: the rows' goodput (samples/s), and with the checkpoint model the goodput the
+    baseline would keep without checkpoints (hatched)."""
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(10, 0.8 + 0.5 * len(rows)), sharey=True, width_ratios=(3, 2)
+    )
     rows = rows[::-1]
-    medians = [r[metric] for r in rows]
+    labels = [r["row"] for r in rows]
+    ratios = [r["throughput_vs_baseline"] or (None, None, None) for r in rows]
+    values = [ratio if ratio is not None else 0.0 for ratio, _, _ in ratios]
     errors = [
-        [m - r["low"] for m, r in zip(medians, rows, strict=True)],
-        [r["high"] - m for m, r in zip(medians, rows, strict=True)],
+        [
+            v - (low if low is not None else v)
+            for v, (_, low, _) in zip(values, ratios, strict=True)
+        ],
+        [
+            (high if high is not None else v) - v
+            for v, (_, _, high) in zip(values, ratios, strict=True)
+        ],
     ]
-    bars = ax.barh(labels, medians, xerr=errors, capsize=3, color="tab:blue", alpha=0.75)
-    for bar, row in zip(bars, rows, strict=True):
+    bars = left.barh(labels, values, xerr=errors, capsize=3, color="tab:blue", alpha=0.75)
+    left.axvline(1.0, color="grey", linewidth=0.8)
+    for bar, row, value, (_, _, high) in zip(bars, rows, values, ratios, strict=True):
         if row["disagree"]:
             bar.set_hatch("//")
             bar.set_alpha(0.4)
-        ratio = "" if row["vs_baseline"] is None else f"{row['vs_baseline']:.2f}x"
-        if ratio and not row["beyond_noise"] and not row["row"].startswith("baseline"):
-            ratio = "~" + ratio
-        ax.text(
-            row["high"],
+        text = f"{value:.2f}x" if value else ""
+        if text and not row["beyond_noise"] and not row["row"].startswith("baseline"):
+            text = "~" + text
+        left.text(
+            high if high is not None else value,
             bar.get_y() + bar.get_height() / 2,
-            f"  {ratio} (n={row['measured']})",
+            f"  {text} (n={row['measured']})",
             va="center",
             fontsize=8,
         )
-    ax.set_xlabel(f"{metric} (samples/s): median, error bar = range of the repeats")
-    # Every row at 0 (goodput priced at an MTBF far below the job): an axis of its own,
-    # where (0, 0) would make matplotlib warn on the user's terminal.
-    ax.set_xlim(0, max(r["high"] for r in rows) * 1.3 or 1.0)
-    ax.set_title("~: within noise of the baseline; hatched: the repeats disagree", fontsize=8)
+    top = max((h for _, _, h in ratios if h is not None), default=1.0)
+    left.set_xlim(0, top * 1.35)
+    left.set_xlabel("throughput / baseline's: paired value, bar = 95 % interval")
+    left.set_title("~: within noise of the baseline; hatched: repeats disagree", fontsize=8)
+    goodputs = [r["goodput"] or 0.0 for r in rows]
+    right.barh(labels, goodputs, color="tab:green", alpha=0.75)
+    if checkpoints is not None:
+        alone = checkpoints["alone"]
+        base = next((r for r in rows if r["row"].startswith("baseline")), None)
+        if base is not None and base["throughput"]:
+            without = base["throughput"] * alone["efficiency_without"]
+            right.barh(
+                ["baseline, no checkpoints"],
+                [without],
+                color="white",
+                edgecolor="tab:green",
+                hatch="//",
+            )
+        right.set_title(
+            f"checkpoints every {checkpoints['trials_every']} steps (the model's interval)",
+            fontsize=8,
+        )
+    right.set_xlabel("goodput (samples/s)")
+    right.set_xlim(0, max(goodputs + [1.0]) * 1.15)
+    fig.tight_layout()
+    return fig
+
+
+def drift(section: dict[str, Any]) -> Any:
+    """The control's measurements over the study (relative to their mean) with the
+    line through them, and each side-by-side round's speed from the paired fit."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    times = [t / 60 for t, _ in section["points"]]
+    values = [v for _, v in section["points"]]
+    mean = sum(values) / len(values)
+    ax.plot(times, [v / mean for v in values], "o", color="tab:blue", label="control (baseline)")
+    slope = section["slope_per_hour"] / 60  # per minute
+    center = sum(times) / len(times)
+    line = [math.exp(slope * (t - center)) for t in (times[0], times[-1])]
+    style = "-" if section["significant"] else ":"
+    said = "beyond the noise: corrected" if section["significant"] else "within the noise"
+    ax.plot([times[0], times[-1]], line, style, color="tab:blue", label=f"its line ({said})")
+    if section["rounds"]:
+        ax.plot(
+            [r["at_s"] / 60 for r in section["rounds"]],
+            [r["speed"] for r in section["rounds"]],
+            "s",
+            color="tab:orange",
+            label="the control in each side-by-side round (paired fit)",
+        )
+    ax.axhline(1.0, color="grey", linewidth=0.6)
+    ax.set_xlabel("minutes since the first control")
+    ax.set_ylabel("speed / its mean")
+    ax.set_title(
+        f"the machine over the study: the control moved {section['change']:+.1%}", fontsize=9
+    )
+    ax.legend(fontsize=7)
     return fig
 
 
@@ -96,12 +161,13 @@ def contention(curves: dict[str, dict[str, Any]], metric: str) -> Any:
             if not points:
                 continue
             label, color, marker, shift = STYLES[key]
-            points = sorted(points, key=lambda p: where[p["level"]])
-            reference = points[0]["median"] or 1.0  # its lowest level
+            points = sorted(
+                (p for p in points if p.get("relative")), key=lambda p: where[p["level"]]
+            )
             xs = [where[p["level"]] + shift for p in points]
-            ys = [p["median"] / reference for p in points]
-            low = [(p["median"] - p["low"]) / reference for p in points]
-            high = [(p["high"] - p["median"]) / reference for p in points]
+            ys = [p["relative"][0] for p in points]
+            low = [p["relative"][0] - p["relative"][1] for p in points]
+            high = [p["relative"][2] - p["relative"][0] for p in points]
             ax.errorbar(xs, ys, yerr=[low, high], fmt=marker, color=color, capsize=3, label=label)
             numeric = [(x, y) for x, y, p in zip(xs, ys, points, strict=True) if _number(p)]
             if len(numeric) > 1:
@@ -121,7 +187,11 @@ def contention(curves: dict[str, dict[str, Any]], metric: str) -> Any:
         ax.set_xticks(range(len(levels)), [str(level) for level in levels])
         ax.set_xlabel(curve["level"])
     axes[0][0].set_ylabel(f"{metric} / at the curve's lowest level")
-    fig.suptitle("contention curves: median and range of the repeats", fontsize=9)
+    fig.suptitle(
+        "contention curves: each level / the curve's lowest, with its 95 % interval "
+        "(paired where measured side by side)",
+        fontsize=9,
+    )
     fig.tight_layout()
     legend_below(fig, axes[0])
     return fig

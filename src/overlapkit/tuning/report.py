@@ -16,7 +16,16 @@ from rich.table import Table
 
 from .analysis import DISAGREE, NOISE_METHOD, QUEUED_AGAIN, Analysis, Z, stops_paying
 from .plots import write_plots
+from .sections import (
+    checkpoint_section,
+    checkpoint_text,
+    drift_section,
+    drift_text,
+    race_section,
+)
+from .sections import race_text as _race_text
 from .space import apply_params, short_setting
+from .trial import with_checkpoints
 
 
 def write_report(
@@ -30,6 +39,9 @@ def write_report(
     files["json"].write_text(json.dumps(document, indent=2, default=str) + "\n")
     if analysis.best is not None:
         best = apply_params(base, analysis.space, analysis.best.params)
+        checkpoints = document["checkpoint"]
+        if checkpoints is not None:  # the model's interval, with the pick's own cost if probed
+            best = with_checkpoints(best, checkpoints["every"])
         best["name"] = f"{base['name']}-tuned"
         best.pop("tune", None)
         files["best"] = folder / "best.yaml"
@@ -100,7 +112,11 @@ def report_document(analysis: Analysis) -> dict[str, Any]:
             f"the log-medians; a setting whose own spread exceeds {DISAGREE:g}x the noise "
             "is flagged and judged by its own spread"
         ),
+        "paired_noise": analysis.paired_noise,
         "warnings": _warnings(analysis, comparison),
+        "race": race_section(analysis),
+        "drift": drift_section(analysis),
+        "checkpoint": checkpoint_section(analysis),
         "comparison": comparison,
         "curves": analysis.curves(),
         "interactions": analysis.interactions(),
@@ -148,7 +164,11 @@ def _warnings(analysis: Analysis, comparison: list[dict[str, Any]]) -> list[str]
             "no setting was measured twice: the noise is unknown, and differences under "
             "2 % are read as equal without knowing whether that is enough"
         )
-    unpriced = sorted(m.number for m in analysis.measured if m.attrs.get("checkpoints") == 0)
+    unpriced = sorted(
+        m.number
+        for m in analysis.measured
+        if m.attrs.get("checkpoints") == 0 and not m.attrs.get("checkpoint_model")
+    )
     if unpriced and analysis.metric == "goodput":
         tune = analysis.tune
         out.append(
@@ -221,18 +241,28 @@ def _range(row: dict[str, Any]) -> str:
 
 
 def _noise_text(document: dict[str, Any], short: bool = False) -> str:
+    paired = document.get("paired_noise")
+    side = (
+        ""
+        if paired is None
+        else f"; side by side, one run varies by +-{paired:.1%} once the rounds' drift is out"
+    )
     if document["noise"] is None:
-        return "rows are medians; noise unknown (no setting was measured twice)"
+        return "rows are medians; noise unknown (no setting was measured twice)" + side
     if short:
         return (
-            f"medians; (!) repeats disagree; ~ within noise (one run varies by "
-            f"+-{document['noise']:.1%}, 1 sigma, from {document['noise_settings']} "
-            "repeated settings: see report.md)"
+            f"values: paired fits of the side-by-side rounds, else medians; (!) repeats "
+            f"disagree; ~ within noise (across the study one run varies by "
+            f"+-{document['noise']:.1%}, 1 sigma{side}: see report.md)"
         )
     return (
-        f"rows are medians; (!) = its repeats disagree. Noise: one measurement varies by "
-        f"about +-{document['noise']:.1%} (1 sigma; {document['noise_method']}, "
-        f"{document['noise_settings']} settings); {document['claim_rule']}"
+        "rows measured side by side in rounds are valued by the rounds' paired fit (a "
+        "slow round moves every setting in it alike), others by their median; (!) = its "
+        f"repeats disagree. Noise across the study: one measurement varies by about "
+        f"+-{document['noise']:.1%} (1 sigma; {document['noise_method']}, "
+        f"{document['noise_settings']} settings){side}; {document['claim_rule']}; side by "
+        "side, a difference is claimed beyond Student's t (97.5 %) standard errors of the "
+        "paired log-ratio"
     )
 
 
@@ -240,6 +270,8 @@ def _best_text(document: dict[str, Any]) -> str:
     best = document["best"]
     if best is None:
         return "no trial finished"
+    if document.get("race") is not None:
+        return _race_text(document["race"]) or ""
     text = f"best: trial {best['trial']}, median of {best['measured']}"
     if not best["ties"] and document["noise"] is None:  # read by the 2 % rule
         return text + ", ahead of every other setting by over 2 % (the noise is unknown)"
@@ -301,12 +333,14 @@ def print_report(document: dict[str, Any], files: dict[str, Path], console: Cons
     console.print(comparison_table(document))
     for warning in document["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {warning}")
-    console.print(_best_text(document))
+    console.print(_best_text(document), highlight=False)
+    for line in filter(None, [drift_text(document["drift"]), *checkpoint_text(document["checkpoint"])]):
+        console.print(line, highlight=False)
     texts = [_curve_text(name, curve) for name, curve in document["curves"].items()]
     if any(texts):
         center = document["center"]
         where = f" (trial {center['trial']})" if center is not None else ""
-        console.print(f"each with the others at the search's best setting{where}:")
+        console.print(f"each with the others at the tuned best{where}:")
     for text in filter(None, texts):
         console.print(text)
     console.print(f"report: {files['markdown']}  (also {files['html'].name}, report.json, plots)")
@@ -350,6 +384,14 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
     lines += ["", _noise_text(document) + ".", "", _best_text(document) + "."]
     if "overview_plot" in files:
         lines += ["", "![baseline, each alone, naive and tuned](overview.png)"]
+    if document["checkpoint"] is not None:
+        lines += ["", "## How often to checkpoint (goodput)", ""]
+        lines += [line for text in checkpoint_text(document["checkpoint"]) for line in (text, "")]
+        lines.pop()
+    if document["drift"] is not None:
+        lines += ["", "## The machine's drift", "", drift_text(document["drift"]) + "."]
+        if "drift_plot" in files:
+            lines += ["", "![the control's measurements and the rounds' speed](drift.png)"]
     center, best = document["center"], document["best"]
     if center is not None and best and center["params"] != best["params"]:
         confirmed = best["measured"] >= max(2, document["repeats"])
@@ -370,7 +412,7 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
         ]
     lines += ["", "## Where more overlap stops paying (contention points)", ""]
     lines += [
-        "| optimization | level | alone: stops paying at | with the others at the search's best: stops paying at | at the maximum vs peak |",
+        "| optimization | level | alone: stops paying at | with the others at the tuned best: stops paying at | at the maximum vs peak |",
         "|---|---|---:|---:|---:|",
     ]
     for name, curve in document["curves"].items():
@@ -424,7 +466,7 @@ def _markdown(analysis: Analysis, document: dict[str, Any], files: dict[str, Pat
         lines.append("Too few trials to rank the knobs.")
     if document["policy"]:
         where = f" (trial {center['trial']})" if center is not None else ""
-        lines += ["", f"## Scheduler policy at the search's best setting{where}", ""]
+        lines += ["", f"## Scheduler policy at the tuned best{where}", ""]
         lines += [f"- {k}: {v:.1f}" for k, v in document["policy"].items()]
     if document["pareto"]:
         lines += [

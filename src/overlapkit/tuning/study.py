@@ -52,7 +52,7 @@ from . import TuneError
 from .checkpoint_model import CheckpointPlan, probe_cost
 from .config import TuneConfig
 from .goodput import checkpoint_figures, checkpoints_taken, goodput, priced_efficiency
-from .measured import PROBE, QUEUED_AGAIN, UNUSED
+from .measured import PLAN_ATTR, PROBE, QUEUED_AGAIN, SEARCH_STEPS_ATTR, UNUSED
 from .space import SearchSpace, apply_params, build_space, checkpoint_by_model
 from .trial import (
     NODE_LOST,
@@ -385,8 +385,7 @@ MEASURED = (
 )
 # The attributes a queued trial carries to its copy, were it stopped before its end.
 QUEUED_ATTRS = ("role", "block", "steps", "probe_every", "probe_of")
-PLAN_ATTR = "checkpoint_plan"  # the study's attribute holding the model's interval
-SEARCH_STEPS_ATTR = "search_steps"  # the study's attribute: the search trials' window
+
 
 
 def _measured(tune: dict[str, Any]) -> dict[str, Any]:
