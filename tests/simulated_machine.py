@@ -37,7 +37,8 @@ def contend_truth(data: dict[str, Any]) -> float:
 class SimulatedMachine:
     """``truth(scenario data) -> samples/s``; the machine's speed at its n-th trial
     is exp(``trend`` x n) x exp(N(0, ``noise``)), seeded; a setting that checkpoints
-    pays ``cost_s`` per checkpoint (its measured cost, with a small error)."""
+    pays ``cost_s`` per checkpoint (its measured cost, with a small error), measured
+    only when its interval exceeds ``persist_steps`` (else no step runs clean)."""
 
     def __init__(
         self,
@@ -47,10 +48,12 @@ class SimulatedMachine:
         seed: int = 0,
         cost_s: float = 0.01,
         slow: Callable[[int], float] | None = None,
+        persist_steps: int = 0,
     ) -> None:
         self.truth, self.trend, self.noise = truth, trend, noise
         self.slow = slow or (lambda n: 1.0)  # an extra factor at the n-th trial
         self.cost_s = cost_s
+        self.persist_steps = persist_steps  # a persist's length: no step is clean below it
         self.random = random.Random(seed)
         self.trials = 0
         self.ran: list[tuple[int, dict[str, Any], float]] = []  # (n, data, samples/s)
@@ -89,11 +92,11 @@ class SimulatedMachine:
             if 2 * every <= steps:  # its cost falls inside the measured steps
                 rate = BATCH / (step_s + self.cost_s / every)
                 summary["samples_per_s"] = rate
-            windows = max(0, taken - 1)
+            windows = max(0, taken - 1) if every > self.persist_steps else 0
             summary["optimizations"]["checkpoint"] = {
                 "every": every,
                 "checkpoints": taken + 1,
-                "persist_s_mean": 0.05,
+                "persist_s_mean": max(0.05, self.persist_steps * step_s),
                 "stall_s_mean": 0.002,
                 "cost_s_mean": self.cost_s * noise if windows else None,
                 "cost_s_se": self.cost_s * 0.2 if windows > 1 else None,

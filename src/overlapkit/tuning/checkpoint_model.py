@@ -27,6 +27,7 @@ two checkpoints, the trial's own throughput carries their cost instead.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -185,6 +186,8 @@ def plan_of(probes: dict[int, dict[str, Any]], tune: TuneConfig) -> CheckpointPl
         se = None
         if all(p["cost_se"] is not None for p in measured):
             se = math.sqrt(sum((p["windows"] * p["cost_se"]) ** 2 for p in measured)) / windows
+        elif len(measured) > 1:  # a probe of one window: the probes' own spread
+            se = statistics.stdev(p["cost_s"] for p in measured) / math.sqrt(len(measured))
         # A cost at or below zero (the noise, when checkpoints cost nothing measurable):
         # a floor of one stall, which every checkpoint pays.
         floor = max(p["stall_s"] for p in figures)

@@ -47,6 +47,7 @@ class TuneConfig(Config):
     mtbf_hours: float = Field(24.0, gt=0)
     restart_s: float = Field(60.0, ge=0)  # time to notice a failure, restart and restore
     job_hours: float = Field(24.0, gt=0)  # the training job's length (rework without checkpoints)
+    seed: int | None = None  # the sampler's seed (None: another each run)
     storage: str | None = None  # an Optuna storage URL; None = SQLite in the tune folder
     study: str | None = None  # default: the scenario's name
 

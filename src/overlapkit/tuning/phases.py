@@ -108,7 +108,9 @@ def _probe(job: TuneJob, study: optuna.Study, run: RunPhase, params: dict, of: s
         if (plan is not None and plan.sure) or len(mine) >= job.tune.probes:
             return True
         if not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in mine):
-            attrs = {"probe_of": of, "probe_every": next_probe_every(figures)}
+            # The longest window a trial may run: the more checkpoints, the surer the cost.
+            every = next_probe_every(figures)
+            attrs = {"probe_of": of, "probe_every": every, "steps": job.tune.longest}
             enqueue(study, [(PROBE, params)], again=True, attrs=attrs)
         heading = "probe: a checkpoint's cost" + (" with the pick" if of == "pick" else "")
         if not run(heading, lambda: waiting(study), of == "alone"):

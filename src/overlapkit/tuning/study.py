@@ -316,11 +316,11 @@ def open_study(job: TuneJob, queued: bool = False) -> optuna.Study:
     if queued:
         sampler = optuna.samplers.RandomSampler()
     elif tune.sampler == "grid":
-        sampler = optuna.samplers.GridSampler(space.grid())
+        sampler = optuna.samplers.GridSampler(space.grid(), seed=tune.seed)
     elif tune.sampler == "random":
-        sampler = optuna.samplers.RandomSampler()
+        sampler = optuna.samplers.RandomSampler(seed=tune.seed)
     else:
-        sampler = optuna.samplers.TPESampler(multivariate=True, n_startup_trials=5)
+        sampler = optuna.samplers.TPESampler(multivariate=True, n_startup_trials=5, seed=tune.seed)
     # The running figure a trial reports is its throughput: it ranks settings for that
     # objective only (a slower setting with checkpoints may have the best goodput).
     prunes = tune.prune and job.objectives == ["throughput"]
