@@ -14,15 +14,8 @@ from conftest import TINY_SCENARIO, cli_here
 from overlapkit.runtime.hardware import hardware_label
 from overlapkit.tuning.analysis import Analysis
 from overlapkit.tuning.config import TuneConfig
-from overlapkit.tuning.study import (
-    TuneJob,
-    analysis_settings,
-    default_storage,
-    enqueue,
-    open_study,
-    reference_settings,
-    waiting,
-)
+from overlapkit.tuning.phases import analysis_settings, enqueue, reference_settings
+from overlapkit.tuning.study import TuneJob, default_storage, open_study, waiting
 
 OPTIMIZATIONS = {"ddp_overlap": {"intensity": 1}, "toy_sleep": {"intensity": 1}}
 

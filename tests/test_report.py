@@ -263,7 +263,7 @@ def test_the_analysis_phase_repeats_do_not_move_the_center_its_curves_were_measu
     console = Console(record=True, width=200)
     print_report(document, {"markdown": tmp_path / "report.md", "html": tmp_path / "r"}, console)
     said = console.export_text()
-    assert "each with the others at the search's best setting (trial 0):\nddp_overlap:" in said
+    assert "each with the others at the tuned best (trial 0):\nddp_overlap:" in said
 
 
 def test_the_best_setting_of_a_study_over_machines_is_run_on_a_cluster(tmp_path):
@@ -277,7 +277,7 @@ def test_the_best_setting_of_a_study_over_machines_is_run_on_a_cluster(tmp_path)
 
 
 def curve_points(levels_values: list[tuple[object, list[float]]]) -> list[dict]:
-    return [
+    points = [
         {
             "level": level,
             "median": sorted(values)[len(values) // 2],
@@ -289,6 +289,10 @@ def curve_points(levels_values: list[tuple[object, list[float]]]) -> list[dict]:
         }
         for level, values in levels_values
     ]
+    first = points[0]["median"]  # relative to the first level met, with the range's bounds
+    for p in points:
+        p["relative"] = [p["median"] / first, p["low"] / first, p["high"] / first]
+    return points
 
 
 def test_contention_curves_are_relative_with_ranges_and_never_join_categories():
@@ -418,7 +422,7 @@ def test_the_plots_legends_hide_no_point_and_trials_are_whole_numbers(tmp_path):
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == [
         "alone (the others off)",
-        "with the others at the search's best setting",
+        "with the others at the tuned best",
     ]
     ticks = history(analysis).axes[0].get_xticks()
     assert len(ticks) > 1 and all(float(t).is_integer() for t in ticks)

@@ -38,14 +38,13 @@ from conftest import (
 from overlapkit.tuning import TuneConfig, TuneError
 from overlapkit.tuning.analysis import Analysis
 from overlapkit.tuning.goodput import checkpoint_figures, checkpoints_taken, efficiency, goodput
+from overlapkit.tuning.phases import enqueue
 from overlapkit.tuning.space import SpaceError, apply_params, build_space
 from overlapkit.tuning.study import (
     Objective,
     TrialTakenWarning,
     TuneJob,
-    confirm_settings,
     default_storage,
-    enqueue,
     open_storage,
     open_study,
     queue_again,
@@ -273,7 +272,7 @@ def test_only_throughput_studies_are_pruned_on_the_running_throughput(tmp_path, 
     base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
     job = TuneJob(
         base,
-        TuneConfig(objective=objective, prune=True),
+        TuneConfig(objective=objective, prune=True, checkpoint_interval="search"),
         tmp_path,
         default_storage(tmp_path),
         "tiny",
@@ -353,25 +352,34 @@ def test_the_space_on_tensorflow_holds_only_what_runs_there():
 
 
 def test_the_study_plan_bounds_each_phase_and_time_left_comes_from_finished_trials():
+    from overlapkit.tuning.phases import analysis_settings, reference_settings
     from overlapkit.tuning.progress import StudyPlan, time_left
-    from overlapkit.tuning.study import analysis_settings, reference_settings
 
-    tune = TuneConfig(trials=4, intensity_step=0.5, repeats=2, finalists=3)
+    tune = TuneConfig(trials=4, intensity_step=0.5, repeats=2, max_repeats=3, finalists=3)
     space = build_space({"ddp_overlap": {}, "prefetch": {}, "checkpoint": {}}, tune)
     plan = StudyPlan.of(space, tune)
     assert plan.counts["references"] == len(reference_settings(space))  # exact
-    assert plan.counts["search"] == 4
-    assert plan.counts["confirm"] == (3 + 5) * 1  # finalists + 5 comparison rows, once more
+    assert plan.counts["search"] == 4 + 0  # a control after every 5: none within 4
+    # The race: finalists + 5 comparison rows, at most 3 rounds.
+    assert plan.counts["confirm round 1"] == (3 + 5) * 3
     center = space.setting({"scheduler.policy": "priority"}, ddp_overlap=0.5, prefetch=1.0)
     around = analysis_settings(
         space, center, {"ddp_overlap": 0.5, "prefetch": 1.0, "checkpoint": 1.0}
     )
-    assert len({str(sorted(p.items())) for _, p in around}) <= plan.counts["analysis"]
+    # The analysis round: the center and each setting around it, once.
+    assert len({str(sorted(p.items())) for _, p in around}) + 1 <= plan.counts["analysis"]
     assert plan.describe().startswith(
-        f"up to {plan.total} trials: 8 references, 4 search, then up to 8 confirm"
+        f"up to {plan.total} trials: 8 references, 4 search, then up to 24 confirm"
     )
-    plan.started("confirm", 2)
-    assert plan.counts["confirm"] == 2 and plan.total == 8 + 4 + 2 + 2 * plan.counts["analysis"]
+    plan.started("references", 2)
+    assert plan.counts["references"] == 2 and plan.total == 2 + 4 + 24 + plan.counts["analysis"]
+    searching = StudyPlan.of(space, tune.model_copy(update={"trials": 16}))
+    assert searching.counts["search"] == 16 + 3  # controls after 5, 10 and 15
+    # A goodput study whose checkpoint interval the model sets: its probes come first.
+    modelled = TuneConfig(trials=4, objective="goodput", probes=2)
+    space = build_space({"ddp_overlap": {}, "checkpoint": {}}, modelled)
+    probed = StudyPlan.of(space, modelled, probes=True)
+    assert probed.describe().startswith(f"up to {probed.total} trials: 4 probes, ")
     # Trials a stopped run queued are in their phase's bound already: not counted twice.
     from rich.console import Console
 
@@ -436,10 +444,10 @@ def test_a_bad_search_names_the_line_and_what_is_allowed(tiny_scenario, tune, ex
 
 
 # -------------------------------------------------------------------- end to end
-def test_the_best_is_chosen_by_median_among_settings_measured_again():
-    """One lucky measurement does not win: the finalists and the reference rows are
-    queued again, in rounds, until each has `repeats` results, and the best is the
-    best median among them."""
+def test_without_rounds_the_best_is_the_best_median_among_settings_measured_again():
+    """A study without side-by-side rounds (tune.repeats: 1, or read before its race):
+    one lucky measurement does not win; the best is the best median among the settings
+    measured `repeats` times."""
     tune = TuneConfig(intensity_step=0.5, finalists=2, repeats=3, policy=False)
     space = build_space({"ddp_overlap": {}, "prefetch": {}}, tune)
     study = optuna.create_study(direction="maximize")
@@ -469,21 +477,10 @@ def test_the_best_is_chosen_by_median_among_settings_measured_again():
         analysis.lookup({"ddp_overlap.intensity": 1.0, "prefetch.intensity": 0.0}).throughput == 120
     )
     assert analysis.best.throughput == 120  # nothing confirmed yet: the best median
-    repeats = confirm_settings(study, analysis, tune)
-    # Finalists: ddp alone (2 results) and all on (1); then the reference rows baseline
-    # and prefetch alone (1 each). Round 2 is those with one result, round 3 all four,
-    # each round starting one further along.
-    order = [(p["ddp_overlap.intensity"], p["prefetch.intensity"]) for _, p in repeats]
-    assert order == [
-        (1.0, 1.0), (0.0, 0.0), (0.0, 1.0),
-        (0.0, 0.0), (0.0, 1.0), (1.0, 0.0), (1.0, 1.0),
-    ]  # fmt: skip
-    assert {role for role, _ in repeats} == {"repeat"}
-    enqueue(study, repeats, again=True)
-    assert confirm_settings(study, analysis, tune) == []  # queued ones count
-    results = iter([112, 95, 88, 101, 91, 118, 108])
-    study.optimize(lambda t: _fake(t, space, results), n_trials=7)
+    for value, ddp, prefetch in [(112, 1.0, 1.0), (95, 0, 0), (88, 0, 1.0), (101, 0, 0), (91, 0, 1.0), (118, 1.0, 0), (108, 1.0, 1.0)]:  # fmt: skip
+        measure("repeat", value, ddp, prefetch)
     analysis = Analysis.of(study, space)
+    assert analysis.race is None  # no rounds: judged by medians
     # all_on: 110, 112, 108 -> 110; ddp alone: 120, 150, 118 -> 120; the best is ddp alone.
     assert analysis.best.params == {"ddp_overlap.intensity": 1.0, "prefetch.intensity": 0.0}
     assert analysis.best.throughput == 120

@@ -426,7 +426,7 @@ def trial_metrics(
         "persist_s": persist_s,
         "efficiency": share,
         "step_time_s": step_s,
-        "steps": summary["steps"],
+        "steps": summary.get("steps"),
         "se_rel": summary["step_time_s"].get("se_rel"),
         "phase_shares": summary["phase_shares"],
         "background_chunks_yielded": summary["scheduler"].get("background_chunks_yielded", 0),
@@ -439,7 +439,7 @@ def _carries(summary: dict[str, Any]) -> bool:
     carries their cost."""
     section = (summary.get("optimizations") or {}).get("checkpoint") or {}
     every = section.get("every")
-    return isinstance(every, int) and 2 * every <= summary["steps"]
+    return isinstance(every, int) and 2 * every <= summary.get("steps", 0)
 
 
 def study_plan(study: optuna.Study) -> CheckpointPlan | None:
