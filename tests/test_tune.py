@@ -37,6 +37,7 @@ from conftest import (
 )
 from overlapkit.tuning import TuneConfig, TuneError
 from overlapkit.tuning.analysis import Analysis
+from overlapkit.tuning.checkpoint_model import daly_interval
 from overlapkit.tuning.goodput import checkpoint_figures, checkpoints_taken, efficiency, goodput
 from overlapkit.tuning.phases import enqueue
 from overlapkit.tuning.space import SpaceError, apply_params, build_space
@@ -590,7 +591,7 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
         tiny_scenario,
         tmp_path,
         "{toy_sleep: {intensity: 1}, checkpoint: {every: 2}}",
-        "{trials: 2, intensity_step: 1, steps: 4, warmup_steps: 1, objective: both, mtbf_hours: 2, job_hours: 1, finalists: 1, repeats: 2}",
+        "{trials: 2, intensity_step: 1, steps: 4, warmup_steps: 1, objective: both, mtbf_hours: 2, job_hours: 1, finalists: 1, repeats: 2, checkpoint_interval: search}",
         "--tensorboard",
         tmp_path / "board",
     )
@@ -726,13 +727,63 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
             tau, persist = 3 * 3600, 0.0
         return attrs["throughput"] * tau / ((7200 + 600 + persist) * math.expm1(tau / 7200))
 
-    for row in repriced["comparison"]:  # the median of the row's measurements, each priced
-        same = [priced(t.user_attrs) for t in complete if t.params == row["params"]]
-        assert len(same) == row["measured"], row
-        assert row["goodput"] == pytest.approx(statistics.median(same)), row
+    # Every row raced side by side: its value is the paired fit of its rounds, each
+    # measurement priced.
+    from overlapkit.tuning.analysis import setting_key
+    from overlapkit.tuning.paired import PairedFit
+
+    blocked = [t for t in complete if t.user_attrs.get("block")]
+    fit = PairedFit.of(
+        (setting_key(t.params), t.user_attrs["block"], priced(t.user_attrs)) for t in blocked
+    )
+    for row in repriced["comparison"]:
+        same = [t for t in blocked if t.params == row["params"]]
+        assert len(same) == row["measured"] >= 2, row
+        assert row["goodput"] == pytest.approx(fit.level(setting_key(row["params"]))), row
     base = {row["row"]: row for row in repriced["comparison"]}["baseline (all off)"]
     kept = 3 * 3600 / ((7200 + 600) * math.expm1(1.5))  # 40 % kept (it was 76 %)
     assert base["goodput"] == pytest.approx(base["throughput"] * kept) and kept < 0.41
+
+
+@pytest.mark.slow
+def test_a_goodput_study_checkpoints_every_trial_at_the_models_interval(tiny_scenario, tmp_path):
+    """Real runs: probe trials checkpoint every few steps and their runs measure a
+    checkpoint's cost; every other trial runs at the interval Daly's formula gives for
+    it, the search leaves the checkpoint alone, and best.yaml checkpoints at the
+    interval the pick's own cost gives."""
+    out = tune_tiny(
+        tiny_scenario,
+        tmp_path,
+        "{toy_sleep: {intensity: 1}, checkpoint: {every: 2}}",
+        "{trials: 2, intensity_step: 1, steps: 8, max_steps: 40, warmup_steps: 1, objective: goodput, mtbf_hours: 1, job_hours: 4, restart_s: 30, finalists: 1, repeats: 2, max_repeats: 2, policy: false, seed: 0}",
+    )
+    study = load(out)
+    assert "checkpoint.every" not in study.trials[-1].params  # not searched
+    probes = [t for t in study.trials if t.user_attrs.get("role") == "probe"]
+    assert probes and probes[0].user_attrs["probe_every"] == 4
+    plan = study.user_attrs["checkpoint_plan"]
+    assert plan["every"] == round(daly_interval(plan["cost_s"], 3600) / plan["step_s"])
+
+    def every_of(trial):
+        scenario = yaml.safe_load((Path(trial.user_attrs["folder"]) / "scenario.yaml").read_text())
+        return scenario["optimizations"]["checkpoint"]["every"]
+
+    for trial in study.trials:
+        if trial.state == TrialState.COMPLETE:
+            expected = trial.user_attrs["probe_every"] if trial in probes else plan["every"]
+            assert every_of(trial) == expected, trial.number
+            # A probe runs the longest window a trial may: the more checkpoints, the surer.
+            assert trial.user_attrs["steps"] == (40 if trial in probes else trial.user_attrs["steps"])
+    document = json.loads((out / "report.json").read_text())
+    section = document["checkpoint"]
+    assert section["alone"]["every"] == plan["every"] and section["trials_every"] == plan["every"]
+    best = yaml.safe_load((out / "best.yaml").read_text())
+    assert best["optimizations"]["checkpoint"]["every"] == section["every"]
+    said = (out / "report.md").read_text()
+    assert "Daly's interval at an MTBF of 1 h" in said
+    # Measured by the probes, or said to be an upper bound: never silently assumed.
+    assert ("measured by probe trial(s)" in said) == plan["measured"]
+    assert ("an upper bound" in said) == (not plan["measured"])
 
 
 @pytest.mark.slow

@@ -105,11 +105,13 @@ def _probe(job: TuneJob, study: optuna.Study, run: RunPhase, params: dict, of: s
         plan = plan_of(figures, job.tune)
         if plan is not None:
             study.set_user_attr(attr, plan.as_dict())
-        if (plan is not None and plan.sure) or len(mine) >= job.tune.probes:
+        every = next_probe_every(figures)
+        # A probe measures a checkpoint whose busy steps end before the next: it needs
+        # two intervals in its window (the longest a trial may run).
+        fits = 2 * every <= job.tune.longest
+        if (plan is not None and plan.sure) or len(mine) >= job.tune.probes or not fits:
             return True
         if not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in mine):
-            # The longest window a trial may run: the more checkpoints, the surer the cost.
-            every = next_probe_every(figures)
             attrs = {"probe_of": of, "probe_every": every, "steps": job.tune.longest}
             enqueue(study, [(PROBE, params)], again=True, attrs=attrs)
         heading = "probe: a checkpoint's cost" + (" with the pick" if of == "pick" else "")

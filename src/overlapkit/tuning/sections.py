@@ -153,7 +153,8 @@ def checkpoint_text(section: dict[str, Any] | None) -> list[str]:
             + ", ".join(map(str, alone["probes"]))
             + ": its stall and the slow-down while it persists)"
             if alone["measured"]
-            else " (an upper bound, stall + persist: no probe could measure it)"
+            else " (an upper bound, stall + persist: no probe could measure it, its persists "
+            "outlasting the intervals that fit twice in a trial; raise tune.max_steps)"
         )
         + (f"; with the pick on, {_ms(pick['cost_s'])}" if pick and pick["measured"] else "")
         + "."
