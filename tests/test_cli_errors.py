@@ -1053,7 +1053,9 @@ def test_a_study_tuned_with_another_tune_section_is_not_continued(tmp_path):
     from overlapkit.tuning import TuneConfig, TuneError
     from overlapkit.tuning.study import TuneJob, default_storage, open_study
 
-    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}}}
+    # (toy_sleep beside the checkpoint: a goodput study has something to search once the
+    # model sets the checkpoint's interval)
+    base = {**yaml.safe_load(TINY_SCENARIO), "optimizations": {"checkpoint": {}, "toy_sleep": {}}}
     storage = default_storage(tmp_path)
     open_study(TuneJob(base, TuneConfig(trials=2), tmp_path, storage, "tiny"))
     # What only the study's later phases, its length or its report read may change.

@@ -642,8 +642,11 @@ def test_a_tiny_study_runs_end_to_end_and_reports(tiny_scenario, tmp_path):
     ]
     for row in rows.values():
         assert row["throughput"] > 0 and row["goodput"] >= 0 and row["vs_baseline"] > 0, row
-        # Every row was measured twice (the confirm phase); it shows the median and range.
-        assert row["measured"] >= 2 and row["low"] <= row["goodput"] <= row["high"], row
+        # Every row raced side by side (the confirm phase): its value is the rounds'
+        # paired fit (in an average round), with the range of its measurements there.
+        assert row["measured"] == row["side_by_side"] >= 2 and row["low"] <= row["high"], row
+        low, high = row["vs_baseline_interval"]
+        assert low <= row["vs_baseline"] <= high, row
     assert document["best"]["measured"] >= 2 and document["noise"] is not None
     # 200 ms of sleep per step is never worth it: the tuned best has it off.
     assert document["best"]["params"]["toy_sleep.intensity"] == 0.0
@@ -795,7 +798,7 @@ def test_a_grid_study_visits_every_point_then_confirms_its_finalists(tiny_scenar
         # 4 measured steps: the finalists (0 and 125 ms of sleep a step, against 200) are
         # ranked on one trial each, which a stall of 150 ms in 2 steps could reorder.
         "{trials: 100, sampler: grid, references: false, policy: false, intensity_step: 0.5,"
-        " finalists: 2, repeats: 2, steps: 4, warmup_steps: 1}",
+        " finalists: 2, repeats: 2, max_repeats: 2, steps: 4, warmup_steps: 1}",
     )
     study = load(out)
     assert all(t.state == TrialState.COMPLETE for t in study.trials)
@@ -806,11 +809,13 @@ def test_a_grid_study_visits_every_point_then_confirms_its_finalists(tiny_scenar
     # Its heading says the grid's 3 trials, as the plan does (it said "search: 100 trials").
     assert "search: 3 trials on 1 worker(s)" in (out / "tune-stderr.txt").read_text()
     # The grid sampler stops a study once its grid is done; the confirm phase still
-    # measured the 2 best (the least sleep) a second time.
+    # raced the 2 best (the least sleep) side by side, in 2 rounds.
     again = [
-        t.params["toy_sleep.intensity"] for t in study.trials if t.user_attrs["role"] == "repeat"
+        (t.params["toy_sleep.intensity"], t.user_attrs["block"])
+        for t in study.trials
+        if t.user_attrs["role"] == "race"
     ]
-    assert sorted(again) == [0.0, 0.5]
+    assert sorted(again) == [(0.0, "race-1"), (0.0, "race-2"), (0.5, "race-1"), (0.5, "race-2")]
 
 
 @pytest.mark.slow
@@ -818,7 +823,7 @@ def test_two_workers_share_one_study_without_losing_or_repeating_trials(tiny_sce
     path = scenario_with(
         tiny_scenario,
         "{toy_sleep: {intensity: 1}}",
-        "{trials: 6, references: false, sampler: random, prune: false, steps: 2, warmup_steps: 1, repeats: 1}",
+        "{trials: 6, references: false, sampler: random, prune: false, steps: 2, warmup_steps: 1, repeats: 1, control_every: 0}",
     )
     journal = tmp_path / "shared.log"
     result = run_cli(

@@ -23,7 +23,7 @@ from .cores import shared, split_cores
 from .gpus import split_gpus, visible_gpus
 from .report import print_report, report_document, write_report
 from .runner import tune
-from .space import SpaceError, build_space, runnable_search
+from .space import MODELLED, SpaceError, build_space, checkpoint_by_model, runnable_search
 from .study import TUNE_FILE, TuneJob, default_storage, open_storage
 from .trial_process import start_server
 
@@ -79,6 +79,21 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
         first = error.errors()[0]
         key = ".".join(map(str, first["loc"]))
         raise TuneError(f"tune.{key}: {first['msg']}, got {first.get('input')!r}") from None
+    if checkpoint_by_model(base.get("optimizations") or {}, config):
+        named = (config.search or {}).get(MODELLED)
+        knobs = [k for k in (named or []) if k not in ("intensity", "every")]
+        Console(stderr=True).print(
+            "tune: the checkpoint's interval comes from the goodput model (Young/Daly, from a "
+            "measured cost: tune.checkpoint_interval: model), not the search"
+            + (
+                f"; {', '.join(f'checkpoint.{k}' for k in knobs)} not searched either (a trial "
+                "takes no checkpoint at that interval: it would measure nothing)"
+                if knobs
+                else ""
+            ),
+            highlight=False,
+            soft_wrap=True,
+        )
     folder = args.out or Path("runs") / f"{scenario.name}-tune"
     if folder.exists() and not folder.is_dir():
         raise TuneError(f"--out {folder}: is a file; the tune folder must be a folder")

@@ -48,7 +48,7 @@ def compare_document(entries: list[tuple[str, Analysis]]) -> dict[str, Any]:
     for source, analysis in entries:
         rows = {row["row"]: row for row in analysis.comparison()}
         naive, tuned = rows["all on, full (naive)"], rows["tuned best"]
-        base = rows["baseline (all off)"]
+        base = next(row for row in rows.values() if row["row"].startswith("baseline"))
         curves = analysis.curves()
         best = analysis.best
         studies.append(
