@@ -151,7 +151,10 @@ def tune_command(scenario: Any, args: argparse.Namespace, console: Console) -> i
     if ray is None and scenario.device_type == "cuda":
         # Before any worker starts, so that a machine with too few GPUs is told at once.
         gpus = split_gpus(args.workers, scenario.world.nprocs, visible_gpus())
-    space = job.space
+    try:
+        space = job.space
+    except SpaceError as error:
+        raise TuneError(str(error)) from None
     Console(stderr=True).print(
         f"tuning {scenario.name}: {len(space.dimensions)} parameters "
         f"({', '.join(d.name for d in space.dimensions)}), grid of {space.grid_size()}; "

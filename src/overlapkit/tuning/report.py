@@ -146,7 +146,7 @@ def _warnings(analysis: Analysis, comparison: list[dict[str, Any]]) -> list[str]
             "still going, or one that was stopped: run tune again to finish it); what "
             "follows is of the trials done so far"
         )
-    if analysis.repeats < 3:
+    if analysis.repeats < 3 and analysis.race is None:  # (a race is judged by its paired fit)
         if analysis.repeats >= 2:
             said = "the median of 2 is their mean, and one slow run moves it by half"
         elif analysis.noise is None:
