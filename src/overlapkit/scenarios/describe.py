@@ -9,7 +9,7 @@ from typing import Any
 
 from ..runtime.optimization import engine_for, number_in, settings_on
 from ..runtime.policies import POLICIES
-from ..tuning.space import SpaceError, build_space, runnable_search
+from ..tuning.space import SpaceError, build_space, checkpoint_by_model, runnable_search
 from .config import Scenario
 
 AT_START = "decided at start"
@@ -125,6 +125,8 @@ def _tune(scenario: Scenario) -> list[tuple[str, str]]:
         return rows
     for dimension in space.dimensions:
         rows.append((f"space: {dimension.name}", ", ".join(map(_text, dimension.values()))))
+    if checkpoint_by_model(optimizations, tune):
+        rows.append(("space: checkpoint", "its interval from the goodput model (Young/Daly, measured cost)"))
     rows.append(("space: grid size", str(space.grid_size())))
     return rows
 

@@ -195,7 +195,7 @@ class Analysis:
         return self._best_of(self.ranked())
 
     def _complexity(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
-        return complexity(self.space, dict(key))
+        return complexity(self.space, self.params_of(key))
 
     @cached_property
     def race(self) -> RaceStatus | None:
@@ -248,7 +248,7 @@ class Analysis:
         (the reference baseline, then the search's controls) against time."""
         control = setting_key(self.space.setting({"scheduler.policy": "free"}))
         points = [
-            (m.started, m.value(self.metric))
+            (m.started, m.throughput)  # the machine's speed (goodput is a share of it)
             for m in self.measured
             if m.block is None and m.started is not None and setting_key(m.params) == control
         ]
@@ -666,15 +666,14 @@ class Analysis:
 
 def _goodput(attrs: dict[str, Any], tune: TuneConfig, plan: CheckpointPlan | None) -> float:
     """A trial's goodput at ``tune``'s figures: from its throughput and either the
-    model's checkpoint interval and cost (a trial too short to take a checkpoint at
-    that interval: ``checkpoint_model``) or its own checkpoint interval and persist
-    time (the recorded value if it lacks those)."""
+    model's checkpoint interval and cost (``checkpoint_model``: `CheckpointPlan.price`,
+    as the trial was priced) or its own checkpoint interval and persist time (the
+    recorded value if it lacks those)."""
     if attrs.get("checkpoint_model") and plan is not None:
-        every = plan.every if plan.on else None
-        interval = None if every is None else every * attrs["step_time_s"]
-        cost = plan.cost_s if every is not None else 0.0
-        share = priced_efficiency(interval, plan.persist_s, tune, cost)
-        return goodput(attrs["throughput"], share)
+        steps = attrs.get("steps") or 0
+        runtime = attrs.get("runtime_s") or steps * attrs["step_time_s"]
+        taken = attrs.get("checkpoints_in_window", 0)
+        return plan.price(attrs["throughput"], runtime, steps, taken)["goodput"]
     if "checkpoint_interval_s" not in attrs:
         return attrs["goodput"]
     share = priced_efficiency(attrs["checkpoint_interval_s"], attrs["persist_s"], tune)

@@ -16,12 +16,15 @@ in the same run, so a drifting machine hits both alike). Near W* goodput is flat
 (an interval 20 % off costs about 2 % of the checkpoints' small share), so the
 model is *sure* when the ends of the cost's range (C +- 2 standard errors) move
 goodput at the chosen interval by less than `SURE`; otherwise, or when no cost
-could be measured, more probes run, each checkpointing less often.
+could be measured, more probes run: after a probe whose persists left no step
+clean, one that checkpoints less often; after one whose cost is too uncertain,
+another alike.
 
-A trial of a few dozen steps takes no checkpoint at an interval of hundreds:
-its throughput is priced at W* with the cost C added to each segment (see
-`goodput.efficiency`). Where the interval is short enough for a trial to hold
-two checkpoints, the trial's own throughput carries their cost instead.
+Every other trial checkpoints at W* and is priced alike (`CheckpointPlan.price`):
+a trial of a few dozen steps takes no checkpoint at an interval of hundreds, and
+one whose window holds a checkpoint or two has their cost (the model's) taken
+out of its time; then each segment of W* pays the cost C (see
+`goodput.efficiency`).
 """
 
 from __future__ import annotations
@@ -76,12 +79,28 @@ class CheckpointPlan:
         """The interval in steps."""
         return steps_of(self.interval_s, self.step_s)
 
-    def efficiency_at(self, every: int | None, cost_s: float | None = None) -> float:
+    def efficiency_at(
+        self, every: int | None, cost_s: float | None = None, step_s: float | None = None
+    ) -> float:
         """The share of the throughput goodput keeps with checkpoints every ``every``
-        steps (None: none), each costing ``cost_s`` (default: the measured cost)."""
+        steps (None: none) of ``step_s`` (default: the probes' clean step), each costing
+        ``cost_s`` (default: the measured cost)."""
         cost = self.cost_s if cost_s is None else cost_s
-        interval = None if every is None else every * self.step_s
+        step = self.step_s if step_s is None else step_s
+        interval = None if every is None else every * step
         return efficiency(interval, self.persist_s, self.restart_s, self.mtbf_s, self.job_s, cost)
+
+    def price(self, throughput: float, runtime_s: float, steps: int, taken: int) -> dict[str, float]:
+        """A trial's goodput at this plan: its throughput without the ``taken``
+        checkpoints that fell inside its ``steps`` measured steps (each the plan's cost,
+        taken out), then a checkpoint every `every` steps, each costing the plan's
+        cost, against the failures. So every trial is priced alike, whether its window
+        held a checkpoint at the interval or not."""
+        clean_s = max(runtime_s - taken * self.cost_s, 0.5 * runtime_s)
+        clean = throughput * runtime_s / clean_s if clean_s > 0 else throughput
+        every = self.every if self.on else None
+        share = self.efficiency_at(every, step_s=clean_s / steps if steps else self.step_s)
+        return {"clean_throughput": clean, "share": share, "goodput": clean * share}
 
     @property
     def on(self) -> bool:
@@ -144,6 +163,14 @@ class CheckpointPlan:
         plan = {k: v for k, v in data.items() if k in names}
         plan["probes"] = tuple(plan.get("probes", ()))
         return cls(**plan)
+
+
+def taken_in_window(every: int | None, warmup: int, steps: int) -> int:
+    """Checkpoints a run of fixed interval ``every`` took within its measured steps
+    (warm-up steps ``warmup`` to ``warmup + steps - 1``: one is due at each multiple)."""
+    if not every:
+        return 0
+    return (warmup + steps - 1) // every - (warmup - 1) // every
 
 
 def steps_of(interval_s: float, step_s: float) -> int:

@@ -1,21 +1,24 @@
 """Goodput: throughput discounted by the work that failures throw away.
 
-Failures arrive at rate λ = 1 / MTBF. Work is made safe in segments: one
-checkpoint interval τ (without checkpoints, the whole job). A failure costs
-the work done since the segment began, plus the time to notice it, restart
-and restore (``restart_s``), plus the persist latency p (a checkpoint counts
-only once it is durable). The expected time to get one segment done is then
-(Daly's model, first order in R + p)
+Failures arrive at rate λ = 1 / MTBF. Work is made safe in segments: τ of
+work between checkpoints (without checkpoints, the whole job), plus C, what a
+checkpoint costs the steps. A failure costs the work done since the segment
+began, plus the time to notice it, restart and restore (``restart_s``), plus
+the persist latency p (a checkpoint counts only once it is durable). The
+expected time to get one segment done is then (Daly's model, first order in
+R + p)
 
-    E[T] = (1/λ + restart + p) · (exp(λ·τ) − 1)
+    E[T] = (1/λ + restart + p) · (exp(λ·(τ + C)) − 1)
 
 and goodput = throughput · τ / E[T]. For τ ≪ MTBF this is the familiar
-throughput · (1 − (τ/2 + p + restart) / MTBF); without checkpoints a long job
-gets almost nothing done (a 4 h job at a 1 h MTBF: 7 % of the throughput).
+throughput · (1 − (τ/2 + p + restart) / MTBF − C/τ); without checkpoints a long
+job gets almost nothing done (a 4 h job at a 1 h MTBF: 7 % of the throughput).
 
-The measured throughput already carries the checkpoints' own cost (stalls and
-contention), so frequent checkpoints cost throughput and save rework: the
-trade-off that makes "checkpointing off" lose when failures are frequent.
+A trial's measured throughput carries the cost of the checkpoints it took (C =
+0 here); one priced at the model's interval (`checkpoint_model`), which a short
+trial cannot hold, pays C per segment instead. Frequent checkpoints cost
+throughput and save rework: the trade-off that makes "checkpointing off" lose
+when failures are frequent, and that Young's and Daly's intervals balance.
 """
 
 from __future__ import annotations

@@ -44,9 +44,10 @@ from .analysis import (
     setting_key,
 )
 from .checkpoint_model import next_probe_every, plan_of
+from .progress import StudyPlan
 from .race import round_order
 from .space import SearchSpace
-from .study import COUNTED, TuneJob, search_done, waiting
+from .study import COUNTED, TuneJob, queued_again, search_done, waiting
 from .window import window
 
 # run(heading, todo, counted): run the trials ``todo()`` says are left under
@@ -91,11 +92,17 @@ def _probe(job: TuneJob, study: optuna.Study, run: RunPhase, params: dict, of: s
     """Probe trials of ``params`` (``of``: "alone", the baseline; "pick") until the
     model is sure of its interval or ``tune.probes`` have run; record the plan."""
     attr = PLAN_ATTR if of == "alone" else PICK_PLAN_ATTR
+    key = setting_key(params)
     while True:
+        # This setting's probes (a continued study may pick another), less those stopped
+        # before their end (their copies run in their place).
         mine = [
             t
             for t in study.get_trials(deepcopy=False)
-            if t.user_attrs.get("role") == PROBE and t.user_attrs.get("probe_of") == of
+            if t.user_attrs.get("role") == PROBE
+            and t.user_attrs.get("probe_of") == of
+            and _key_of(t) == key
+            and not queued_again(t)
         ]
         figures = {
             t.number: t.user_attrs["checkpoint"]
@@ -111,7 +118,9 @@ def _probe(job: TuneJob, study: optuna.Study, run: RunPhase, params: dict, of: s
         fits = 2 * every <= job.tune.longest
         if (plan is not None and plan.sure) or len(mine) >= job.tune.probes or not fits:
             return True
-        if not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in mine):
+        if not any(t.state == TrialState.WAITING for t in mine):
+            if any(t.state == TrialState.RUNNING for t in mine):
+                return True  # a probe runs elsewhere (another machine): go on with what is known
             attrs = {"probe_of": of, "probe_every": every, "steps": job.tune.longest}
             enqueue(study, [(PROBE, params)], again=True, attrs=attrs)
         heading = "probe: a checkpoint's cost" + (" with the pick" if of == "pick" else "")
@@ -123,8 +132,6 @@ def _probe(job: TuneJob, study: optuna.Study, run: RunPhase, params: dict, of: s
 def _search(job: TuneJob, study: optuna.Study, run: RunPhase) -> bool:
     """The sampler's trials, with the control measured again after every
     ``tune.control_every`` of them."""
-    from .progress import StudyPlan
-
     searched = StudyPlan.search_trials(job.space, job.tune)
     every = job.tune.control_every
     control = job.space.setting({"scheduler.policy": "free"})
@@ -137,23 +144,39 @@ def _search(job: TuneJob, study: optuna.Study, run: RunPhase) -> bool:
         if now == done:  # nothing ran: the grid is done, or other machines filled the budget
             return True
         if every and now < searched and _controls(study) < now // every:
-            enqueue(study, [(CONTROL, control)], again=True)
+            # At the reference baseline's window: the controls compare with it alone.
+            enqueue(study, [(CONTROL, control)], again=True, attrs={"steps": job.tune.steps})
             if not run("control", lambda: waiting(study), False):
                 return False
     return True
 
 
 def _controls(study: optuna.Study) -> int:
-    return sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("role") == CONTROL)
+    """The controls measured, running or queued (one stopped before its end counts as
+    its copy)."""
+    return sum(
+        1
+        for t in study.get_trials(deepcopy=False)
+        if t.user_attrs.get("role") == CONTROL and not queued_again(t)
+    )
 
 
 # ----------------------------------------------------------------------- race
 def _race(job: TuneJob, study: optuna.Study, run: RunPhase) -> bool:
     """The confirm phase's rounds (see `race`)."""
     tune = job.tune
-    race = study.user_attrs.get(RACE_ATTR) or _start_race(job, study)
+    race = study.user_attrs.get(RACE_ATTR)
+    searched = search_done(study)
+    if race is None or race.get("searched", searched) < searched:
+        # The first race, or a study continued with more search trials (its finalists
+        # may have changed): a race of its own, whose rounds add to the earlier ones.
+        race = _start_race(job, study, (race or {}).get("generation", 0) + 1, searched)
     candidates = [dict(p) for p in race["candidates"]]
+    if len(candidates) < 2:
+        return True  # nothing to race
     steps = race["steps"]
+    generation = race.get("generation", 1)
+    prefix = "race" if generation == 1 else f"race{generation}"
     for round_ in range(1, tune.max_repeats + 1):
         done = round_ - 1
         status = Analysis.of(study, job.space, tune).race if done >= tune.repeats else None
@@ -161,7 +184,9 @@ def _race(job: TuneJob, study: optuna.Study, run: RunPhase) -> bool:
             return True
         out = set(status.out) if status is not None else set()
         alive = [p for p in candidates if setting_key(p) not in out]
-        block = f"race-{round_}"
+        if len(alive) < 2:
+            return True
+        block = f"{prefix}-{round_}"
         have = _in_block(study, block)
         todo = [p for p in round_order(alive, done) if setting_key(p) not in have]
         for params in todo:
@@ -172,7 +197,9 @@ def _race(job: TuneJob, study: optuna.Study, run: RunPhase) -> bool:
     return True
 
 
-def _start_race(job: TuneJob, study: optuna.Study) -> dict[str, Any]:
+def _start_race(
+    job: TuneJob, study: optuna.Study, generation: int, searched: int
+) -> dict[str, Any]:
     """Choose the race's settings (the search's finalists, after drift, and the
     comparison rows) and each one's window; recorded, so a continued study races
     the same ones."""
@@ -190,6 +217,8 @@ def _start_race(job: TuneJob, study: optuna.Study) -> dict[str, Any]:
         for i, p in enumerate(settings)
     }
     race = {
+        "generation": generation,
+        "searched": searched,  # the search trials done when it started
         "candidates": settings,
         "rows": rows,
         "alone": analysis.alone_best(),
@@ -200,14 +229,19 @@ def _start_race(job: TuneJob, study: optuna.Study) -> dict[str, Any]:
 
 
 def _in_block(study: optuna.Study, block: str) -> set[tuple[Any, ...]]:
-    """The settings measured, running or queued in ``block``."""
-    out = set()
-    for t in study.get_trials(deepcopy=False, states=COUNTED):
-        if t.user_attrs.get("block") != block:
-            continue
-        params = t.params or t.system_attrs.get("fixed_params", {})
-        out.add(setting_key(params))
-    return out
+    """The settings measured, running or queued in ``block``, or failed there for good
+    (a setting that crashes is not queued in that round again)."""
+    return {
+        _key_of(t)
+        for t in study.get_trials(deepcopy=False)
+        if t.user_attrs.get("block") == block
+        and (t.state in COUNTED or (t.state == TrialState.FAIL and not queued_again(t)))
+    }
+
+
+def _key_of(trial: Any) -> tuple[Any, ...]:
+    """A trial's setting, whether it ran (its params) or waits (its queued params)."""
+    return setting_key(trial.params or trial.system_attrs.get("fixed_params", {}))
 
 
 # ------------------------------------------------------------------- analysis

@@ -77,12 +77,13 @@ def overview(rows: list[dict[str, Any]], checkpoints: dict[str, Any] | None = No
     ]
     bars = left.barh(labels, values, xerr=errors, capsize=3, color="tab:blue", alpha=0.75)
     left.axvline(1.0, color="grey", linewidth=0.8)
-    for bar, row, value, (_, _, high) in zip(bars, rows, values, ratios, strict=True):
+    for bar, row, value, (_, low, high) in zip(bars, rows, values, ratios, strict=True):
         if row["disagree"]:
             bar.set_hatch("//")
             bar.set_alpha(0.4)
         text = f"{value:.2f}x" if value else ""
-        if text and not row["beyond_noise"] and not row["row"].startswith("baseline"):
+        within = low is not None and low <= 1.0 <= high  # its own interval holds 1
+        if text and within and not row["row"].startswith("baseline"):
             text = "~" + text
         left.text(
             high if high is not None else value,
@@ -109,8 +110,11 @@ def overview(rows: list[dict[str, Any]], checkpoints: dict[str, Any] | None = No
                 edgecolor="tab:green",
                 hatch="//",
             )
+        every = checkpoints["trials_every"]
         right.set_title(
-            f"checkpoints every {checkpoints['trials_every']} steps (the model's interval)",
+            "without checkpoints (the model: they do not pay)"
+            if every is None
+            else f"checkpoints every {every} steps (the model's interval)",
             fontsize=8,
         )
     right.set_xlabel("goodput (samples/s)")

@@ -3,11 +3,15 @@ measured side by side in rounds until the best is told apart from the rest.
 
 Each round measures every setting still in the race once, in an order rotated
 by one each round (so no setting always runs first, or right after the same
-one). After each round from the second on, the rounds are fitted together
+one). After each round from round ``tune.repeats`` on (2 at the least: one
+round has no noise to judge by), the rounds are fitted together
 (`paired.PairedFit`) and every setting that the race's best beats beyond the
 noise leaves the race: it needs no more measurements to be ruled out. The race
 stops when one setting is left (the best is separated from the runner-up), or
-after its last round (``tune.max_repeats``), whichever comes first.
+after its last round (``tune.max_repeats``), whichever comes first. Each look
+claims at 95 % on its own: over several rounds and settings a setting is now
+and then dropped by chance, which the simplest-within-noise rule makes cheap
+(what is left is what the noise cannot tell apart).
 
 The pick follows a stated rule, so that two studies that cannot tell settings
 apart still agree: among the settings within noise of the best (the best
@@ -83,6 +87,8 @@ def complexity(space: SearchSpace, params: dict[str, Any]) -> tuple[Any, ...]:
         value = params.get(level.name)
         if level.knob == "intensity":
             levels += float(value)
+        elif level.kind != "categorical" and level.high != level.low:  # a numeric range
+            levels += (float(value) - float(level.low)) / (float(level.high) - float(level.low))
         elif value in values and len(values) > 1:
             levels += values.index(value) / (len(values) - 1)
     policies = list(POLICIES)

@@ -178,15 +178,19 @@ def checkpoint_text(section: dict[str, Any] | None) -> list[str]:
     lines.append(
         f"Goodput keeps {keeps:.1%} of the throughput at that interval and {without:.1%} "
         f"without checkpoints ({alone['job_s'] / 3600:g} h job, {alone['restart_s']:g} s "
-        f"restart): {decision}. Every trial ran at every {section['trials_every']}"
+        f"restart): {decision}. {_ran_at(section['trials_every'], 'Every trial ran')}"
         + (
-            f"; best.yaml checkpoints every {section['every']} (the pick's cost)"
+            f"; {_ran_at(section['every'], 'best.yaml runs')} (from the pick's own cost)"
             if section["every"] != section["trials_every"]
             else ""
         )
         + "."
     )
     return lines
+
+
+def _ran_at(every: int | None, who: str) -> str:
+    return f"{who} without checkpoints" if every is None else f"{who} at every {every}"
 
 
 def _ms(seconds: float | None) -> str:

@@ -1,20 +1,11 @@
-"""The Optuna study behind ``overlapkit tune``: storage, objective, workers, phases.
+"""The Optuna study behind ``overlapkit tune``: storage, objective, workers.
 
 A tune folder holds ``tune.json`` (where the study lives), ``study.db`` (the
 default SQLite storage), ``trials/NNNNN/`` (each trial's scenario, run folder
-and stderr) and the report. The study runs in phases, each with K workers (a
-trial process each at a time) sharing the study through its storage:
-
-1. references: every optimization off, each alone along its level, all on at
-   full intensity (the naive combination) — the report's comparison rows;
-2. search: ``tune.trials`` trials chosen by the sampler (TPE, random or grid);
-3. confirm: the ``tune.finalists`` best settings so far and the reference rows
-   measured again until each has ``tune.repeats`` results, in rounds (each
-   setting once per round), so that a slow spell of the machine hits them alike
-   and the best is chosen by its median, not by one lucky measurement;
-4. analysis: around the best setting, each optimization's level swept with the
-   others held (its contention curve), each pair on together, and the best
-   setting under the other scheduler policy.
+and stderr) and the report. The study runs in phases (`phases`), each with K
+workers (a trial process each at a time) sharing the study through its
+storage; here: the storage, the objective (one trial: its setting, window and
+checkpoint interval in, its numbers out), the workers and the search budget.
 
 Trials already in the study are never run twice: an interrupted ``tune`` run
 again on the same folder (or storage) continues where it stopped.
@@ -49,7 +40,7 @@ from ..optimizations import get_optimization
 from ..runtime.hardware import hardware_label
 from ..runtime.plain_data import first_difference
 from . import TuneError
-from .checkpoint_model import CheckpointPlan, probe_cost
+from .checkpoint_model import CheckpointPlan, probe_cost, taken_in_window
 from .config import TuneConfig
 from .goodput import checkpoint_figures, checkpoints_taken, goodput, priced_efficiency
 from .measured import PLAN_ATTR, PROBE, QUEUED_AGAIN, SEARCH_STEPS_ATTR, UNUSED
@@ -383,7 +374,9 @@ MEASURED = (
     "max_steps",
     "checkpoint_interval",
 )
-# The attributes a queued trial carries to its copy, were it stopped before its end.
+# The attributes a queued trial carries to its copy, were it stopped before its end:
+# its role, its round, its window (``steps``: asked for when queued, then the steps
+# its run measured, the same), and a probe's interval and setting.
 QUEUED_ATTRS = ("role", "block", "steps", "probe_every", "probe_of")
 
 
@@ -404,24 +397,30 @@ def trial_metrics(
     summary: dict[str, Any], tune: TuneConfig, plan: CheckpointPlan | None = None
 ) -> dict[str, Any]:
     """The numbers a trial records: both objectives and where the step's time went.
-    ``plan``: the model's checkpoint interval, which a trial too short to hold two
-    checkpoints at it is priced at (its throughput does not carry their cost)."""
+    ``plan``: the model's checkpoint interval, which the trial is priced at (see
+    `CheckpointPlan.price`)."""
     interval_s, persist_s = checkpoint_figures(summary)
     throughput = summary["samples_per_s"]
     step_s = summary["step_time_s"]["mean"]
-    modelled = plan is not None and interval_s is not None and not _carries(summary)
-    if modelled:
-        every = plan.every if plan.on else None
-        interval = None if every is None else every * step_s
-        share = priced_efficiency(interval, plan.persist_s, tune, plan.cost_s if every else 0.0)
+    steps = summary.get("steps") or 0
+    section = (summary.get("optimizations") or {}).get("checkpoint") or {}
+    every = section.get("every") if isinstance(section.get("every"), int) else None
+    taken = taken_in_window(every, tune.warmup_steps, steps)
+    if plan is not None:
+        runtime = summary.get("runtime_s") or steps * step_s
+        priced = plan.price(throughput, runtime, steps, taken)
+        share, value = priced["share"], priced["goodput"]
     else:
         share = priced_efficiency(interval_s, persist_s, tune)
+        value = goodput(throughput, share)
     return {
         "throughput": throughput,
-        "goodput": goodput(throughput, share),
+        "goodput": value,
         "checkpoint_interval_s": interval_s,
         "checkpoints": checkpoints_taken(summary),
-        "checkpoint_model": modelled,
+        "checkpoints_in_window": taken,
+        "runtime_s": summary.get("runtime_s"),
+        "checkpoint_model": plan is not None,
         "checkpoint": probe_cost(summary),  # the checkpoint's figures, its cost among them
         "persist_s": persist_s,
         "efficiency": share,
@@ -432,14 +431,6 @@ def trial_metrics(
         "background_chunks_yielded": summary["scheduler"].get("background_chunks_yielded", 0),
         "hardware": hardware_label(summary.get("hardware")),
     }
-
-
-def _carries(summary: dict[str, Any]) -> bool:
-    """Whether a run's measured steps held two checkpoints or more: its throughput
-    carries their cost."""
-    section = (summary.get("optimizations") or {}).get("checkpoint") or {}
-    every = section.get("every")
-    return isinstance(every, int) and 2 * every <= summary.get("steps", 0)
 
 
 def study_plan(study: optuna.Study) -> CheckpointPlan | None:
@@ -532,6 +523,8 @@ class Objective:
         study_attrs = trial.study.user_attrs
         steps = trial.user_attrs.get("steps") or study_attrs.get(SEARCH_STEPS_ATTR) or job.tune.steps
         plan = study_plan(trial.study) if job.checkpoint_by_model else None
+        if trial.user_attrs["role"] == PROBE:
+            plan = None  # (a probe's interval is its own; its goodput is its run's)
         data = apply_params(job.base, self.space, params)
         if trial.user_attrs["role"] == PROBE:
             data = with_checkpoints(data, trial.user_attrs["probe_every"])
