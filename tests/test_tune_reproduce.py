@@ -444,3 +444,46 @@ def test_the_contention_study_stays_within_todays_budget(tmp_path):
     analysis = tune_with(job, machine)
     assert machine.trials <= 64 and len(analysis.study.trials) == machine.trials
     assert analysis.race is not None and analysis.plan is not None
+
+
+def test_students_t_and_the_bound_for_several_claims_at_once():
+    from overlapkit.tuning.paired import t_quantile
+
+    table = {1: 12.706, 2: 4.303, 3: 3.182, 5: 2.571, 10: 2.228, 30: 2.042, 1000: 1.962}
+    for df, value in table.items():
+        assert t_quantile(df) == pytest.approx(value, rel=0.001), df
+    assert t_quantile(0) == math.inf
+    # Bonferroni: 4 claims at once, each at 1 - 0.025 / 4 (t(10) at 99.375 %: 3.038).
+    assert t_quantile(10, 4) == pytest.approx(3.038, rel=0.001)
+    # In a race, the best is held against all the others together: a setting it beats
+    # by more than one claim's bound and less than four's stays in.
+    rng = __import__("random").Random(0)
+    noise = {(k, r): math.exp(rng.gauss(0, 0.01)) for k in range(5) for r in range(5)}
+
+    def rows(near: float) -> list:
+        truth = {"best": 100.0, "near": near, "far1": 80.0, "far2": 80.0, "far3": 80.0}
+        return [
+            (key, f"r{r}", value * noise[i, r])
+            for i, (key, value) in enumerate(truth.items())
+            for r in range(5)
+        ]
+
+    even = PairedFit.of(rows(100.0))
+    se, offset = even.se("best", "near"), even.effect("best") - even.effect("near")
+    middle = (t_quantile(even.df) + t_quantile(even.df, 4)) / 2
+    fit = PairedFit.of(rows(100.0 * math.exp(offset - middle * se)))
+    assert fit.beats("best", "near") and not fit.beats("best", "near", 4)
+    status = race_status(fit, ["best", "near", "far1", "far2", "far3"])
+    assert "near" in status.equivalent and set(status.out) == {"far1", "far2", "far3"}
+
+
+def test_a_runs_standard_error_comes_from_batches_of_its_steps():
+    from overlapkit.runtime.metrics import mean_se_rel
+
+    assert mean_se_rel([0.1] * 7) is None  # fewer than 4 batches of 2
+    # 12 steps: 6 batches of 2, means 1, 1, 1, 2, 2, 2.
+    steps = [1.0] * 6 + [2.0] * 6
+    expected = statistics.stdev([1, 1, 1, 2, 2, 2]) / math.sqrt(6) / 1.5
+    assert mean_se_rel(steps) == pytest.approx(expected)
+    # 40 steps: 8 batches of 5; a constant run has no error.
+    assert mean_se_rel([0.05] * 40) == 0.0

@@ -162,21 +162,23 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (index - low)
 
 
-SE_BATCHES = 8  # contiguous batches of steps whose means give a run's standard error
+SE_BATCHES = (4, 8)  # the fewest and most batches of steps a run's standard error takes
 
 
 def mean_se_rel(step_times: list[float]) -> float | None:
     """The relative standard error of a run's mean step time (so of its throughput),
-    from the means of `SE_BATCHES` contiguous batches of its steps: neighbouring steps
-    are not independent (a checkpoint or a slow spell slows several), so the spread of
-    batch means holds what the spread of single steps would understate. None below
-    two steps a batch."""
-    size = len(step_times) // SE_BATCHES
-    if size < 2:
+    from the means of contiguous batches of its steps, 2 steps at least, 4 to 8
+    batches: neighbouring steps are not independent (a checkpoint or a slow spell
+    slows several), so the spread of batch means holds what the spread of single
+    steps would understate. None below 8 steps."""
+    fewest, most = SE_BATCHES
+    batches = min(most, len(step_times) // 2)
+    if batches < fewest:
         return None
-    means = [statistics.fmean(step_times[i * size : (i + 1) * size]) for i in range(SE_BATCHES)]
+    size = len(step_times) // batches
+    means = [statistics.fmean(step_times[i * size : (i + 1) * size]) for i in range(batches)]
     mean = statistics.fmean(means)
-    return statistics.stdev(means) / SE_BATCHES**0.5 / mean if mean > 0 else None
+    return statistics.stdev(means) / batches**0.5 / mean if mean > 0 else None
 
 
 def _mean_or_none(values: list[float | None]) -> float | None:

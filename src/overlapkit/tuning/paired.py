@@ -14,12 +14,16 @@ log-ratio, with a standard error from sigma and the rounds they share (the fit's
 covariance). sigma comes from the residuals, with N - settings - rounds + 1
 degrees of freedom, and a difference is claimed beyond Student's t at 97.5 %
 for those (two-sided 95 %): with few rounds the noise itself is uncertain, and a
-normal quantile would claim too much.
+normal quantile would claim too much. Where one setting is held against k others
+at once (the race's best against the rest), the bound is Bonferroni's, t at
+1 - 0.025 / k, so that the k claims together are wrong 5 % of the time, not each.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import statistics
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
@@ -27,17 +31,33 @@ import numpy as np
 
 Key = Hashable
 
-# Student's t at 97.5 % by degrees of freedom (above the last: the normal's 1.96).
-T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
-        10: 2.23, 12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04, 60: 2.00}  # fmt: skip
-
-
-def t_quantile(df: int) -> float:
-    """Student's t at 97.5 % with ``df`` degrees of freedom (the next lower tabled df)."""
+@functools.lru_cache(maxsize=256)
+def t_quantile(df: int, comparisons: int = 1) -> float:
+    """Student's t with ``df`` degrees of freedom at 1 - 0.025 / ``comparisons`` (97.5 %
+    for one claim): its density integrated (Simpson) and the integral inverted by
+    bisection; the normal quantile above 1000 degrees of freedom."""
     if df < 1:
         return math.inf
-    tabled = [d for d in T975 if d <= df]
-    return T975[max(tabled)] if df <= 60 else 1.96
+    p = 1 - 0.025 / max(1, comparisons)
+    if df > 1000:
+        return statistics.NormalDist().inv_cdf(p)
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def density(x: float) -> float:
+        return scale * (1 + x * x / df) ** (-(df + 1) / 2)
+
+    def below(x: float, parts: int = 2000) -> float:  # P(T <= x) for x >= 0
+        h = x / parts
+        inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, parts))
+        return 0.5 + h / 3 * (density(0.0) + inner + density(x))
+
+    low, high = 0.0, 1.0
+    while below(high) < p:
+        low, high = high, high * 2
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if below(middle) < p else (low, middle)
+    return (low + high) / 2
 
 
 @dataclass(frozen=True)
@@ -126,10 +146,12 @@ class PairedFit:
         """How many standard errors a claimed difference exceeds: t(df) at 97.5 %."""
         return t_quantile(self.df)
 
-    def beats(self, a: Key, b: Key) -> bool:
-        """Whether ``a`` is above ``b`` beyond the noise."""
+    def beats(self, a: Key, b: Key, comparisons: int = 1) -> bool:
+        """Whether ``a`` is above ``b`` beyond the noise (``comparisons``: of that many
+        claims made together, Bonferroni's bound)."""
         se = self.se(a, b)
-        return se is not None and self.effect(a) - self.effect(b) > self.bound * se
+        bound = t_quantile(self.df, comparisons)
+        return se is not None and self.effect(a) - self.effect(b) > bound * se
 
     def differs(self, a: Key, b: Key) -> bool:
         return self.beats(a, b) or self.beats(b, a)

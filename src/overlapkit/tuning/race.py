@@ -8,10 +8,11 @@ round has no noise to judge by), the rounds are fitted together
 (`paired.PairedFit`) and every setting that the race's best beats beyond the
 noise leaves the race: it needs no more measurements to be ruled out. The race
 stops when one setting is left (the best is separated from the runner-up), or
-after its last round (``tune.max_repeats``), whichever comes first. Each look
-claims at 95 % on its own: over several rounds and settings a setting is now
-and then dropped by chance, which the simplest-within-noise rule makes cheap
-(what is left is what the noise cannot tell apart).
+after its last round (``tune.max_repeats``), whichever comes first. The best is
+held against all the others at once, at 95 % for them together (Bonferroni):
+each setting the rule could pick is dropped by chance less often, so that two
+studies the noise cannot separate land on the same simplest setting more often.
+Each round is a new look; the rule, not the look, settles near-ties.
 
 The pick follows a stated rule, so that two studies that cannot tell settings
 apart still agree: among the settings within noise of the best (the best
@@ -52,10 +53,14 @@ class RaceStatus:
 
 
 def race_status(fit: PairedFit, racing: Sequence[Key]) -> RaceStatus:
-    """The best of ``racing`` (keys in ``fit``) and which of them it beats."""
+    """The best of ``racing`` (keys in ``fit``) and which of them it beats: beyond the
+    noise of all its comparisons together (Bonferroni over the others), so that a
+    setting leaves the race, and falls out of the pick's choice, by chance 5 % of the
+    time in all, not 5 % for each."""
     best = max(racing, key=fit.effect)
     judged = fit.sigma is not None
-    out = tuple(k for k in racing if k != best and fit.beats(best, k))
+    others = len(racing) - 1
+    out = tuple(k for k in racing if k != best and fit.beats(best, k, others))
     within = sorted((k for k in racing if k != best and k not in out), key=fit.effect)
     return RaceStatus(best, out, (best, *reversed(within)), judged)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import textwrap
+from collections import deque
 from functools import partial
 from pathlib import Path
 from time import perf_counter
@@ -141,9 +142,12 @@ class Checkpoint(Optimization):
         self._updated = False  # an optimizer step since the step began
         self._step_started = 0.0
         self._cost = CheckpointCost()
-        # The step under way, for the cost: (measured, busy as it started, a checkpoint
-        # started at it); None before the first.
-        self._under_way: tuple[bool, bool, bool] | None = None
+        # Each step's time for the cost, as marks (on a GPU: CUDA events, so that it is
+        # the device's time, read a few steps later): the step under way (its start,
+        # measured, busy as it started, a checkpoint started at it), then the steps
+        # ended whose times are not read yet.
+        self._under_way: tuple[Any, bool, bool, bool] | None = None
+        self._ended: deque[tuple[Any, Any, bool, bool, bool]] = deque()
         # Each checkpoint's stalls, as marks (on a GPU: CUDA events, so that a stall is
         # the time the device waited, read later): its snapshot and its wait before the
         # optimizer step, whether or not an earlier checkpoint is still being persisted.
@@ -385,10 +389,11 @@ class Checkpoint(Optimization):
         self._raise_if_failed()
         now = perf_counter()
         self._observe_previous_step(now)
-        self._measure_previous_step(now)
         self._step_started = now
+        mark = self._marks.mark()
+        self._time_steps(mark)
         busy = self._persister is not None and self._persister.in_flight > 0
-        self._under_way = (not state.is_warmup, busy, False)
+        self._under_way = (mark, not state.is_warmup, busy, False)
         updated, self._updated = self._updated, False
         due = self._due(state)
         if not (due or self._owed):
@@ -406,8 +411,8 @@ class Checkpoint(Optimization):
             self._deferred += due
             return
         self._owed = False
-        measured, busy, _ = self._under_way
-        self._under_way = (measured, busy, True)
+        begin, measured, busy, _ = self._under_way
+        self._under_way = (begin, measured, busy, True)
         if self.policy_auto is not None:
             self.policy_auto.checkpoint_started()
         with state.clock.phase("ckpt_stall"):
@@ -520,13 +525,18 @@ class Checkpoint(Optimization):
         self.policy_auto.record_step(now - self._step_started)
         self._feed_persists()
 
-    def _measure_previous_step(self, now: float) -> None:
-        """Record the step that just ended for the cost of a checkpoint (`CheckpointCost`)."""
-        if self._under_way is not None:
-            measured, busy, starts = self._under_way
+    def _time_steps(self, now: Any, wait: bool = False) -> None:
+        """A step starts at mark ``now``: the one under way ended there. Record the
+        ended steps whose marks can be read (all of them, ``wait``ing for the device,
+        at the end) for the cost of a checkpoint (`CheckpointCost`), in order."""
+        if self._under_way is not None and now is not None:
+            begin, measured, busy, starts = self._under_way
+            self._ended.append((begin, now, measured, busy, starts))
+        while self._ended and (wait or self._marks.ready(self._ended[0][1])):
+            begin, end, measured, busy, starts = self._ended.popleft()
             if measured:
-                self._cost.record(now - self._step_started, starts, busy)
-        self._under_way = None
+                self._cost.record(self._marks.seconds(begin, end), starts, busy)
+            self._marks.release(begin)  # (its end begins the next step: released then)
 
     def _feed_persists(self) -> None:
         persister = self._persister
@@ -555,6 +565,10 @@ class Checkpoint(Optimization):
         seconds = self._marks.seconds
         return [sum(seconds(b, e) for b, e in spans) for spans in self._stall_records]
 
+    def _cost_estimate(self) -> dict[str, Any]:
+        self._time_steps(None, wait=True)  # the steps whose marks were not read yet
+        return self._cost.estimate()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.policy_auto is not None and state.get("interval"):
             self.policy_auto.interval = int(state["interval"])
@@ -578,7 +592,7 @@ class Checkpoint(Optimization):
                 if persister and persister.persist_s
                 else 0.0
             ),
-            **self._cost.estimate(),
+            **self._cost_estimate(),
             "bytes_written": persister.bytes_written if persister else 0,  # all ranks' files
             "host_buffer_bytes": self._snapshotter.buffer_bytes if self._snapshotter else 0,
             # Pinned on a GPU, as the host allocator holds it (0 on a CPU: nothing pinned).

@@ -132,48 +132,48 @@ class CheckpointCost:
     stall plus the slow-down of the steps that shared the cores, the memory bus and
     the disk with the copy and the persist. Means, not medians: step times are skewed,
     and a median would find a cost where there is none. Only measured steps count
-    (not the warm-up, where the first checkpoint pays its host buffers once), and only
-    windows that closed before the run ended.
+    (not the warm-up), and only windows that closed before the run ended. Kept as
+    sums, a few numbers a window: a long run holds no list of its steps.
     """
 
     def __init__(self) -> None:
-        self._steps: list[tuple[float, bool, bool]] = []  # (seconds, a checkpoint starts, busy)
+        self._clean_s, self._clean_n = 0.0, 0
+        self._windows: list[tuple[float, int, int]] = []  # closed: (seconds, steps, checkpoints)
+        self._open: tuple[float, int, int] | None = None
 
     def record(self, seconds: float, starts: bool, busy: bool) -> None:
-        self._steps.append((seconds, starts, busy or starts))
+        """One measured step, in order: its seconds, whether a checkpoint started at it,
+        whether a persist was in flight as it started."""
+        if not (busy or starts):
+            self._clean_s, self._clean_n = self._clean_s + seconds, self._clean_n + 1
+            if self._open is not None:
+                self._windows.append(self._open)  # closed by a clean step
+            self._open = None
+        elif starts or self._open is not None:  # (busy steps before the first start: none)
+            total, steps, count = self._open or (0.0, 0, 0)
+            self._open = (total + seconds, steps + 1, count + starts)
 
     def estimate(self) -> dict[str, Any]:
         """cost_s_mean (seconds a checkpoint adds to the steps), cost_s_se (its standard
         error, from the windows' spread; None from one window), the windows measured and
         the clean steps' mean time; the cost is None when no window closed or no step
         ran clean (a persist outlasting the interval), with the reason."""
-        clean = [s for s, _, busy in self._steps if not busy]
-        windows: list[tuple[list[float], int]] = []
-        current: tuple[list[float], int] | None = None
-        for seconds, starts, busy in self._steps:
-            if not busy:
-                if current is not None:
-                    windows.append(current)  # closed by a clean step
-                current = None
-            elif starts or current is not None:  # (busy steps before the first start: none)
-                steps, count = current or ([], 0)
-                current = ([*steps, seconds], count + starts)
+        base = self._clean_s / self._clean_n if self._clean_n else None
         out: dict[str, Any] = {
             "cost_s_mean": None,
             "cost_s_se": None,
-            "cost_windows": len(windows),
-            "clean_step_s": statistics.fmean(clean) if clean else None,
+            "cost_windows": len(self._windows),
+            "clean_step_s": base,
         }
-        if not clean or not windows:
+        if base is None or not self._windows:
             out["cost_note"] = (
                 "no measured step ran without a checkpoint in flight (a persist outlasts "
                 "the interval)"
-                if not clean
+                if base is None
                 else "no checkpoint's steps fell (whole) inside the measured steps"
             )
             return out
-        base = statistics.fmean(clean)
-        costs = [(sum(steps) - len(steps) * base) / count for steps, count in windows]
+        costs = [(total - steps * base) / count for total, steps, count in self._windows]
         out["cost_s_mean"] = statistics.fmean(costs)
         if len(costs) > 1:
             out["cost_s_se"] = statistics.stdev(costs) / math.sqrt(len(costs))
