@@ -298,16 +298,22 @@ class Analysis:
             return spread.sigma or 0.0
         return self.noise if self.noise is not None else FLAT / Z / math.sqrt(2)
 
-    def differs(self, a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    def differs(
+        self, a: dict[str, Any] | None, b: dict[str, Any] | None, comparisons: int = 1
+    ) -> bool:
         """Whether settings ``a`` and ``b`` differ beyond the noise: paired, when both
         were measured side by side; else their medians (after drift) are more than `Z`
-        standard errors of the difference of their log-medians apart."""
+        standard errors of the difference of their log-medians apart. ``comparisons``:
+        of that many claims made together (a curve's levels against its peak), the
+        bound for all of them at once (Bonferroni's)."""
         if a is None or b is None:
             return False
         fit, ka, kb = self.paired, setting_key(a), setting_key(b)
         if fit is not None and fit.sigma is not None and ka in fit and kb in fit:
-            return fit.differs(ka, kb)
-        return self._medians_differ(self.spread(a, corrected=True), self.spread(b, corrected=True))
+            return fit.differs(ka, kb, comparisons)
+        bound = max(Z, statistics.NormalDist().inv_cdf(1 - 0.025 / max(1, comparisons)))
+        spreads = self.spread(a, corrected=True), self.spread(b, corrected=True)
+        return self._medians_differ(*spreads, bound)
 
     def ratio(
         self, a: dict[str, Any], b: dict[str, Any], metric: str | None = None
@@ -326,11 +332,11 @@ class Analysis:
         half = Z * math.sqrt(self._sigma(sa) ** 2 / sa.n + self._sigma(sb) ** 2 / sb.n)
         return ratio, ratio * math.exp(-half), ratio * math.exp(half)
 
-    def _medians_differ(self, a: Spread | None, b: Spread | None) -> bool:
+    def _medians_differ(self, a: Spread | None, b: Spread | None, bound: float = Z) -> bool:
         if a is None or b is None or a.median <= 0 or b.median <= 0:
             return False
         error = math.sqrt(self._sigma(a) ** 2 / a.n + self._sigma(b) ** 2 / b.n)
-        return abs(math.log(a.median / b.median)) > Z * error
+        return abs(math.log(a.median / b.median)) > bound * error
 
     def ties(self, of: Measurement | None) -> list[Measurement]:
         """The other settings that cannot be told apart from ``of``: of the race, when
@@ -556,7 +562,9 @@ class Analysis:
         if not points:
             return None, False
         peak = max(points, key=lambda p: p["median"])
-        equal = [p for p in points if not self.differs(p["params"], peak["params"])]
+        # Every other level against the peak at once: claimed together (Bonferroni).
+        others = max(1, len(points) - 1)
+        equal = [p for p in points if not self.differs(p["params"], peak["params"], others)]
         flat = len(equal) == len(points) and len(points) > 1
         ordered = sorted(equal, key=lambda p: _order(p["level"]))
         return ordered[0]["level"], flat

@@ -153,5 +153,5 @@ class PairedFit:
         bound = t_quantile(self.df, comparisons)
         return se is not None and self.effect(a) - self.effect(b) > bound * se
 
-    def differs(self, a: Key, b: Key) -> bool:
-        return self.beats(a, b) or self.beats(b, a)
+    def differs(self, a: Key, b: Key, comparisons: int = 1) -> bool:
+        return self.beats(a, b, comparisons) or self.beats(b, a, comparisons)
