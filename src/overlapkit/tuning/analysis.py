@@ -250,7 +250,10 @@ class Analysis:
         points = [
             (m.started, m.throughput)  # the machine's speed (goodput is a share of it)
             for m in self.measured
-            if m.block is None and m.started is not None and setting_key(m.params) == control
+            if m.role in ("baseline", CONTROL)  # (at one window: a search trial's may differ)
+            and m.block is None
+            and m.started is not None
+            and setting_key(m.params) == control
         ]
         return drift_of(points)
 
