@@ -19,6 +19,7 @@ agree, and checks the targets:
   * the claims agree in every study, or are "within noise" in every study.
 
     python benchmarks/tune.py [--repeat-study 3] [--rounds 5] [--out runs/bench-tune]
+    python benchmarks/tune.py --load   # a noisy day: another process takes a core in bursts
     python benchmarks/tune.py --repeat-study 1 --grid   # one study, and the exhaustive grid
 """
 
@@ -27,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import random
 import shutil
 import statistics
 import tempfile
@@ -143,7 +146,16 @@ def main() -> None:
     parser.add_argument(
         "--grid", action="store_true", help="also run the exhaustive grid study, once"
     )
+    parser.add_argument(
+        "--load",
+        action="store_true",
+        help="a noisy day: another process keeps a core busy in random bursts throughout",
+    )
     args = parser.parse_args()
+    neighbour = None
+    if args.load:
+        neighbour = multiprocessing.get_context("spawn").Process(target=load, daemon=True)
+        neighbour.start()
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-tune-"))
     console = Console(width=200)
     day = time.strftime("%Y-%m-%d")
@@ -290,8 +302,21 @@ def main() -> None:
             )
         console.print(f"median minutes a study: {statistics.median(r[4] for r in runs) / 60:.1f}")
     finally:
+        if neighbour is not None:
+            neighbour.terminate()
         if args.out is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def load(seed: int = 0) -> None:
+    """A noisy neighbour: a core busy for 0-4 s, then idle for 0-8 s, over and over
+    (seeded), as another tenant's bursts would."""
+    rng = random.Random(seed)
+    while True:
+        until = time.monotonic() + rng.uniform(0, 4)
+        while time.monotonic() < until:
+            sum(i * i for i in range(10_000))
+        time.sleep(rng.uniform(0, 8))
 
 
 def _ratio(fit: PairedFit, a: str, b: str) -> str:
